@@ -1,0 +1,3 @@
+"""AutoGen AgentChat adapter. Not implemented in this version."""
+
+__all__: list[str] = []

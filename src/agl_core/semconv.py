@@ -1,0 +1,77 @@
+"""Every span attribute key and span name agl writes or reads.
+
+Code never spells an attribute key as a literal: it imports the constant from here. Keys from the
+OpenTelemetry GenAI semantic conventions (``gen_ai.*``) are used where one exists; RL-only fields get an
+``agl.*`` name. OpenInference keys are listed so traces from its instrumentors can be read as well.
+"""
+
+from __future__ import annotations
+
+# --- agl: rollout identity -------------------------------------------------------------------------
+ROLLOUT_ID = "agl.rollout.id"
+ATTEMPT_ID = "agl.attempt.id"
+TASK_ID = "agl.task.id"
+#: Which component produced a span: one of the ``SOURCE_*`` values below.
+SOURCE = "agl.source"
+SOURCE_GATEWAY = "gateway"
+SOURCE_RUNNER = "runner"
+SOURCE_LANGCHAIN = "langchain"
+SOURCE_USER = "user"
+
+# --- agl: rewards ----------------------------------------------------------------------------------
+REWARD_VALUE = "agl.reward.value"
+#: Optional label of a reward (``"episode"`` by default); lets one rollout carry several named rewards.
+REWARD_NAME = "agl.reward.name"
+
+# --- agl: exact tokens recorded by the gateway -----------------------------------------------------
+PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"
+RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"
+#: Log-probability of each sampled response token under the serving policy (raw logits, temperature 1).
+RESPONSE_LOGPROBS = "agl.llm.response_logprobs"
+POLICY_VERSION = "agl.policy.version"
+#: False when the serving backend cannot be trained (an external endpoint used for evaluation).
+TRAINABLE = "agl.llm.trainable"
+
+# --- OpenTelemetry GenAI conventions ---------------------------------------------------------------
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_AGENT_NAME = "gen_ai.agent.name"
+GEN_AI_TOOL_NAME = "gen_ai.tool.name"
+GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
+#: JSON-encoded input / output messages (opt-in content capture in the GenAI conventions).
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+ERROR_TYPE = "error.type"
+
+# Values of ``gen_ai.operation.name``.
+OP_CHAT = "chat"
+OP_TEXT_COMPLETION = "text_completion"
+OP_EXECUTE_TOOL = "execute_tool"
+OP_INVOKE_AGENT = "invoke_agent"
+#: Not a GenAI value: a chain / graph step that is neither an LLM nor a tool call.
+OP_STEP = "agl.step"
+
+# --- OpenInference (read only) ---------------------------------------------------------------------
+OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
+OPENINFERENCE_KIND_LLM = "LLM"
+OPENINFERENCE_KIND_TOOL = "TOOL"
+OPENINFERENCE_KIND_AGENT = "AGENT"
+LLM_MODEL_NAME = "llm.model_name"
+
+# --- span names ------------------------------------------------------------------------------------
+SPAN_ROLLOUT = "agl.rollout"
+SPAN_REWARD = "agl.reward"
+SPAN_ERROR = "agl.error"
+
+# --- HTTP ------------------------------------------------------------------------------------------
+HEADER_ROLLOUT_ID = "x-agl-rollout-id"
+HEADER_ATTEMPT_ID = "x-agl-attempt-id"

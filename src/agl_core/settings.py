@@ -1,0 +1,39 @@
+"""The environment variables agl reads, all in one place.
+
+Precedence everywhere: an explicit argument, then the environment, then the default here.
+
+=========================== ==========================================================================
+``AGL_STORE_URL``           Base URL of the collector-store (default ``http://127.0.0.1:4318``).
+``AGL_STORE_TOKEN``         Bearer token sent to the store, when it requires one.
+``AGL_CACHE_DIR``           Where converted models are cached (default ``~/.cache/agl``).
+``OTEL_EXPORTER_OTLP_*``    Standard OTLP exporter settings; when set they win over ``AGL_STORE_URL`` for
+                            where spans are sent.
+=========================== ==========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_STORE_URL = "http://127.0.0.1:4318"
+
+
+def store_url(explicit: str | None = None) -> str:
+    return (explicit or os.environ.get("AGL_STORE_URL") or DEFAULT_STORE_URL).rstrip("/")
+
+
+def store_token(explicit: str | None = None) -> str | None:
+    return explicit or os.environ.get("AGL_STORE_TOKEN") or None
+
+
+def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("AGL_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "agl"
+
+
+def otlp_env_configured() -> bool:
+    """True when the user set a standard OTLP traces endpoint, which then decides where spans go."""
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))

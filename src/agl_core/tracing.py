@@ -1,0 +1,231 @@
+"""Tracing for the agent side: OTLP export, the rollout context, rewards.
+
+The rollout a piece of code belongs to travels in the OpenTelemetry context (a context variable), not in
+process-global state, so one process can run many rollouts at once in threads or asyncio tasks. Every span
+agl creates inside :func:`rollout_scope` carries the rollout's attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource as OtelResource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Status, StatusCode
+
+from . import semconv, settings
+
+__all__ = [
+    "RolloutContext",
+    "current_rollout",
+    "emit_error",
+    "emit_reward",
+    "get_tracer",
+    "make_otlp_exporter",
+    "rollout_attributes",
+    "rollout_scope",
+    "setup_tracing",
+]
+
+logger = logging.getLogger(__name__)
+
+_ROLLOUT_KEY = otel_context.create_key("agl.rollout")
+_INSTRUMENTATION_NAME = "agl"
+_warned_outside_rollout = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+    """Identity of the rollout the current code runs in."""
+
+    rollout_id: str
+    attempt_id: str | None = None
+    task_id: str | None = None
+
+
+def current_rollout() -> RolloutContext | None:
+    """The rollout of the calling context, or ``None`` outside any rollout."""
+    value = otel_context.get_value(_ROLLOUT_KEY)
+    return value if isinstance(value, RolloutContext) else None
+
+
+def rollout_attributes(rollout: RolloutContext | None = None) -> dict[str, str]:
+    """The ``agl.*`` identity attributes to stamp on a span (empty outside a rollout)."""
+    rollout = rollout or current_rollout()
+    if rollout is None:
+        return {}
+    attrs = {semconv.ROLLOUT_ID: rollout.rollout_id}
+    if rollout.attempt_id:
+        attrs[semconv.ATTEMPT_ID] = rollout.attempt_id
+    if rollout.task_id:
+        attrs[semconv.TASK_ID] = rollout.task_id
+    return attrs
+
+
+def get_tracer(tracer_provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    provider = tracer_provider or trace.get_tracer_provider()
+    return provider.get_tracer(_INSTRUMENTATION_NAME)
+
+
+@contextlib.contextmanager
+def rollout_scope(
+    rollout_id: str,
+    attempt_id: str | None = None,
+    task_id: str | None = None,
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> Iterator[trace.Span]:
+    """Run the enclosed code as part of a rollout, under a root ``agl.rollout`` span.
+
+    An exception escaping the block marks the span as failed and is re-raised.
+    """
+    rollout = RolloutContext(rollout_id, attempt_id, task_id)
+    # A new trace per rollout: the rollout span must not hang under whatever span the caller had open.
+    root = trace.set_span_in_context(trace.INVALID_SPAN)
+    token = otel_context.attach(otel_context.set_value(_ROLLOUT_KEY, rollout, root))
+    try:
+        attrs: dict[str, Any] = rollout_attributes(rollout)
+        attrs[semconv.SOURCE] = semconv.SOURCE_RUNNER
+        with get_tracer(tracer_provider).start_as_current_span(semconv.SPAN_ROLLOUT, attributes=attrs) as span:
+            yield span
+    finally:
+        otel_context.detach(token)
+
+
+def _warn_outside_rollout(what: str) -> None:
+    global _warned_outside_rollout
+    if not _warned_outside_rollout:
+        _warned_outside_rollout = True
+        logger.warning("agl: %s called outside a rollout; it is recorded without a rollout id", what)
+
+
+def emit_reward(
+    value: float,
+    *,
+    name: str = "episode",
+    attributes: Mapping[str, Any] | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> None:
+    """Record a reward for the current rollout as an ``agl.reward`` span.
+
+    The last ``episode`` reward of a rollout is its episode reward. ``value`` must be a finite number.
+    """
+    reward = float(value)
+    if reward != reward or reward in (float("inf"), float("-inf")):
+        raise ValueError(f"emit_reward: reward must be a finite number, got {value!r}")
+    if current_rollout() is None:
+        _warn_outside_rollout("emit_reward")
+    attrs: dict[str, Any] = dict(attributes or {})
+    attrs.update(rollout_attributes())
+    attrs[semconv.REWARD_VALUE] = reward
+    attrs[semconv.REWARD_NAME] = name
+    with get_tracer(tracer_provider).start_as_current_span(semconv.SPAN_REWARD, attributes=attrs):
+        pass
+
+
+def emit_error(
+    error: BaseException | str,
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> None:
+    """Record an error of the current rollout as an ``agl.error`` span with ERROR status."""
+    attrs: dict[str, Any] = rollout_attributes()
+    attrs[semconv.ERROR_TYPE] = type(error).__name__ if isinstance(error, BaseException) else "error"
+    with get_tracer(tracer_provider).start_as_current_span(
+        semconv.SPAN_ERROR, attributes=attrs, record_exception=False, set_status_on_exception=False
+    ) as span:
+        if isinstance(error, BaseException):
+            span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+
+
+def make_otlp_exporter(
+    endpoint: str | None = None, *, token: str | None = None, timeout_s: float = 10.0
+) -> SpanExporter:
+    """An OTLP/HTTP protobuf span exporter aimed at the collector-store.
+
+    ``endpoint`` is a store base URL or a full ``.../v1/traces`` URL. Without one, the standard
+    ``OTEL_EXPORTER_OTLP_*`` variables decide when set, and ``AGL_STORE_URL`` otherwise.
+    """
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    url: str | None
+    if endpoint is not None:
+        url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
+    elif settings.otlp_env_configured():
+        url = None  # the exporter reads OTEL_EXPORTER_OTLP_* itself
+    else:
+        url = settings.store_url() + "/v1/traces"
+    token = settings.store_token(token)
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    return OTLPSpanExporter(endpoint=url, headers=headers, timeout=timeout_s)
+
+
+class _SwitchableExporter(SpanExporter):
+    """Forwards to an OTLP exporter that :func:`setup_tracing` can re-aim later in the process
+    (OpenTelemetry allows setting the global tracer provider only once)."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self._inner = inner
+
+    def switch(self, inner: SpanExporter) -> None:
+        old, self._inner = self._inner, inner
+        old.shutdown()
+
+    def export(self, spans: Any) -> Any:
+        return self._inner.export(spans)
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+
+_global_setup: tuple[TracerProvider, _SwitchableExporter] | None = None
+
+
+def setup_tracing(
+    endpoint: str | None = None,
+    *,
+    token: str | None = None,
+    service_name: str = "agl-agent",
+) -> TracerProvider:
+    """Send this process's spans (through the global tracer provider) to the collector-store over OTLP.
+
+    If the process already has an SDK tracer provider (the user's own tracing), agl adds its exporter to
+    it instead of replacing it. Calling it again re-aims agl's exporter at the new endpoint. Returns the
+    provider spans go through; call ``force_flush()`` on it before relying on the store having them.
+    """
+    global _global_setup
+    exporter = make_otlp_exporter(endpoint, token=token)
+    if _global_setup is not None:
+        provider, switchable = _global_setup
+        provider.force_flush()
+        switchable.switch(exporter)
+        return provider
+    switchable = _SwitchableExporter(exporter)
+    processor = BatchSpanProcessor(switchable, schedule_delay_millis=200)
+    existing = trace.get_tracer_provider()
+    if isinstance(existing, TracerProvider):
+        provider = existing
+    else:
+        provider = TracerProvider(resource=OtelResource.create({"service.name": service_name}))
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(processor)
+    _global_setup = (provider, switchable)
+    return provider
+
+
+def mark_span_error(span: trace.Span, error: BaseException) -> None:
+    """Set ERROR status with the exception's type and message on ``span``."""
+    span.set_attribute(semconv.ERROR_TYPE, type(error).__name__)
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))

@@ -1,0 +1,95 @@
+"""Pure conversions from LangChain objects to span attributes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
+
+
+def message_to_dict(message: Any) -> dict[str, Any]:
+    """An OpenAI-style ``{"role", "content"}`` dict for a LangChain ``BaseMessage``."""
+    role = _ROLES.get(getattr(message, "type", ""), getattr(message, "type", "user"))
+    content = getattr(message, "content", message)
+    out: dict[str, Any] = {"role": role, "content": content if isinstance(content, (str, list)) else str(content)}
+    tool_calls = getattr(message, "tool_calls", None)
+    if tool_calls:
+        out["tool_calls"] = [
+            {"id": c.get("id"), "name": c.get("name"), "arguments": c.get("args")} for c in tool_calls
+        ]
+    return out
+
+
+def messages_json(batches: Sequence[Sequence[Any]]) -> str:
+    """JSON of the first prompt's messages (LangChain passes one list per prompt in the batch)."""
+    first = batches[0] if batches else []
+    return json.dumps([message_to_dict(m) for m in first], ensure_ascii=False, default=str)
+
+
+def model_name(serialized: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> str | None:
+    params = kwargs.get("invocation_params") or {}
+    metadata = kwargs.get("metadata") or {}
+    for value in (
+        params.get("model"),
+        params.get("model_name"),
+        metadata.get("ls_model_name"),
+        ((serialized or {}).get("kwargs") or {}).get("model_name"),
+    ):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def run_name(serialized: Mapping[str, Any] | None, kwargs: Mapping[str, Any], default: str) -> str:
+    name = kwargs.get("name")
+    if isinstance(name, str) and name:
+        return name
+    serialized = serialized or {}
+    if isinstance(serialized.get("name"), str):
+        return serialized["name"]
+    ident = serialized.get("id")
+    if isinstance(ident, list) and ident:
+        return str(ident[-1])
+    return default
+
+
+def response_id(response: Any) -> str | None:
+    """The provider's completion id of an ``LLMResult``, where the integration reports it."""
+    output = getattr(response, "llm_output", None) or {}
+    if isinstance(output.get("id"), str):
+        return output["id"]
+    for batch in getattr(response, "generations", None) or []:
+        for generation in batch:
+            message = getattr(generation, "message", None)
+            meta = getattr(message, "response_metadata", None) or {}
+            if isinstance(meta.get("id"), str):
+                return meta["id"]
+            info = getattr(generation, "generation_info", None) or {}
+            if isinstance(info.get("id"), str):
+                return info["id"]
+    return None
+
+
+def usage(response: Any) -> tuple[int | None, int | None]:
+    """(input tokens, output tokens) reported for an ``LLMResult``."""
+    output = getattr(response, "llm_output", None) or {}
+    token_usage = output.get("token_usage") or output.get("usage") or {}
+    prompt = token_usage.get("prompt_tokens") or token_usage.get("input_tokens")
+    completion = token_usage.get("completion_tokens") or token_usage.get("output_tokens")
+    if prompt is None:
+        for batch in getattr(response, "generations", None) or []:
+            for generation in batch:
+                meta = getattr(getattr(generation, "message", None), "usage_metadata", None) or {}
+                prompt, completion = meta.get("input_tokens"), meta.get("output_tokens")
+    return prompt, completion
+
+
+def output_json(response: Any) -> str:
+    texts = []
+    for batch in getattr(response, "generations", None) or []:
+        for generation in batch:
+            message = getattr(generation, "message", None)
+            texts.append(message_to_dict(message) if message is not None else {"role": "assistant", "content": generation.text})
+    return json.dumps(texts, ensure_ascii=False, default=str)

