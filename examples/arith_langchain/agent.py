@@ -1,7 +1,8 @@
 """A small LangChain agent that answers arithmetic questions, made trainable by one callback.
 
 The agent is ordinary LangChain code; the only agl-specific line is ``AglCallbackHandler()`` in the run
-config. The trainer calls ``solve(task, llm)`` for each rollout; the returned number is the reward.
+config. The trainer calls ``solve(task, llm)`` for each rollout; the returned number is the reward:
+1 for the exact sum, partial credit for a near miss (so a group of attempts rarely ties).
 """
 
 from __future__ import annotations
@@ -36,4 +37,13 @@ def solve(task: dict, llm) -> float:
     )
     chain = PROMPT | model | StrOutputParser()
     reply = chain.invoke({"question": task["question"]}, config={"callbacks": [AglCallbackHandler(agent_name="calculator")]})
-    return 1.0 if parse_answer(reply) == task["answer"] else 0.0
+    return score(parse_answer(reply), task["answer"])
+
+
+def score(predicted: int | None, answer: int) -> float:
+    """1 for the exact answer, partial credit for a near miss, 0 when the reply has no number."""
+    if predicted is None:
+        return 0.0
+    if predicted == answer:
+        return 1.0
+    return 0.5 / (1 + abs(predicted - answer))

@@ -40,6 +40,7 @@ class StepMetrics:
     trained_transitions: int
     mean_reward: float | None
     loss: float | None
+    grad_norm: float | None
     tokens: int
     groups_skipped: int
     problems: dict[str, int]
@@ -81,7 +82,9 @@ def _tracer_provider(store_url: str, service: str) -> Any:
 
 def _format(m: StepMetrics, total_steps: int) -> str:
     reward = f"{m.mean_reward:.3f}" if m.mean_reward is not None else "n/a"
-    loss = f"{m.loss:+.4f}" if m.loss is not None else "skipped"
+    # On-policy, the PPO loss starts near 0 by construction (ratio 1, advantages centred per group); the
+    # gradient norm shows the update's size.
+    loss = f"{m.loss:+.4f} grad_norm={m.grad_norm:.3f}" if m.loss is not None and m.grad_norm is not None else "skipped"
     extra = f" failed={m.rollouts_failed}" if m.rollouts_failed else ""
     extra += f" late={m.rollouts_late}" if m.rollouts_late else ""
     return (
@@ -98,6 +101,8 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
     then the runner's workers, and trains for ``train.steps`` steps. Everything it started is stopped on
     return, also on error.
     """
+    import warnings
+
     import torch
 
     from .hf_backend import HFBackend
@@ -105,6 +110,8 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
     from .update import update_step
 
     torch.set_num_threads(config.train.threads)
+    # peft asks transformers a deprecated question on every wrap; not actionable for a user.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     torch.manual_seed(config.train.seed)
     rng = random.Random(config.train.seed)
     agent = load_agent(config.agent, search_paths=(config.base_dir,))
@@ -230,6 +237,7 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
                 trained_transitions=len(samples),
                 mean_reward=sum(rewards) / len(rewards) if rewards else None,
                 loss=stats.loss if stats else None,
+                grad_norm=stats.grad_norm if stats else None,
                 tokens=stats.tokens if stats else 0,
                 groups_skipped=report.skipped_no_variance + report.skipped_singleton,
                 problems=result.reasons(),

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: set up, then train the arithmetic LangChain agent on CPU with SmolLM2-135M + LoRA,
+# with the embedded SQLite store. Extra arguments go to `agl train` (e.g. --set train.steps=2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/agl train examples/arith_langchain/config.yaml "$@"

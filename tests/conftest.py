@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agl_core._serve import BackgroundServer
+from agl_core.records import Span
+from agl_core.store import SqliteStore, StoreClient
+from agl_core.store.server import create_store_app
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def store(tmp_path) -> Iterator[SqliteStore]:
+    s = SqliteStore(tmp_path / "store.sqlite")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def store_server(store) -> Iterator[BackgroundServer]:
+    with BackgroundServer(create_store_app(store)) as server:
+        yield server
+
+
+@pytest.fixture
+def client(store_server) -> Iterator[StoreClient]:
+    with StoreClient(store_server.url) as c:
+        yield c
+
+
+_ids = itertools.count(1)
+
+
+def make_span(
+    name: str,
+    attributes: dict[str, Any] | None = None,
+    *,
+    parent: Span | None = None,
+    trace_id: str | None = None,
+    start: int | None = None,
+    status: str = "UNSET",
+) -> Span:
+    """A hand-built span with deterministic ids and increasing times."""
+    n = next(_ids)
+    start_ns = start if start is not None else n * 1000
+    return Span(
+        trace_id=trace_id or (parent.trace_id if parent else f"{n:032x}"),
+        span_id=f"{n:016x}",
+        parent_span_id=parent.span_id if parent else None,
+        name=name,
+        start_ns=start_ns,
+        end_ns=start_ns + 500,
+        attributes=attributes or {},
+        status_code=status,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_policy() -> tuple[Any, Any]:
+    """The tiny random Llama model with SmolLM2's tokenizer (session-wide; tests must not train it)."""
+    from agl_trainer.model import load_policy
+
+    return load_policy("tiny", seed=0)

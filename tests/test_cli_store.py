@@ -1,0 +1,71 @@
+"""``agl store serve`` as a user runs it: a real process, the real OTLP exporter, then stats."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from agl_core.tracing import rollout_scope
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_store_serve_process_ingests_and_reports_stats(tmp_path):
+    port = _free_port()
+    db = tmp_path / "s.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "store did not start"
+            time.sleep(0.1)
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=url + "/v1/traces")))
+        for i in range(3):
+            with rollout_scope(f"ro-{i}", tracer_provider=provider):
+                pass
+        provider.shutdown()
+        stats = subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "store", "stats", "--url", url],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert stats.returncode == 0, stats.stderr
+        assert '"spans": 3' in stats.stdout
+        # a second server on the same port fails with a clear message instead of a traceback
+        clash = subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "o.sqlite"), "--http-port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert clash.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in clash.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert db.exists()
+
+
+def test_store_stats_reports_unreachable_store():
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "store", "stats", "--url", f"http://127.0.0.1:{_free_port()}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1 and "cannot reach the store" in done.stderr
