@@ -82,7 +82,7 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
             past = out.past_key_values
             logits = out.logits[0, -1].float()
             response: list[int] = []
@@ -101,7 +101,7 @@ class HFBackend:
                     if any(s in text for s in request.stop):
                         finish = "stop"
                         break
-                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True, logits_to_keep=1)
                 past = out.past_key_values
                 logits = out.logits[0, -1].float()
         finally:
