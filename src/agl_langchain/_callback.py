@@ -95,6 +95,12 @@ class AglCallbackHandler(BaseCallbackHandler):
             self._rollout_attrs.pop(run_id, None)
             return self._spans.pop(run_id, None)
 
+    def _succeed(self, run_id: UUID) -> None:
+        span = self._pop(run_id)
+        if span is not None:
+            span.set_status(Status(StatusCode.OK))
+            span.end()
+
     def _fail(self, run_id: UUID, error: BaseException) -> None:
         span = self._pop(run_id)
         if span is not None:
@@ -175,10 +181,7 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     @_never_raise
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        span = self._pop(run_id)
-        if span is not None:
-            span.set_status(Status(StatusCode.OK))
-            span.end()
+        self._succeed(run_id)
 
     @_never_raise
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -197,10 +200,7 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     @_never_raise
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        span = self._pop(run_id)
-        if span is not None:
-            span.set_status(Status(StatusCode.OK))
-            span.end()
+        self._succeed(run_id)
 
     @_never_raise
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
