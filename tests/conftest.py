@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,11 +23,36 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
+#: PostgreSQL on this machine (trust auth); override with AGL_TEST_POSTGRES.
+POSTGRES_DSN = os.environ.get("AGL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+
+
 @pytest.fixture
-def store(tmp_path) -> Iterator[SqliteStore]:
+def sqlite_store(tmp_path) -> Iterator[SqliteStore]:
     s = SqliteStore(tmp_path / "store.sqlite")
     yield s
     s.close()
+
+
+@pytest.fixture
+def postgres_store() -> Iterator[Any]:
+    """A PostgresStore in a schema of its own, dropped afterwards."""
+    import psycopg
+
+    from agl_core.store.postgres import PostgresStore
+
+    schema = f"agl_test_{uuid.uuid4().hex[:12]}"
+    s = PostgresStore(POSTGRES_DSN, schema=schema)
+    yield s
+    s.close()
+    with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request) -> Any:
+    """Every test using ``store`` (or the server and client on top of it) runs on both backends."""
+    return request.getfixturevalue(f"{request.param}_store")
 
 
 @pytest.fixture

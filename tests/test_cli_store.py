@@ -22,10 +22,11 @@ def _free_port() -> int:
 
 
 def test_store_serve_process_ingests_and_reports_stats(tmp_path):
-    port = _free_port()
+    port, grpc_port = _free_port(), _free_port()
     db = tmp_path / "s.sqlite"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port)],
+        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port),
+         "--grpc-port", str(grpc_port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -53,10 +54,17 @@ def test_store_serve_process_ingests_and_reports_stats(tmp_path):
         assert '"spans": 3' in stats.stdout
         # a second server on the same port fails with a clear message instead of a traceback
         clash = subprocess.run(
-            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "o.sqlite"), "--http-port", str(port)],
+            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "o.sqlite"), "--http-port", str(port),
+             "--no-grpc"],
             capture_output=True, text=True, timeout=60,
         )
         assert clash.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in clash.stderr
+        grpc_clash = subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "p.sqlite"),
+             "--http-port", str(_free_port()), "--grpc-port", str(grpc_port)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert grpc_clash.returncode == 2 and f"{grpc_port} for OTLP/gRPC" in grpc_clash.stderr
     finally:
         proc.terminate()
         proc.wait(timeout=30)

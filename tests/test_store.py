@@ -96,7 +96,8 @@ def test_gzip_bodies_are_accepted(store_server, client):
     "body, headers, status, reason",
     [
         (b"\xff\xff\xff garbage", {"content-type": "application/x-protobuf"}, 400, "not a valid OTLP"),
-        (b"{}", {"content-type": "application/json"}, 415, "send application/x-protobuf"),
+        (b"x", {"content-type": "text/plain"}, 415, "send application/x-protobuf or application/json"),
+        (b"", {}, 415, "(none)"),
         (b"abc", {"content-type": "application/x-protobuf", "content-encoding": "gzip"}, 400, "not valid gzip"),
         (b"abc", {"content-type": "application/x-protobuf", "content-encoding": "br"}, 415, "Content-Encoding"),
     ],

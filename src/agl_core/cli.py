@@ -34,10 +34,19 @@ def _parser() -> argparse.ArgumentParser:
         dest="store_command", required=True, metavar="SUBCOMMAND"
     )
     serve = store.add_parser("serve", help="run the collector-store")
-    serve.add_argument("--db", default="agl-store.sqlite", help="SQLite file (default: %(default)s)")
+    serve.add_argument("--db", default="agl-store.sqlite",
+                       help="SQLite file, or postgresql://user@host:port/db (default: %(default)s)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--http-port", type=_port, default=4318, help="OTLP/HTTP and API port (default: %(default)s)")
+    serve.add_argument("--grpc-port", type=_port, default=4317, help="OTLP/gRPC port (default: %(default)s)")
+    serve.add_argument("--no-grpc", action="store_true", help="do not start the OTLP/gRPC receiver")
     serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' on every request")
+    serve.add_argument("--redact", action="append", default=[], metavar="RULE",
+                       help="redact at ingest (repeatable): key:GLOB, regex:PATTERN, email, api-key")
+    serve.add_argument("--retention", action="append", default=[], metavar="RULE",
+                       help="delete old spans (repeatable): a duration like 7d or 12h, and/or 'consumed'")
+    serve.add_argument("--max-pending-spans", type=int, default=200_000,
+                       help="write backlog above which ingest answers 'retry later' (default: %(default)s)")
     stats = store.add_parser("stats", help="print what a running store holds")
     stats.add_argument("--url", default=None, help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
     stats.add_argument("--token", default=None)
@@ -52,28 +61,55 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _store_serve(args: argparse.Namespace) -> int:
+    from ._serve import serve_forever
+    from .store import StoreError, open_store
+    from .store.redact import parse_rules
+    from .store.service import RetentionPolicy, StoreService
+
+    def fail(message: str) -> int:
+        print(f"agl store serve: {message}", file=sys.stderr)
+        return 2
+
+    if args.max_pending_spans < 1:
+        return fail("--max-pending-spans must be >= 1")
+    try:
+        redactor = parse_rules(args.redact)
+        retention = RetentionPolicy.parse(args.retention)
+    except ValueError as exc:
+        return fail(str(exc))
+    try:
+        store = open_store(args.db)
+    except (StoreError, OSError, ImportError) as exc:
+        return fail(f"cannot open {args.db}: {exc}")
+    service = StoreService(
+        store, token=args.token, redactor=redactor, retention=retention, max_pending_spans=args.max_pending_spans
+    )
+    try:
+        grpc_note = "off"
+        if not args.no_grpc:
+            grpc_note = f"{args.host}:{service.start_grpc(args.host, args.grpc_port)}"
+        service.start_maintenance()
+        print(
+            f"agl store: {args.db}; OTLP/HTTP + API on http://{args.host}:{args.http_port}, OTLP/gRPC {grpc_note}"
+            + (f"; redacting {len(args.redact)} rule(s)" if args.redact else "")
+            + (f"; retention {', '.join(args.retention)}" if retention else ""),
+            flush=True,
+        )
+        serve_forever(service.app, args.host, args.http_port)
+    except (OSError, ImportError) as exc:
+        return fail(str(exc))
+    finally:
+        service.close()
+        store.close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "store" and args.store_command == "serve":
-        from ._serve import serve_forever
-        from .store import StoreError, open_store
-        from .store.server import create_store_app
-
-        try:
-            store = open_store(args.db)
-        except (StoreError, OSError) as exc:
-            print(f"agl store serve: cannot open {args.db}: {exc}", file=sys.stderr)
-            return 2
-        print(f"agl store: {args.db} on http://{args.host}:{args.http_port} (OTLP/HTTP at /v1/traces)", flush=True)
-        try:
-            serve_forever(create_store_app(store, token=args.token), args.host, args.http_port)
-        except OSError as exc:
-            print(f"agl store serve: {exc}", file=sys.stderr)
-            return 2
-        finally:
-            store.close()
-        return 0
+        return _store_serve(args)
     if args.command == "store" and args.store_command == "stats":
         from .store import StoreClient, StoreError
 

@@ -80,14 +80,18 @@ class Runner:
         *,
         workers: int = 1,
         poll_s: float = 0.05,
+        lease_s: float = 60.0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.agent = agent
         self.store = store
         self.tracer_provider = tracer_provider
         self.workers = workers
         self.poll_s = poll_s
+        self.lease_s = lease_s
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._flush_lock = threading.Lock()
@@ -109,7 +113,7 @@ class Runner:
     def _loop(self, worker_id: str) -> None:
         while not self._stop.is_set():
             try:
-                claimed = self.store.dequeue_rollout(worker_id)
+                claimed = self.store.dequeue_rollout(worker_id, lease_s=self.lease_s)
             except StoreError as exc:
                 logger.warning("agl runner %s: cannot dequeue: %s", worker_id, exc)
                 self._stop.wait(1.0)
@@ -130,7 +134,8 @@ class Runner:
             policy_version=resource.value.get("policy_version"),
         )
         status, reward, error = RolloutStatus.SUCCEEDED, None, None
-        with rollout_scope(
+        beating = _Heartbeat(self.store, attempt.attempt_id, self.lease_s)
+        with beating, rollout_scope(
             rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=self.tracer_provider
         ):
             try:
@@ -144,4 +149,43 @@ class Runner:
                 emit_error(exc, tracer_provider=self.tracer_provider)
         with self._flush_lock:
             self.tracer_provider.force_flush()
+        if beating.stopped_as is not None:
+            logger.warning(
+                "agl runner: rollout %s ended as %s while the agent ran; its result is dropped",
+                rollout.rollout_id, beating.stopped_as.value,
+            )
+            return self.store.get_rollouts([rollout.rollout_id])[0]
         return self.store.complete_attempt(attempt.attempt_id, status, reward=reward, error=error)
+
+
+class _Heartbeat:
+    """Keeps an attempt's lease alive from a background thread while the agent runs, and notices when
+    the store has ended the attempt (cancelled, or reclaimed after a missed lease)."""
+
+    def __init__(self, store: Store, attempt_id: str, lease_s: float) -> None:
+        self.store = store
+        self.attempt_id = attempt_id
+        self.interval_s = lease_s / 3
+        self.lease_s = lease_s
+        self.stopped_as: RolloutStatus | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"agl-heartbeat-{attempt_id}", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.interval_s):
+            try:
+                attempt = self.store.heartbeat(self.attempt_id, lease_s=self.lease_s)
+            except StoreError as exc:
+                logger.warning("agl runner: heartbeat for %s failed: %s", self.attempt_id, exc)
+                continue
+            if attempt.status != RolloutStatus.RUNNING:
+                self.stopped_as = attempt.status
+                return
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()

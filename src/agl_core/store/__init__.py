@@ -1,16 +1,35 @@
 """The collector-store: OTLP span ingest plus the task / rollout / resource API."""
 
+from __future__ import annotations
+
 from .base import NotFoundError, RolloutRequest, Store, StoreError
-from .client import StoreClient
+from .client import AsyncStoreClient, StoreClient
 from .sqlite import SqliteStore
 
-__all__ = ["NotFoundError", "RolloutRequest", "SqliteStore", "Store", "StoreClient", "StoreError", "open_store"]
+__all__ = [
+    "AsyncStoreClient",
+    "NotFoundError",
+    "RolloutRequest",
+    "SqliteStore",
+    "Store",
+    "StoreClient",
+    "StoreError",
+    "open_store",
+]
 
 
 def open_store(db: str) -> Store:
-    """Open the backend named by ``db``: a SQLite file path (or ``sqlite:///path``)."""
+    """Open the backend named by ``db``: ``postgresql://...`` for PostgreSQL, otherwise a SQLite file path
+    (``sqlite:///path`` also works)."""
     if db.startswith(("postgresql://", "postgres://")):
-        raise StoreError("the PostgreSQL backend is not available in this version; use a SQLite file path")
+        from .postgres import PostgresStore
+
+        try:
+            return PostgresStore(db)
+        except ImportError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"cannot open PostgreSQL at {db}: {exc}") from None
     if db.startswith("sqlite:///"):
         db = db[len("sqlite:///"):]
     return SqliteStore(db)

@@ -1,26 +1,50 @@
-"""Decoding OTLP trace export requests into :class:`~agl_core.records.Span` records."""
+"""OTLP trace payloads: decoding (protobuf and JSON), validation, and the stored row form.
+
+A span is stored as its own protobuf encoding (``body``) beside the few columns that are indexed. That
+keeps ingest cheap (no per-attribute conversion on the hot path) and loses nothing the sender sent;
+attributes are decoded only when spans are read back.
+"""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
 from typing import Any
 
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 
+from .. import semconv
 from ..records import Span
 
-__all__ = ["DecodeResult", "OtlpDecodeError", "decode_export_request", "encode_export_response"]
+__all__ = [
+    "OtlpDecodeError",
+    "ParsedBatch",
+    "SpanRow",
+    "decode_json",
+    "decode_protobuf",
+    "encode_export_response",
+    "extract_rows",
+    "row_to_span",
+    "span_to_proto",
+]
 
 _STATUS_NAMES = {0: "UNSET", 1: "OK", 2: "ERROR"}
-#: Attribute values longer than this are cut (the span is kept); a hostile sender cannot bloat the store.
-MAX_VALUE_CHARS = 1 << 20
-_MAX_DEPTH = 8
+_STATUS_CODES = {v: k for k, v in _STATUS_NAMES.items()}
+_MAX_DEPTH = 16
+_MAX_NAME = 1024
+_MAX_ID = 256
+_MAX_TIME_NS = 2**63 - 1
 
 
 class OtlpDecodeError(ValueError):
@@ -28,81 +52,81 @@ class OtlpDecodeError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeResult:
-    spans: list[Span]
+class SpanRow:
+    """A span as the store writes it: indexed columns plus the span's protobuf ``body``."""
+
+    trace_id: bytes
+    span_id: bytes
+    parent_span_id: bytes | None
+    name: str
+    start_ns: int
+    end_ns: int
+    status_code: int
+    rollout_id: str | None
+    attempt_id: str | None
+    scope_key: bytes
+    body: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedBatch:
+    rows: list[SpanRow]
+    #: scope_key -> (Resource protobuf bytes, InstrumentationScope protobuf bytes)
+    scopes: dict[bytes, tuple[bytes, bytes]]
     rejected: int
     error_message: str
 
 
-def _any_value(value: AnyValue, depth: int = 0) -> Any:
-    if depth > _MAX_DEPTH:
-        return None
-    kind = value.WhichOneof("value")
-    if kind == "string_value":
-        return value.string_value[:MAX_VALUE_CHARS]
-    if kind == "bool_value":
-        return value.bool_value
-    if kind == "int_value":
-        return value.int_value
-    if kind == "double_value":
-        return value.double_value
-    if kind == "array_value":
-        return [_any_value(v, depth + 1) for v in value.array_value.values]
-    if kind == "kvlist_value":
-        return {kv.key: _any_value(kv.value, depth + 1) for kv in value.kvlist_value.values}
-    if kind == "bytes_value":
-        return base64.b64encode(value.bytes_value[:MAX_VALUE_CHARS]).decode("ascii")
-    return None
-
-
-def _attributes(key_values: Any) -> dict[str, Any]:
-    return {kv.key: _any_value(kv.value) for kv in key_values}
-
-
-def decode_export_request(body: bytes) -> DecodeResult:
-    """Parse a protobuf-encoded ``ExportTraceServiceRequest``.
-
-    Spans with an invalid trace or span id are rejected one by one (counted in ``rejected``, the first
-    reason in ``error_message``); a body that is not a valid message at all raises
-    :class:`OtlpDecodeError`.
-    """
+def decode_protobuf(body: bytes) -> ExportTraceServiceRequest:
     try:
-        request = ExportTraceServiceRequest.FromString(body)
+        return ExportTraceServiceRequest.FromString(body)
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise OtlpDecodeError(f"body is not a valid OTLP ExportTraceServiceRequest protobuf: {exc}") from None
-    spans: list[Span] = []
-    rejected = 0
-    first_error = ""
-    for resource_spans in request.resource_spans:
-        resource = _attributes(resource_spans.resource.attributes)
-        for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                problem = _id_problem(span.trace_id, 16, "trace_id") or _id_problem(span.span_id, 8, "span_id")
-                if not problem and span.parent_span_id and len(span.parent_span_id) != 8:
-                    problem = f"parent_span_id must be 8 bytes, got {len(span.parent_span_id)}"
-                if problem:
-                    rejected += 1
-                    first_error = first_error or f"span {span.name!r}: {problem}"
-                    continue
-                spans.append(
-                    Span(
-                        trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex() if span.parent_span_id else None,
-                        name=span.name[:1024],
-                        start_ns=span.start_time_unix_nano,
-                        end_ns=span.end_time_unix_nano,
-                        attributes=_attributes(span.attributes),
-                        status_code=_STATUS_NAMES.get(span.status.code, "UNSET"),
-                        status_message=span.status.message[:4096],
-                        events=tuple(
-                            {"name": e.name, "time_ns": e.time_unix_nano, "attributes": _attributes(e.attributes)}
-                            for e in span.events
-                        ),
-                        resource=resource,
-                    )
-                )
-    return DecodeResult(spans, rejected, first_error)
+
+
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
+
+
+def _hex_ids_to_base64(obj: dict[str, Any], where: str) -> None:
+    """OTLP/JSON writes ids as hex; protobuf's JSON mapping expects base64 for bytes fields."""
+    for key in _ID_FIELDS:
+        value = obj.get(key)
+        if value in (None, ""):
+            continue
+        if not isinstance(value, str):
+            raise OtlpDecodeError(f"{where}.{key} must be a hex string")
+        try:
+            obj[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
+        except ValueError:
+            raise OtlpDecodeError(f"{where}.{key} is not hex: {value[:64]!r}") from None
+
+
+def decode_json(body: bytes) -> ExportTraceServiceRequest:
+    """Parse an OTLP/JSON body (hex ids, lowerCamelCase or snake_case keys, enums as numbers)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise OtlpDecodeError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise OtlpDecodeError("the JSON body must be an object with a 'resourceSpans' list")
+    for i, rs in enumerate(data.get("resourceSpans") or data.get("resource_spans") or []):
+        if not isinstance(rs, dict):
+            raise OtlpDecodeError(f"resourceSpans[{i}] must be an object")
+        for j, ss in enumerate(rs.get("scopeSpans") or rs.get("scope_spans") or []):
+            if not isinstance(ss, dict):
+                raise OtlpDecodeError(f"resourceSpans[{i}].scopeSpans[{j}] must be an object")
+            for k, span in enumerate(ss.get("spans") or []):
+                if not isinstance(span, dict):
+                    raise OtlpDecodeError(f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}] must be an object")
+                where = f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]"
+                _hex_ids_to_base64(span, where)
+                for n, link in enumerate(span.get("links") or []):
+                    if isinstance(link, dict):
+                        _hex_ids_to_base64(link, f"{where}.links[{n}]")
+    try:
+        return json_format.ParseDict(data, ExportTraceServiceRequest(), ignore_unknown_fields=True)
+    except (json_format.ParseError, RecursionError, ValueError, TypeError) as exc:
+        raise OtlpDecodeError(f"body is not a valid OTLP/JSON ExportTraceServiceRequest: {exc}") from None
 
 
 def _id_problem(raw: bytes, size: int, field: str) -> str:
@@ -111,6 +135,190 @@ def _id_problem(raw: bytes, size: int, field: str) -> str:
     if not any(raw):
         return f"{field} must not be all zeros"
     return ""
+
+
+def extract_rows(
+    request: ExportTraceServiceRequest, redact: Callable[[Any], None] | None = None
+) -> ParsedBatch:
+    """Validate each span and turn it into a :class:`SpanRow`.
+
+    A span with an invalid id is rejected on its own (counted, first reason kept); the rest are kept.
+    ``redact`` is applied to every resource and span message before anything is encoded.
+    """
+    rows: list[SpanRow] = []
+    scopes: dict[bytes, tuple[bytes, bytes]] = {}
+    rejected = 0
+    first_error = ""
+    rollout_key, attempt_key = semconv.ROLLOUT_ID, semconv.ATTEMPT_ID
+    for resource_spans in request.resource_spans:
+        if redact is not None:
+            redact(resource_spans.resource)
+        resource_bytes = resource_spans.resource.SerializeToString(deterministic=True)
+        for scope_spans in resource_spans.scope_spans:
+            scope_bytes = scope_spans.scope.SerializeToString(deterministic=True)
+            scope_key = hashlib.blake2b(resource_bytes + b"\0" + scope_bytes, digest_size=16).digest()
+            if scope_key not in scopes:
+                scopes[scope_key] = (resource_bytes, scope_bytes)
+            for span in scope_spans.spans:
+                trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
+                problem = _id_problem(trace_id, 16, "trace_id") or _id_problem(span_id, 8, "span_id")
+                if not problem and parent and len(parent) != 8:
+                    problem = f"parent_span_id must be 8 bytes, got {len(parent)}"
+                if not problem and max(span.start_time_unix_nano, span.end_time_unix_nano) > _MAX_TIME_NS:
+                    problem = "start/end time is beyond the year 2262 (more than 2**63-1 ns)"
+                if problem:
+                    rejected += 1
+                    first_error = first_error or f"span {span.name[:100]!r}: {problem}"
+                    continue
+                if redact is not None:
+                    redact(span)
+                rollout_id = attempt_id = None
+                for kv in span.attributes:
+                    key = kv.key
+                    if key == rollout_key:
+                        rollout_id = _id_value(kv.value)
+                    elif key == attempt_key:
+                        attempt_id = _id_value(kv.value)
+                rows.append(
+                    SpanRow(
+                        trace_id,
+                        span_id,
+                        parent or None,
+                        _clean_text(span.name[:_MAX_NAME]),
+                        span.start_time_unix_nano,
+                        span.end_time_unix_nano,
+                        span.status.code,
+                        rollout_id,
+                        attempt_id,
+                        scope_key,
+                        span.SerializeToString(),
+                    )
+                )
+    return ParsedBatch(rows, scopes, rejected, first_error)
+
+
+def _clean_text(text: str) -> str:
+    """Indexed text columns hold no NUL characters (PostgreSQL refuses them); the body keeps the original."""
+    return text.replace("\x00", "") if "\x00" in text else text
+
+
+def _id_value(value: AnyValue) -> str | None:
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return _clean_text(value.string_value[:_MAX_ID]) or None
+    if kind == "int_value":
+        return str(value.int_value)
+    return None
+
+
+# --- reading back -------------------------------------------------------------------------------------
+def any_value(value: AnyValue, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        return None
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "int_value":
+        return value.int_value
+    if kind == "double_value":
+        return value.double_value
+    if kind == "array_value":
+        return [any_value(v, depth + 1) for v in value.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: any_value(kv.value, depth + 1) for kv in value.kvlist_value.values}
+    if kind == "bytes_value":
+        return base64.b64encode(value.bytes_value).decode("ascii")
+    return None
+
+
+def attributes(key_values: Any) -> dict[str, Any]:
+    return {kv.key: any_value(kv.value) for kv in key_values}
+
+
+def resource_attributes(resource_bytes: bytes) -> dict[str, Any]:
+    return attributes(Resource.FromString(resource_bytes).attributes)
+
+
+def row_to_span(seq: int, body: bytes, resource: dict[str, Any]) -> Span:
+    proto = SpanProto.FromString(body)
+    return Span(
+        trace_id=proto.trace_id.hex(),
+        span_id=proto.span_id.hex(),
+        parent_span_id=proto.parent_span_id.hex() if proto.parent_span_id else None,
+        name=proto.name,
+        start_ns=proto.start_time_unix_nano,
+        end_ns=proto.end_time_unix_nano,
+        attributes=attributes(proto.attributes),
+        status_code=_STATUS_NAMES.get(proto.status.code, "UNSET"),
+        status_message=proto.status.message,
+        events=tuple(
+            {"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes(e.attributes)} for e in proto.events
+        ),
+        resource=resource,
+        seq=seq,
+    )
+
+
+# --- records -> OTLP (for spans added through the Python API) --------------------------------------------
+def _to_any(value: Any, target: AnyValue) -> None:
+    if isinstance(value, bool):
+        target.bool_value = value
+    elif isinstance(value, int):
+        target.int_value = value
+    elif isinstance(value, float):
+        target.double_value = value
+    elif isinstance(value, str):
+        target.string_value = value
+    elif isinstance(value, (list, tuple)):
+        array = target.array_value
+        array.SetInParent()
+        for item in value:
+            _to_any(item, array.values.add())
+    elif isinstance(value, dict):
+        kvlist = target.kvlist_value
+        kvlist.SetInParent()
+        for k, v in value.items():
+            kv = kvlist.values.add(key=str(k))
+            _to_any(v, kv.value)
+    elif value is not None:
+        target.string_value = str(value)
+
+
+def span_to_proto(span: Span) -> SpanProto:
+    proto = SpanProto(
+        trace_id=bytes.fromhex(span.trace_id),
+        span_id=bytes.fromhex(span.span_id),
+        parent_span_id=bytes.fromhex(span.parent_span_id) if span.parent_span_id else b"",
+        name=span.name,
+        start_time_unix_nano=span.start_ns,
+        end_time_unix_nano=span.end_ns,
+    )
+    for key, value in span.attributes.items():
+        _to_any(value, proto.attributes.add(key=key).value)
+    proto.status.code = _STATUS_CODES.get(span.status_code, 0)
+    proto.status.message = span.status_message
+    for event in span.events:
+        e = proto.events.add(name=str(event.get("name", "")), time_unix_nano=int(event.get("time_ns", 0)))
+        for key, value in (event.get("attributes") or {}).items():
+            _to_any(value, e.attributes.add(key=key).value)
+    return proto
+
+
+def records_to_request(spans: list[Span]) -> ExportTraceServiceRequest:
+    """An export request holding ``spans`` (grouped by their resource attributes)."""
+    request = ExportTraceServiceRequest()
+    groups: dict[str, Any] = {}
+    for span in spans:
+        key = json.dumps(dict(span.resource), sort_keys=True, default=str)
+        if key not in groups:
+            rs = request.resource_spans.add()
+            for k, v in span.resource.items():
+                _to_any(v, rs.resource.attributes.add(key=k).value)
+            groups[key] = rs.scope_spans.add(scope=InstrumentationScope(name="agl"))
+        groups[key].spans.append(span_to_proto(span))
+    return request
 
 
 def encode_export_response(rejected: int = 0, error_message: str = "") -> bytes:

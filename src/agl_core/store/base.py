@@ -19,20 +19,32 @@ class NotFoundError(StoreError):
 
 
 RolloutRequest = dict[str, Any]
-"""``{"task_id": str, "input": Any, "group_id"?: str, "metadata"?: dict, "max_attempts"?: int}``"""
+"""``{"task_id": str, "input": Any, "group_id"?: str, "rollout_id"?: str, "metadata"?: dict,
+"max_attempts"?: int}``"""
 
 
 class Store(Protocol):
-    """Spans, rollouts, attempts and resources; shared by every backend."""
+    """Spans, rollouts, attempts and resources, shared by every backend.
+
+    Rollout life cycle: ``queued`` -> ``running`` (an attempt holds a lease, kept by heartbeats) ->
+    ``succeeded`` | ``failed`` | ``timed_out`` | ``cancelled``. A failed or timed-out attempt with tries
+    left puts its rollout back in the queue.
+    """
+
+    def add_span_rows(self, rows: Sequence[Any], scopes: dict[bytes, tuple[bytes, bytes]]) -> int:
+        """Write decoded OTLP spans (idempotent on trace id + span id). Returns how many were new."""
 
     def add_spans(self, spans: Sequence[Span]) -> int:
-        """Store spans once each (idempotent on trace id + span id). Returns how many were new."""
+        """Write span records (idempotent on trace id + span id). Returns how many were new."""
 
     def query_spans(
         self,
         *,
         rollout_ids: Sequence[str] | None = None,
+        attempt_id: str | None = None,
         trace_id: str | None = None,
+        start_after_ns: int | None = None,
+        start_before_ns: int | None = None,
         after_seq: int = 0,
         limit: int = 10_000,
     ) -> list[Span]:
@@ -40,8 +52,11 @@ class Store(Protocol):
 
     def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]: ...
 
-    def dequeue_rollout(self, worker_id: str) -> tuple[Rollout, Attempt] | None:
+    def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
         """Claim the oldest queued rollout and start a new attempt of it, or ``None`` if none is queued."""
+
+    def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt:
+        """Extend a running attempt's lease; the returned status says whether to go on."""
 
     def complete_attempt(
         self,
@@ -53,12 +68,20 @@ class Store(Protocol):
     ) -> Rollout:
         """Finish an attempt. A failed attempt with tries left puts its rollout back in the queue."""
 
+    def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]: ...
+
+    def reclaim_expired(self, now: float | None = None) -> int: ...
+
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]: ...
 
     def put_resource(self, name: str, value: Any) -> Resource:
         """Publish a new version of a named resource (versions count up from 1)."""
 
     def get_resource(self, name: str) -> Resource | None: ...
+
+    def mark_consumed(self, rollout_ids: Sequence[str]) -> int: ...
+
+    def apply_retention(self, *, max_age_s: float | None = None, consumed: bool = False, now: float | None = None) -> int: ...
 
     def stats(self) -> dict[str, int]: ...
 

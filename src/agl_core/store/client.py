@@ -1,9 +1,13 @@
-"""Typed Python client of the collector-store's HTTP API."""
+"""Typed Python clients of the collector-store's HTTP API, sync (:class:`StoreClient`) and async
+(:class:`AsyncStoreClient`). Both implement the same methods as the ``Store`` protocol's coordination
+part, so code written against it runs against a remote store unchanged."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import httpx
@@ -13,53 +17,105 @@ from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from . import _wire
 from .base import NotFoundError, RolloutRequest, StoreError
 
-__all__ = ["StoreClient"]
+__all__ = ["AsyncStoreClient", "StoreClient"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One API request and how to read its answer (shared by the sync and async clients)."""
+
+    method: str
+    path: str
+    body: Any = None
+    parse: Callable[[Any], Any] = lambda data: data
+
+
+def _rollouts(data: Any) -> list[Rollout]:
+    return [_wire.rollout_from_json(r) for r in data["rollouts"]]
+
+
+def _span_query(
+    rollout_ids: Sequence[str] | None, attempt_id: str | None, trace_id: str | None,
+    start_after_ns: int | None, start_before_ns: int | None, after_seq: int, limit: int,
+) -> _Call:
+    body: dict[str, Any] = {"after_seq": after_seq, "limit": limit}
+    for key, value in (("rollout_ids", None if rollout_ids is None else list(rollout_ids)), ("attempt_id", attempt_id),
+                       ("trace_id", trace_id), ("start_after_ns", start_after_ns), ("start_before_ns", start_before_ns)):
+        if value is not None:
+            body[key] = value
+    return _Call("POST", "/api/spans/query", body, lambda d: [_wire.span_from_json(s) for s in d["spans"]])
+
+
+def _enqueue(requests: Iterable[RolloutRequest]) -> _Call:
+    return _Call("POST", "/api/rollouts", {"rollouts": [dict(r) for r in requests]}, _rollouts)
+
+
+def _dequeue(worker_id: str, lease_s: float) -> _Call:
+    return _Call(
+        "POST", "/api/rollouts/dequeue", {"worker_id": worker_id, "lease_s": lease_s},
+        lambda d: None if d is None else (_wire.rollout_from_json(d["rollout"]), _wire.attempt_from_json(d["attempt"])),
+    )
+
+
+def _heartbeat(attempt_id: str, lease_s: float) -> _Call:
+    return _Call("POST", f"/api/attempts/{attempt_id}/heartbeat", {"lease_s": lease_s},
+                 lambda d: _wire.attempt_from_json(d["attempt"]))
+
+
+def _complete(attempt_id: str, status: RolloutStatus, reward: float | None, error: str | None) -> _Call:
+    body = {"status": RolloutStatus(status).value, "reward": reward, "error": error}
+    return _Call("POST", f"/api/attempts/{attempt_id}/complete", body, lambda d: _wire.rollout_from_json(d["rollout"]))
+
+
+def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], Any] = _rollouts) -> _Call:
+    return _Call("POST", path, {"rollout_ids": list(rollout_ids)}, parse)
+
+
+def _put_resource(name: str, value: Any) -> _Call:
+    return _Call("PUT", f"/api/resources/{name}", {"value": value}, lambda d: _wire.resource_from_json(d["resource"]))
+
+
+def _get_resource(name: str) -> _Call:
+    return _Call("GET", f"/api/resources/{name}", None, lambda d: _wire.resource_from_json(d["resource"]))
+
+
+def _answer(call: _Call, response: httpx.Response) -> Any:
+    if response.status_code == 204:
+        return call.parse(None)
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except Exception:
+            message = response.text[:500]
+        error = NotFoundError if response.status_code == 404 else StoreError
+        raise error(f"{call.method} {call.path} -> HTTP {response.status_code}: {message}")
+    return call.parse(response.json())
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    token = settings.store_token(token)
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 class StoreClient:
-    """Talks to ``agl store serve`` (or an embedded store server) over HTTP.
-
-    Implements the same methods as :class:`~agl_core.store.base.Store`, so code written against the
-    protocol runs against a remote store unchanged.
-    """
+    """Blocking client of ``agl store serve`` (or an embedded store server)."""
 
     def __init__(self, url: str | None = None, *, token: str | None = None, timeout_s: float = 30.0) -> None:
         self.url = settings.store_url(url)
-        token = settings.store_token(token)
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.url, headers=_headers(token), timeout=timeout_s)
 
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
+    def _run(self, call: _Call) -> Any:
         try:
-            response = self._http.request(method, path, json=body)
+            response = self._http.request(call.method, call.path, json=call.body)
         except httpx.HTTPError as exc:
             raise StoreError(f"cannot reach the store at {self.url}: {exc}") from None
-        if response.status_code == 204:
-            return None
-        if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except Exception:
-                message = response.text[:500]
-            error = NotFoundError if response.status_code == 404 else StoreError
-            raise error(f"{method} {path} -> HTTP {response.status_code}: {message}")
-        return response.json()
+        return _answer(call, response)
 
-    # --- spans ---------------------------------------------------------------------------------------
     def query_spans(
-        self,
-        *,
-        rollout_ids: Sequence[str] | None = None,
-        trace_id: str | None = None,
-        after_seq: int = 0,
-        limit: int = 10_000,
+        self, *, rollout_ids: Sequence[str] | None = None, attempt_id: str | None = None, trace_id: str | None = None,
+        start_after_ns: int | None = None, start_before_ns: int | None = None, after_seq: int = 0, limit: int = 10_000,
     ) -> list[Span]:
-        body: dict[str, Any] = {"after_seq": after_seq, "limit": limit}
-        if rollout_ids is not None:
-            body["rollout_ids"] = list(rollout_ids)
-        if trace_id is not None:
-            body["trace_id"] = trace_id
-        return [_wire.span_from_json(s) for s in self._call("POST", "/api/spans/query", body)["spans"]]
+        return self._run(_span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit))
 
     def all_spans(self, rollout_ids: Sequence[str], *, page: int = 10_000) -> list[Span]:
         """Every span of the given rollouts, paging through the store."""
@@ -72,36 +128,30 @@ class StoreClient:
                 return out
             after = chunk[-1].seq or after
 
-    # --- rollouts ------------------------------------------------------------------------------------
     def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
-        body = {"rollouts": [dict(r) for r in requests]}
-        return [_wire.rollout_from_json(r) for r in self._call("POST", "/api/rollouts", body)["rollouts"]]
+        return self._run(_enqueue(requests))
 
-    def dequeue_rollout(self, worker_id: str) -> tuple[Rollout, Attempt] | None:
-        data = self._call("POST", "/api/rollouts/dequeue", {"worker_id": worker_id})
-        if data is None:
-            return None
-        return _wire.rollout_from_json(data["rollout"]), _wire.attempt_from_json(data["attempt"])
+    def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
+        return self._run(_dequeue(worker_id, lease_s))
+
+    def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt:
+        return self._run(_heartbeat(attempt_id, lease_s))
 
     def complete_attempt(
-        self,
-        attempt_id: str,
-        status: RolloutStatus,
-        *,
-        reward: float | None = None,
-        error: str | None = None,
+        self, attempt_id: str, status: RolloutStatus, *, reward: float | None = None, error: str | None = None
     ) -> Rollout:
-        body = {"status": RolloutStatus(status).value, "reward": reward, "error": error}
-        data = self._call("POST", f"/api/attempts/{attempt_id}/complete", body)
-        return _wire.rollout_from_json(data["rollout"])
+        return self._run(_complete(attempt_id, status, reward, error))
+
+    def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        return self._run(_ids_call("/api/rollouts/cancel", rollout_ids))
+
+    def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
+        return self._run(_ids_call("/api/rollouts/consumed", rollout_ids, lambda d: d["marked"]))
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        data = self._call("POST", "/api/rollouts/query", {"rollout_ids": list(rollout_ids)})
-        return [_wire.rollout_from_json(r) for r in data["rollouts"]]
+        return self._run(_ids_call("/api/rollouts/query", rollout_ids))
 
-    def wait_for_rollouts(
-        self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2
-    ) -> list[Rollout]:
+    def wait_for_rollouts(self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2) -> list[Rollout]:
         """Poll until every rollout has finished or ``timeout_s`` passed; returns their latest state."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -110,18 +160,17 @@ class StoreClient:
                 return rollouts
             time.sleep(poll_s)
 
-    # --- resources -----------------------------------------------------------------------------------
     def put_resource(self, name: str, value: Any) -> Resource:
-        return _wire.resource_from_json(self._call("PUT", f"/api/resources/{name}", {"value": value})["resource"])
+        return self._run(_put_resource(name, value))
 
     def get_resource(self, name: str) -> Resource | None:
         try:
-            return _wire.resource_from_json(self._call("GET", f"/api/resources/{name}")["resource"])
+            return self._run(_get_resource(name))
         except NotFoundError:
             return None
 
     def stats(self) -> dict[str, int]:
-        return self._call("GET", "/api/stats")
+        return self._run(_Call("GET", "/api/stats"))
 
     def close(self) -> None:
         self._http.close()
@@ -131,3 +180,76 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncStoreClient:
+    """The asyncio twin of :class:`StoreClient` (same methods, awaited)."""
+
+    def __init__(self, url: str | None = None, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.url = settings.store_url(url)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=_headers(token), timeout=timeout_s)
+
+    async def _run(self, call: _Call) -> Any:
+        try:
+            response = await self._http.request(call.method, call.path, json=call.body)
+        except httpx.HTTPError as exc:
+            raise StoreError(f"cannot reach the store at {self.url}: {exc}") from None
+        return _answer(call, response)
+
+    async def query_spans(
+        self, *, rollout_ids: Sequence[str] | None = None, attempt_id: str | None = None, trace_id: str | None = None,
+        start_after_ns: int | None = None, start_before_ns: int | None = None, after_seq: int = 0, limit: int = 10_000,
+    ) -> list[Span]:
+        return await self._run(_span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit))
+
+    async def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
+        return await self._run(_enqueue(requests))
+
+    async def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
+        return await self._run(_dequeue(worker_id, lease_s))
+
+    async def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt:
+        return await self._run(_heartbeat(attempt_id, lease_s))
+
+    async def complete_attempt(
+        self, attempt_id: str, status: RolloutStatus, *, reward: float | None = None, error: str | None = None
+    ) -> Rollout:
+        return await self._run(_complete(attempt_id, status, reward, error))
+
+    async def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        return await self._run(_ids_call("/api/rollouts/cancel", rollout_ids))
+
+    async def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
+        return await self._run(_ids_call("/api/rollouts/consumed", rollout_ids, lambda d: d["marked"]))
+
+    async def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        return await self._run(_ids_call("/api/rollouts/query", rollout_ids))
+
+    async def wait_for_rollouts(self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2) -> list[Rollout]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rollouts = await self.get_rollouts(rollout_ids)
+            if all(r.status.finished for r in rollouts) or time.monotonic() >= deadline:
+                return rollouts
+            await asyncio.sleep(poll_s)
+
+    async def put_resource(self, name: str, value: Any) -> Resource:
+        return await self._run(_put_resource(name, value))
+
+    async def get_resource(self, name: str) -> Resource | None:
+        try:
+            return await self._run(_get_resource(name))
+        except NotFoundError:
+            return None
+
+    async def stats(self) -> dict[str, int]:
+        return await self._run(_Call("GET", "/api/stats"))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

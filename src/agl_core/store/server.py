@@ -3,28 +3,37 @@
 Endpoints (JSON unless noted):
 
 =============================================  ==============================================================
-``POST /v1/traces``                            OTLP/HTTP, ``application/x-protobuf``, optionally gzip-encoded
+``POST /v1/traces``                            OTLP/HTTP, ``application/x-protobuf`` or ``application/json``,
+                                               optionally gzip / deflate encoded
 ``POST /api/rollouts``                         enqueue ``{"rollouts": [{task_id, input, group_id?, ...}]}``
-``POST /api/rollouts/dequeue``                 ``{"worker_id"}`` -> ``{"rollout", "attempt"}`` or 204
+``POST /api/rollouts/dequeue``                 ``{"worker_id", "lease_s"?}`` -> ``{"rollout", "attempt"}`` or 204
 ``POST /api/rollouts/query``                   ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
+``POST /api/rollouts/cancel``                  ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
+``POST /api/rollouts/consumed``                ``{"rollout_ids": [...]}`` -> ``{"marked": n}``
+``POST /api/attempts/{attempt_id}/heartbeat``  ``{"lease_s"?}`` -> ``{"attempt"}`` (its status says if it
+                                               should stop: cancelled or timed out)
 ``POST /api/attempts/{attempt_id}/complete``   ``{"status", "reward"?, "error"?}`` -> ``{"rollout"}``
-``POST /api/spans/query``                      ``{"rollout_ids"?, "trace_id"?, "after_seq"?, "limit"?}``
+``POST /api/spans/query``                      ``{"rollout_ids"?, "attempt_id"?, "trace_id"?, "start_after_ns"?,
+                                               "start_before_ns"?, "after_seq"?, "limit"?}``
 ``PUT /api/resources/{name}``                  ``{"value"}`` -> ``{"resource"}`` (a new version)
 ``GET /api/resources/{name}``                  the latest version
 ``GET /api/stats``, ``GET /healthz``
 =============================================  ==============================================================
 
 Errors are JSON ``{"error": {"message", "type"}}`` with a 4xx status, except on ``/v1/traces`` where the
-OTLP specification asks for a protobuf ``google.rpc.Status`` body.
+OTLP specification asks for a ``google.rpc.Status`` body (protobuf, or JSON for JSON requests). When the
+write backlog is full, ``/v1/traces`` answers 503 with ``Retry-After``, which OTLP exporters retry.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import zlib
 from typing import Any, Literal
 
 import pydantic
+from google.protobuf import json_format
 from google.rpc import status_pb2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -34,7 +43,8 @@ from starlette.routing import Route
 
 from ..records import RolloutStatus
 from . import _wire
-from ._otlp import OtlpDecodeError, decode_export_request, encode_export_response
+from ._ingest import IngestPipeline, Overloaded
+from ._otlp import OtlpDecodeError, encode_export_response
 from .base import NotFoundError, Store, StoreError
 
 __all__ = ["create_store_app", "MAX_BODY_BYTES"]
@@ -63,6 +73,11 @@ class _EnqueueIn(_Strict):
 
 class _DequeueIn(_Strict):
     worker_id: str = pydantic.Field(min_length=1, max_length=256)
+    lease_s: float = pydantic.Field(default=60.0, gt=0, le=86_400)
+
+
+class _HeartbeatIn(_Strict):
+    lease_s: float = pydantic.Field(default=60.0, gt=0, le=86_400)
 
 
 class _RolloutQueryIn(_Strict):
@@ -77,7 +92,10 @@ class _CompleteIn(_Strict):
 
 class _SpanQueryIn(_Strict):
     rollout_ids: list[str] | None = pydantic.Field(default=None, max_length=100_000)
+    attempt_id: str | None = pydantic.Field(default=None, max_length=256)
     trace_id: str | None = pydantic.Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    start_after_ns: int | None = pydantic.Field(default=None, ge=0)
+    start_before_ns: int | None = pydantic.Field(default=None, ge=0)
     after_seq: int = pydantic.Field(default=0, ge=0)
     limit: int = pydantic.Field(default=10_000, ge=1, le=100_000)
 
@@ -97,9 +115,15 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
-def _otlp_error(status: int, message: str) -> Response:
-    body = status_pb2.Status(code=3 if status == 400 else 8, message=message).SerializeToString()
-    return Response(body, status_code=status, media_type=_PROTOBUF)
+_GRPC_CODES = {400: 3, 401: 16, 413: 8, 415: 3, 503: 14}
+
+
+def _otlp_error(status: int, message: str, *, as_json: bool = False, retry_after_s: int | None = None) -> Response:
+    error = status_pb2.Status(code=_GRPC_CODES.get(status, 2), message=message)
+    headers = {"retry-after": str(retry_after_s)} if retry_after_s is not None else None
+    if as_json:
+        return JSONResponse(json_format.MessageToDict(error), status_code=status, headers=headers)
+    return Response(error.SerializeToString(), status_code=status, media_type=_PROTOBUF, headers=headers)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -149,9 +173,13 @@ async def _json_body(request: Request, model: type[pydantic.BaseModel]) -> Any:
         raise _HttpError(400, f"invalid request body: {problems}") from None
 
 
-def create_store_app(store: Store, *, token: str | None = None) -> Starlette:
+def create_store_app(
+    store: Store, *, token: str | None = None, pipeline: IngestPipeline | None = None
+) -> Starlette:
     """The ASGI app serving ``store``. With ``token``, every endpoint but ``/healthz`` needs
-    ``Authorization: Bearer <token>``."""
+    ``Authorization: Bearer <token>``. Spans are written through ``pipeline`` (one is made if not
+    given; ``app.state.pipeline`` holds it)."""
+    ingest = pipeline or IngestPipeline(store)
 
     def authorized(request: Request) -> bool:
         if token is None:
@@ -175,21 +203,32 @@ def create_store_app(store: Store, *, token: str | None = None) -> Starlette:
         return endpoint
 
     async def ingest_traces(request: Request) -> Response:
-        if not authorized(request):
-            return _otlp_error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != _PROTOBUF:
-            return _otlp_error(415, f"content type {ctype or '(none)'!r} is not supported; send {_PROTOBUF}")
+        as_json = ctype == "application/json"
+        if not authorized(request):
+            return _otlp_error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", as_json=as_json)
+        if ctype != _PROTOBUF and not as_json:
+            return _otlp_error(
+                415, f"content type {ctype or '(none)'!r} is not supported; send {_PROTOBUF} or application/json"
+            )
         try:
             body = await _read_body(request)
-            result = await run_in_threadpool(decode_export_request, body)
+            batch = await run_in_threadpool(ingest.parse, body, json_body=as_json)
+            await asyncio.wrap_future(ingest.submit(batch))
         except _HttpError as exc:
-            return _otlp_error(exc.status, str(exc))
+            return _otlp_error(exc.status, str(exc), as_json=as_json)
         except OtlpDecodeError as exc:
-            return _otlp_error(400, str(exc))
-        if result.spans:
-            await run_in_threadpool(store.add_spans, result.spans)
-        return Response(encode_export_response(result.rejected, result.error_message), media_type=_PROTOBUF)
+            return _otlp_error(400, str(exc), as_json=as_json)
+        except Overloaded as exc:
+            return _otlp_error(503, str(exc), as_json=as_json, retry_after_s=exc.retry_after_s)
+        except StoreError as exc:
+            return _otlp_error(503, f"the store could not write the spans: {exc}", as_json=as_json, retry_after_s=1)
+        if as_json:
+            body_json: dict[str, Any] = {}
+            if batch.rejected:
+                body_json["partialSuccess"] = {"rejectedSpans": str(batch.rejected), "errorMessage": batch.error_message}
+            return JSONResponse(body_json)
+        return Response(encode_export_response(batch.rejected, batch.error_message), media_type=_PROTOBUF)
 
     async def enqueue(request: Request) -> Response:
         body = await _json_body(request, _EnqueueIn)
@@ -198,7 +237,7 @@ def create_store_app(store: Store, *, token: str | None = None) -> Starlette:
 
     async def dequeue(request: Request) -> Response:
         body = await _json_body(request, _DequeueIn)
-        claimed = await run_in_threadpool(store.dequeue_rollout, body.worker_id)
+        claimed = await run_in_threadpool(lambda: store.dequeue_rollout(body.worker_id, lease_s=body.lease_s))
         if claimed is None:
             return Response(status_code=204)
         rollout, attempt = claimed
@@ -208,6 +247,22 @@ def create_store_app(store: Store, *, token: str | None = None) -> Starlette:
         body = await _json_body(request, _RolloutQueryIn)
         rollouts = await run_in_threadpool(store.get_rollouts, body.rollout_ids)
         return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
+
+    async def cancel(request: Request) -> Response:
+        body = await _json_body(request, _RolloutQueryIn)
+        rollouts = await run_in_threadpool(store.cancel_rollouts, body.rollout_ids)
+        return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
+
+    async def consumed(request: Request) -> Response:
+        body = await _json_body(request, _RolloutQueryIn)
+        return JSONResponse({"marked": await run_in_threadpool(store.mark_consumed, body.rollout_ids)})
+
+    async def heartbeat(request: Request) -> Response:
+        body = await _json_body(request, _HeartbeatIn)
+        attempt = await run_in_threadpool(
+            lambda: store.heartbeat(request.path_params["attempt_id"], lease_s=body.lease_s)
+        )
+        return JSONResponse({"attempt": _wire.attempt_to_json(attempt)})
 
     async def complete(request: Request) -> Response:
         body = await _json_body(request, _CompleteIn)
@@ -222,7 +277,9 @@ def create_store_app(store: Store, *, token: str | None = None) -> Starlette:
         body = await _json_body(request, _SpanQueryIn)
         spans = await run_in_threadpool(
             lambda: store.query_spans(
-                rollout_ids=body.rollout_ids, trace_id=body.trace_id, after_seq=body.after_seq, limit=body.limit
+                rollout_ids=body.rollout_ids, attempt_id=body.attempt_id, trace_id=body.trace_id,
+                start_after_ns=body.start_after_ns, start_before_ns=body.start_before_ns,
+                after_seq=body.after_seq, limit=body.limit,
             )
         )
         return JSONResponse({"spans": [_wire.span_to_json(s) for s in spans]})
@@ -239,17 +296,22 @@ def create_store_app(store: Store, *, token: str | None = None) -> Starlette:
         return JSONResponse({"resource": _wire.resource_to_json(found)})
 
     async def stats(request: Request) -> Response:
-        return JSONResponse(await run_in_threadpool(store.stats))
+        out = await run_in_threadpool(store.stats)
+        out["ingest_refused_requests"] = ingest.refused_requests
+        return JSONResponse(out)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/traces", ingest_traces, methods=["POST"]),
             Route("/api/rollouts", api(enqueue), methods=["POST"]),
             Route("/api/rollouts/dequeue", api(dequeue), methods=["POST"]),
             Route("/api/rollouts/query", api(query_rollouts), methods=["POST"]),
+            Route("/api/rollouts/cancel", api(cancel), methods=["POST"]),
+            Route("/api/rollouts/consumed", api(consumed), methods=["POST"]),
+            Route("/api/attempts/{attempt_id}/heartbeat", api(heartbeat), methods=["POST"]),
             Route("/api/attempts/{attempt_id}/complete", api(complete), methods=["POST"]),
             Route("/api/spans/query", api(query_spans), methods=["POST"]),
             Route("/api/resources/{name}", api(resource), methods=["GET", "PUT"]),
@@ -257,4 +319,6 @@ def create_store_app(store: Store, *, token: str | None = None) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
         ]
     )
+    app.state.pipeline = ingest
+    return app
 

@@ -1,0 +1,435 @@
+"""What the SQLite and PostgreSQL backends share: the span queries and the rollout state machine.
+
+SQL here is written with ``?`` placeholders; a backend whose driver wants another style rewrites them
+(:meth:`SqlStore._sql`). Writes go through one connection under a lock, so the store assigns ``seq``
+in commit order; reads use one connection per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
+from ._otlp import SpanRow, extract_rows, records_to_request, resource_attributes, row_to_span
+from .base import NotFoundError, RolloutRequest, StoreError
+
+__all__ = ["SqlStore"]
+
+_Q, _R = RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value
+_SPAN_COLUMNS = "trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id, scope_key, body"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class SqlStore:
+    """Base of :class:`SqliteStore` and :class:`PostgresStore`; subclasses supply connections."""
+
+    #: appended to the dequeue SELECT (PostgreSQL: ``FOR UPDATE SKIP LOCKED``)
+    _lock_rows = ""
+
+    def __init__(self) -> None:
+        self._write_lock = threading.Lock()
+        self._local = threading.local()
+        self._readers: list[Any] = []
+        self._readers_lock = threading.Lock()
+        self._known_scopes: set[bytes] = set()
+        self._resources: dict[bytes, dict[str, Any]] = {}
+        self._writer = self._connect()
+        self._closed = False
+
+    # --- subclass hooks ------------------------------------------------------------------------------
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _begin(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def _commit(self, conn: Any) -> None:
+        conn.execute("COMMIT")
+
+    def _rollback(self, conn: Any) -> None:
+        conn.execute("ROLLBACK")
+
+    def _insert_spans(self, conn: Any, rows: Sequence[SpanRow]) -> int:
+        raise NotImplementedError
+
+    def _sql(self, sql: str) -> str:
+        return sql
+
+    def _in(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
+        return f"{column} IN ({','.join('?' * len(values))})", list(values)
+
+    # --- plumbing ------------------------------------------------------------------------------------
+    def _exec(self, conn: Any, sql: str, args: Sequence[Any] = ()) -> Any:
+        return conn.execute(self._sql(sql), args)
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Any]:
+        with self._write_lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._begin(self._writer)
+            try:
+                yield self._writer
+            except BaseException:
+                self._rollback(self._writer)
+                raise
+            self._commit(self._writer)
+
+    def _reader(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._connect()
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        if self._closed:
+            raise StoreError("the store is closed")
+        return self._exec(self._reader(), sql, args).fetchall()
+
+    def close(self) -> None:
+        with self._write_lock:
+            self._closed = True
+            with self._readers_lock:
+                for conn in [self._writer, *self._readers]:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                self._readers.clear()
+
+    # --- spans ---------------------------------------------------------------------------------------
+    def add_span_rows(self, rows: Sequence[SpanRow], scopes: dict[bytes, tuple[bytes, bytes]]) -> int:
+        """Write decoded spans in one transaction; spans already stored are skipped. Returns how many
+        were new. Nothing is acknowledged before the commit."""
+        new_scopes = [(k, r, s) for k, (r, s) in scopes.items() if k not in self._known_scopes]
+        with self._write() as conn:
+            if new_scopes:
+                conn.executemany(
+                    self._sql("INSERT INTO span_scopes (scope_key, resource, scope) VALUES (?,?,?) ON CONFLICT DO NOTHING"),
+                    new_scopes,
+                )
+            added = self._insert_spans(conn, rows) if rows else 0
+        self._known_scopes.update(k for k, _, _ in new_scopes)
+        return added
+
+    def add_spans(self, spans: Sequence[Span]) -> int:
+        batch = extract_rows(records_to_request(list(spans)))
+        if batch.rejected:
+            raise StoreError(f"invalid span: {batch.error_message}")
+        return self.add_span_rows(batch.rows, batch.scopes)
+
+    def _resource(self, scope_key: bytes) -> dict[str, Any]:
+        cached = self._resources.get(scope_key)
+        if cached is None:
+            rows = self._read("SELECT resource FROM span_scopes WHERE scope_key = ?", [scope_key])
+            cached = resource_attributes(bytes(rows[0][0])) if rows else {}
+            self._resources[scope_key] = cached
+        return cached
+
+    def query_spans(
+        self,
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        attempt_id: str | None = None,
+        trace_id: str | None = None,
+        start_after_ns: int | None = None,
+        start_before_ns: int | None = None,
+        after_seq: int = 0,
+        limit: int = 10_000,
+    ) -> list[Span]:
+        where = ["seq > ?"]
+        args: list[Any] = [after_seq]
+        if rollout_ids is not None:
+            if not rollout_ids:
+                return []
+            clause, values = self._in("rollout_id", list(rollout_ids))
+            where.append(clause)
+            args.extend(values)
+        if attempt_id is not None:
+            where.append("attempt_id = ?")
+            args.append(attempt_id)
+        if trace_id is not None:
+            try:
+                raw = bytes.fromhex(trace_id)
+            except ValueError:
+                raise StoreError(f"trace_id must be 32 hex characters, got {trace_id!r}") from None
+            where.append("trace_id = ?")
+            args.append(raw)
+        if start_after_ns is not None:
+            where.append("start_ns >= ?")
+            args.append(start_after_ns)
+        if start_before_ns is not None:
+            where.append("start_ns < ?")
+            args.append(start_before_ns)
+        args.append(limit)
+        rows = self._read(f"SELECT seq, scope_key, body FROM spans WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?", args)
+        return [row_to_span(seq, bytes(body), self._resource(bytes(key))) for seq, key, body in rows]
+
+    # --- rollouts ------------------------------------------------------------------------------------
+    def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
+        now = time.time()
+        rows = []
+        for req in requests:
+            max_attempts = int(req.get("max_attempts", 1))
+            if max_attempts < 1:
+                raise StoreError(f"max_attempts must be >= 1, got {max_attempts}")
+            rows.append(
+                (
+                    req.get("rollout_id") or f"ro-{uuid.uuid4().hex[:16]}",
+                    str(req["task_id"]),
+                    _json(req.get("input")),
+                    req.get("group_id"),
+                    _Q,
+                    now,
+                    _json(dict(req.get("metadata") or {})),
+                    max_attempts,
+                )
+            )
+        ids = [r[0] for r in rows]
+        if len(set(ids)) != len(ids):
+            raise StoreError("rollout ids in one request must be unique")
+        with self._write() as conn:
+            clause, values = self._in("rollout_id", ids)
+            taken = self._exec(conn, f"SELECT rollout_id FROM rollouts WHERE {clause}", values).fetchall()
+            if taken:
+                raise StoreError(f"rollout id(s) already exist: {sorted(r[0] for r in taken)[:5]}")
+            conn.executemany(
+                self._sql(
+                    "INSERT INTO rollouts (rollout_id, task_id, input, group_id, status, created_at, metadata,"
+                    " max_attempts) VALUES (?,?,?,?,?,?,?,?)"
+                ),
+                rows,
+            )
+            return self._load_rollouts(conn, ids)
+
+    def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
+        """Claim the oldest queued rollout and start an attempt holding a lease of ``lease_s`` seconds;
+        a runner keeps the lease with :meth:`heartbeat`, or the attempt is reclaimed as timed out."""
+        now = time.time()
+        with self._write() as conn:
+            row = self._exec(
+                conn, f"SELECT rollout_id FROM rollouts WHERE status = ? ORDER BY seq LIMIT 1{self._lock_rows}", [_Q]
+            ).fetchone()
+            if row is None:
+                return None
+            rollout_id = row[0]
+            (number,) = self._exec(conn, "SELECT COUNT(*) FROM attempts WHERE rollout_id = ?", [rollout_id]).fetchone()
+            attempt_id = f"at-{uuid.uuid4().hex[:16]}"
+            self._exec(
+                conn,
+                "INSERT INTO attempts (attempt_id, rollout_id, number, status, worker_id, started_at, heartbeat_at,"
+                " lease_expires_at) VALUES (?,?,?,?,?,?,?,?)",
+                [attempt_id, rollout_id, number + 1, _R, worker_id, now, now, now + lease_s],
+            )
+            self._exec(conn, "UPDATE rollouts SET status = ? WHERE rollout_id = ?", [_R, rollout_id])
+            rollout = self._load_rollouts(conn, [rollout_id])[0]
+        return rollout, next(a for a in rollout.attempts if a.attempt_id == attempt_id)
+
+    def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt:
+        """Extend a running attempt's lease. Returns the attempt; a status other than ``running`` (it was
+        cancelled, or reclaimed after its lease ran out) tells the runner to stop working on it."""
+        now = time.time()
+        with self._write() as conn:
+            row = self._exec(conn, "SELECT status FROM attempts WHERE attempt_id = ?", [attempt_id]).fetchone()
+            if row is None:
+                raise NotFoundError(f"no attempt {attempt_id!r}")
+            if row[0] == _R:
+                self._exec(
+                    conn,
+                    "UPDATE attempts SET heartbeat_at = ?, lease_expires_at = ? WHERE attempt_id = ?",
+                    [now, now + lease_s, attempt_id],
+                )
+            return self._load_attempt(conn, attempt_id)
+
+    def complete_attempt(
+        self,
+        attempt_id: str,
+        status: RolloutStatus,
+        *,
+        reward: float | None = None,
+        error: str | None = None,
+    ) -> Rollout:
+        status = RolloutStatus(status)
+        if not status.finished:
+            raise StoreError(f"an attempt can only be completed with a final status, not {status.value!r}")
+        with self._write() as conn:
+            row = self._exec(
+                conn,
+                "SELECT a.rollout_id, a.status, a.number, r.max_attempts FROM attempts a"
+                " JOIN rollouts r ON r.rollout_id = a.rollout_id WHERE a.attempt_id = ?",
+                [attempt_id],
+            ).fetchone()
+            if row is None:
+                raise NotFoundError(f"no attempt {attempt_id!r}")
+            rollout_id, current, number, max_attempts = row
+            if RolloutStatus(current).finished:
+                raise StoreError(f"attempt {attempt_id!r} already finished as {current!r}; its result is not recorded")
+            self._finish_attempt(conn, attempt_id, rollout_id, number, max_attempts, status, error, reward)
+            return self._load_rollouts(conn, [rollout_id])[0]
+
+    def _finish_attempt(
+        self, conn: Any, attempt_id: str, rollout_id: str, number: int, max_attempts: int,
+        status: RolloutStatus, error: str | None, reward: float | None,
+    ) -> None:
+        self._exec(
+            conn,
+            "UPDATE attempts SET status = ?, ended_at = ?, error = ? WHERE attempt_id = ?",
+            [status.value, time.time(), error, attempt_id],
+        )
+        retry = status in (RolloutStatus.FAILED, RolloutStatus.TIMED_OUT) and number < max_attempts
+        self._exec(
+            conn,
+            "UPDATE rollouts SET status = ?, reward = COALESCE(?, reward) WHERE rollout_id = ? AND status = ?",
+            [_Q if retry else status.value, reward, rollout_id, _R],
+        )
+
+    def reclaim_expired(self, now: float | None = None) -> int:
+        """Time out running attempts whose lease ran out (their runner died or hung); their rollouts are
+        queued again while tries are left. Returns how many attempts were reclaimed."""
+        now = time.time() if now is None else now
+        with self._write() as conn:
+            expired = self._exec(
+                conn,
+                "SELECT a.attempt_id, a.rollout_id, a.number, r.max_attempts, a.worker_id FROM attempts a"
+                " JOIN rollouts r ON r.rollout_id = a.rollout_id WHERE a.status = ? AND a.lease_expires_at < ?",
+                [_R, now],
+            ).fetchall()
+            for attempt_id, rollout_id, number, max_attempts, worker in expired:
+                self._finish_attempt(
+                    conn, attempt_id, rollout_id, number, max_attempts, RolloutStatus.TIMED_OUT,
+                    f"lease expired: runner {worker!r} stopped sending heartbeats", None,
+                )
+        return len(expired)
+
+    def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        """Cancel queued or running rollouts (a running attempt sees it on its next heartbeat)."""
+        if not rollout_ids:
+            return []
+        now = time.time()
+        clause, values = self._in("rollout_id", list(rollout_ids))
+        with self._write() as conn:
+            found = self._load_rollouts(conn, list(rollout_ids))
+            missing = set(rollout_ids) - {r.rollout_id for r in found}
+            if missing:
+                raise NotFoundError(f"no rollout(s) {sorted(missing)[:5]!r}")
+            self._exec(
+                conn,
+                f"UPDATE attempts SET status = ?, ended_at = ?, error = ? WHERE status = ? AND {clause}",
+                [RolloutStatus.CANCELLED.value, now, "cancelled", _R, *values],
+            )
+            self._exec(
+                conn,
+                f"UPDATE rollouts SET status = ? WHERE status IN (?, ?) AND {clause}",
+                [RolloutStatus.CANCELLED.value, _Q, _R, *values],
+            )
+            return self._load_rollouts(conn, list(rollout_ids))
+
+    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        found = self._load_rollouts(self._reader(), list(rollout_ids))
+        missing = set(rollout_ids) - {r.rollout_id for r in found}
+        if missing:
+            raise NotFoundError(f"no rollout(s) {sorted(missing)[:5]!r}")
+        return found
+
+    def _load_attempt(self, conn: Any, attempt_id: str) -> Attempt:
+        a = self._exec(
+            conn,
+            "SELECT attempt_id, rollout_id, number, status, worker_id, started_at, ended_at, error"
+            " FROM attempts WHERE attempt_id = ?",
+            [attempt_id],
+        ).fetchone()
+        return Attempt(a[0], a[1], a[2], RolloutStatus(a[3]), a[4], a[5], a[6], a[7])
+
+    def _load_rollouts(self, conn: Any, rollout_ids: list[str]) -> list[Rollout]:
+        if not rollout_ids:
+            return []
+        clause, values = self._in("rollout_id", rollout_ids)
+        attempts: dict[str, list[Attempt]] = {}
+        for a in self._exec(
+            conn,
+            "SELECT attempt_id, rollout_id, number, status, worker_id, started_at, ended_at, error"
+            f" FROM attempts WHERE {clause} ORDER BY number",
+            values,
+        ).fetchall():
+            attempts.setdefault(a[1], []).append(Attempt(a[0], a[1], a[2], RolloutStatus(a[3]), a[4], a[5], a[6], a[7]))
+        order = {rid: i for i, rid in enumerate(rollout_ids)}
+        rollouts = [
+            Rollout(
+                rollout_id=r[0],
+                task_id=r[1],
+                input=json.loads(r[2]),
+                group_id=r[3],
+                status=RolloutStatus(r[4]),
+                created_at=r[5],
+                reward=r[6],
+                metadata=json.loads(r[7]),
+                attempts=tuple(attempts.get(r[0], ())),
+            )
+            for r in self._exec(
+                conn,
+                "SELECT rollout_id, task_id, input, group_id, status, created_at, reward, metadata"
+                f" FROM rollouts WHERE {clause}",
+                values,
+            ).fetchall()
+        ]
+        return sorted(rollouts, key=lambda r: order[r.rollout_id])
+
+    # --- resources -----------------------------------------------------------------------------------
+    def put_resource(self, name: str, value: Any) -> Resource:
+        with self._write() as conn:
+            (latest,) = self._exec(conn, "SELECT COALESCE(MAX(version), 0) FROM resources WHERE name = ?", [name]).fetchone()
+            self._exec(
+                conn,
+                "INSERT INTO resources (name, version, value, created_at) VALUES (?,?,?,?)",
+                [name, latest + 1, _json(value), time.time()],
+            )
+        return Resource(name, latest + 1, value)
+
+    def get_resource(self, name: str) -> Resource | None:
+        rows = self._read("SELECT version, value FROM resources WHERE name = ? ORDER BY version DESC LIMIT 1", [name])
+        return Resource(name, rows[0][0], json.loads(rows[0][1])) if rows else None
+
+    # --- retention -----------------------------------------------------------------------------------
+    def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
+        """Record that a training step used these rollouts (retention may then delete their spans)."""
+        if not rollout_ids:
+            return 0
+        clause, values = self._in("rollout_id", list(rollout_ids))
+        with self._write() as conn:
+            return self._exec(conn, f"UPDATE rollouts SET consumed = 1 WHERE {clause}", values).rowcount
+
+    def apply_retention(self, *, max_age_s: float | None = None, consumed: bool = False, now: float | None = None) -> int:
+        """Delete spans that started more than ``max_age_s`` ago, and (``consumed``) the spans of rollouts
+        marked consumed. Returns how many spans were deleted."""
+        deleted = 0
+        now = time.time() if now is None else now
+        with self._write() as conn:
+            if max_age_s is not None:
+                cutoff = int((now - max_age_s) * 1e9)
+                deleted += self._exec(conn, "DELETE FROM spans WHERE start_ns < ?", [cutoff]).rowcount
+            if consumed:
+                deleted += self._exec(
+                    conn,
+                    "DELETE FROM spans WHERE rollout_id IN (SELECT rollout_id FROM rollouts WHERE consumed = 1)",
+                ).rowcount
+        return deleted
+
+    def stats(self) -> dict[str, int]:
+        out = {
+            "spans": self._read("SELECT COUNT(*) FROM spans")[0][0],
+            "rollouts": self._read("SELECT COUNT(*) FROM rollouts")[0][0],
+            "attempts": self._read("SELECT COUNT(*) FROM attempts")[0][0],
+        }
+        for status, count in self._read("SELECT status, COUNT(*) FROM rollouts GROUP BY status"):
+            out[f"rollouts_{status}"] = count
+        return out
