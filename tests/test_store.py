@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import time
 
 import httpx
 import pytest
@@ -208,3 +209,55 @@ def test_bearer_token_is_enforced(store):
         assert httpx.post(server.url + "/v1/traces", content=b"", headers={"content-type": "application/x-protobuf"}).status_code == 401
         with StoreClient(server.url, token="s3cret") as authed:
             assert authed.stats()["spans"] == 0
+
+
+def test_leases_heartbeats_and_reclaiming_dead_runners(store):
+    (a, b) = store.enqueue_rollouts([{"task_id": "t1", "max_attempts": 2}, {"task_id": "t2"}])
+    ra, att_a = store.dequeue_rollout("w-dies", lease_s=10)
+    rb, att_b = store.dequeue_rollout("w-alive", lease_s=10)
+    now = time.time()
+    # w-alive keeps beating; w-dies goes silent
+    assert store.heartbeat(att_b.attempt_id, lease_s=100).status == RolloutStatus.RUNNING
+    assert store.reclaim_expired(now=now + 50) == 1
+    (ra,) = store.get_rollouts([a.rollout_id])
+    assert ra.status == RolloutStatus.QUEUED  # a second try is allowed
+    assert ra.attempts[0].status == RolloutStatus.TIMED_OUT and "w-dies" in ra.attempts[0].error
+    # the dead runner's late result is refused, the live one's heartbeat says it is timed out
+    with pytest.raises(StoreError, match="already finished"):
+        store.complete_attempt(att_a.attempt_id, RolloutStatus.SUCCEEDED, reward=1.0)
+    assert store.heartbeat(att_a.attempt_id).status == RolloutStatus.TIMED_OUT
+    retry = store.dequeue_rollout("w-new", lease_s=10)
+    assert retry[0].rollout_id == a.rollout_id and retry[1].number == 2
+    assert store.reclaim_expired(now=now + 500) == 2  # retry and b both lapse; no tries left
+    assert {r.status for r in store.get_rollouts([a.rollout_id, b.rollout_id])} == {RolloutStatus.TIMED_OUT}
+
+
+def test_cancel_queued_and_running(store):
+    (q, r, done) = store.enqueue_rollouts([{"task_id": "q"}, {"task_id": "r"}, {"task_id": "d"}])
+    _, running = store.dequeue_rollout("w")  # takes q (oldest)
+    _, finished = store.dequeue_rollout("w")
+    store.complete_attempt(finished.attempt_id, RolloutStatus.SUCCEEDED)
+    out = {x.rollout_id: x.status for x in store.cancel_rollouts([q.rollout_id, r.rollout_id, done.rollout_id])}
+    assert out == {q.rollout_id: RolloutStatus.CANCELLED, r.rollout_id: RolloutStatus.SUCCEEDED,
+                   done.rollout_id: RolloutStatus.CANCELLED}
+    assert store.heartbeat(running.attempt_id).status == RolloutStatus.CANCELLED
+    assert store.dequeue_rollout("w") is None
+    with pytest.raises(NotFoundError):
+        store.cancel_rollouts(["ro-none"])
+
+
+def test_span_queries_by_attempt_and_time(store):
+    from .conftest import make_span
+
+    spans = [
+        make_span("a", {semconv.ROLLOUT_ID: "ro-q", semconv.ATTEMPT_ID: "at-1"}, start=100),
+        make_span("b", {semconv.ROLLOUT_ID: "ro-q", semconv.ATTEMPT_ID: "at-2"}, start=200),
+        make_span("c", {semconv.ROLLOUT_ID: "ro-q", semconv.ATTEMPT_ID: "at-2"}, start=300),
+    ]
+    assert store.add_spans(spans) == 3 and store.add_spans(spans) == 0
+    assert [s.name for s in store.query_spans(attempt_id="at-2")] == ["b", "c"]
+    assert [s.name for s in store.query_spans(start_after_ns=150, start_before_ns=300)] == ["b"]
+    assert [s.name for s in store.query_spans(rollout_ids=["ro-q"], limit=2)] == ["a", "b"]
+    first = store.query_spans(rollout_ids=["ro-q"], limit=1)[0]
+    assert [s.name for s in store.query_spans(rollout_ids=["ro-q"], after_seq=first.seq)] == ["b", "c"]
+    assert spans[0].attributes == store.query_spans(attempt_id="at-1")[0].attributes

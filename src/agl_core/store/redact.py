@@ -28,7 +28,7 @@ _PRESETS = {
     "email": [r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"],
     "api-key": [
         r"\bsk-[A-Za-z0-9_-]{16,}",
-        r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{16,}",
+        r"\b(?i:bearer)\s+[A-Za-z0-9._~+/=-]{16,}",
         r"\bAKIA[0-9A-Z]{16}\b",
         r"\bgh[pousr]_[A-Za-z0-9]{30,}\b",
         r"\bxox[abprs]-[A-Za-z0-9-]{10,}",
@@ -43,16 +43,19 @@ class Redactor:
         self.drop_keys = tuple(drop_keys)
         self._exact = {k for k in self.drop_keys if not any(c in k for c in "*?[")}
         self._globs = [k for k in self.drop_keys if k not in self._exact]
-        self._pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+        # Applied one after another: each pattern keeps its own flags.
+        self._patterns = [re.compile(p) for p in patterns]
 
     def __bool__(self) -> bool:
-        return bool(self.drop_keys or self._pattern)
+        return bool(self.drop_keys or self._patterns)
 
     def _dropped(self, key: str) -> bool:
         return key in self._exact or any(fnmatch.fnmatchcase(key, g) for g in self._globs)
 
     def mask(self, text: str) -> str:
-        return self._pattern.sub(MASK, text) if self._pattern is not None else text
+        for pattern in self._patterns:
+            text = pattern.sub(MASK, text)
+        return text
 
     def _clean(self, key_values: Any) -> None:
         if self.drop_keys:
@@ -63,7 +66,7 @@ class Redactor:
                     copy.CopyFrom(kv)
                 del key_values[:]
                 key_values.extend(copies)
-        if self._pattern is not None:
+        if self._patterns:
             for kv in key_values:
                 self._mask_value(kv.value)
 
@@ -89,7 +92,7 @@ class Redactor:
         if events is not None:
             for event in events:
                 self._clean(event.attributes)
-            if self._pattern is not None and message.status.message:
+            if self._patterns and message.status.message:
                 message.status.message = self.mask(message.status.message)
 
 

@@ -1,0 +1,426 @@
+"""Collector-store ingest: every protocol real senders use, redaction, backpressure, concurrency, fuzzing."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from agl_core import semconv
+from agl_core._serve import BackgroundServer
+from agl_core.store import AsyncStoreClient, StoreClient
+from agl_core.store._ingest import IngestPipeline
+from agl_core.store._otlp import OtlpDecodeError
+from agl_core.store.redact import MASK, parse_rules
+from agl_core.store.service import RetentionPolicy, StoreService, parse_duration
+from agl_core.tracing import rollout_scope
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_request(rollout: str, n: int, *, first: int = 1, attrs: int = 3) -> ExportTraceServiceRequest:
+    """An export request of ``n`` spans of one rollout with distinct ids."""
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    rs.resource.attributes.add(key="service.name").value.string_value = "bench"
+    scope = rs.scope_spans.add()
+    for i in range(first, first + n):
+        span = scope.spans.add(
+            trace_id=(hash(rollout) & 0xFFFFFFFF).to_bytes(4, "big") + i.to_bytes(12, "big"),
+            span_id=i.to_bytes(8, "big"),
+            name=f"span-{i}",
+            start_time_unix_nano=time.time_ns(),
+            end_time_unix_nano=time.time_ns(),
+        )
+        span.attributes.add(key=semconv.ROLLOUT_ID).value.string_value = rollout
+        for a in range(attrs):
+            span.attributes.add(key=f"attr.{a}").value.string_value = "x" * 40
+    return request
+
+
+def _post(url: str, request: ExportTraceServiceRequest, **headers: str) -> httpx.Response:
+    return httpx.post(url + "/v1/traces", content=request.SerializeToString(),
+                      headers={"content-type": "application/x-protobuf", **headers})
+
+
+@pytest.fixture
+def service(store):
+    svc = StoreService(store)
+    svc.start_grpc("127.0.0.1", 0)
+    url = svc.start_http_background()
+    yield svc, url
+    svc.close()
+
+
+def test_otlp_json_with_hex_ids(service):
+    svc, url = service
+    body = {
+        "resourceSpans": [{
+            "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "js-agent"}}]},
+            "scopeSpans": [{"scope": {"name": "manual"}, "spans": [{
+                "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174",
+                "parentSpanId": "eee19b7ec3c1b173", "name": "from-json", "kind": 2,
+                "startTimeUnixNano": "1544712660000000000", "endTimeUnixNano": "1544712661000000000",
+                "attributes": [{"key": semconv.ROLLOUT_ID, "value": {"stringValue": "ro-json"}},
+                               {"key": "n", "value": {"intValue": "7"}},
+                               {"key": "xs", "value": {"arrayValue": {"values": [{"doubleValue": 1.5}]}}}],
+                "status": {"code": 2, "message": "bad"},
+            }]}],
+        }]
+    }
+    response = httpx.post(url + "/v1/traces", json=body)
+    assert response.status_code == 200 and response.json() == {}
+    (span,) = StoreClient(url).query_spans(rollout_ids=["ro-json"])
+    assert (span.trace_id, span.span_id, span.parent_span_id) == (
+        "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174", "eee19b7ec3c1b173")
+    assert span.attributes["n"] == 7 and span.attributes["xs"] == [1.5]
+    assert span.status_code == "ERROR" and span.status_message == "bad"
+    assert span.resource == {"service.name": "js-agent"} and span.start_ns == 1544712660000000000
+
+    bad = httpx.post(url + "/v1/traces", json={"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]})
+    assert bad.status_code == 400 and "not hex" in bad.json()["message"]
+
+
+def test_real_sdk_grpc_and_http_exporters_with_gzip(service):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http import Compression
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression as GrpcCompression
+
+    svc, url = service
+    exporters = {
+        "grpc": GrpcExporter(endpoint=f"127.0.0.1:{svc.grpc_port}", insecure=True, compression=GrpcCompression.Gzip),
+        "http": HttpExporter(endpoint=url + "/v1/traces", compression=Compression.Gzip),
+    }
+    for name, exporter in exporters.items():
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        with rollout_scope(f"ro-{name}", tracer_provider=provider):
+            with provider.get_tracer("t").start_as_current_span("work", attributes={semconv.ROLLOUT_ID: f"ro-{name}"}):
+                pass
+        provider.shutdown()
+    client = StoreClient(url)
+    for name in exporters:
+        assert sorted(s.name for s in client.query_spans(rollout_ids=[f"ro-{name}"])) == [semconv.SPAN_ROLLOUT, "work"]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_rotel_collector_forwards_to_the_store(service, tmp_path, protocol):
+    """A real third-party collector (rotel) receives from the SDK and exports, compressed, to agl."""
+    import rotel
+
+    binary = Path(rotel.__file__).parent / "rotel-agent"
+    svc, url = service
+    rotel_grpc, rotel_http = _free_port(), _free_port()
+    target = f"http://127.0.0.1:{svc.grpc_port}" if protocol == "grpc" else url
+    proc = subprocess.Popen(
+        [str(binary), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{rotel_grpc}",
+         "--otlp-http-endpoint", f"127.0.0.1:{rotel_http}", "--exporter", "otlp",
+         "--otlp-exporter-endpoint", target, "--otlp-exporter-protocol", protocol,
+         "--otlp-exporter-compression", "gzip", "--batch-timeout", "100ms",
+         "--pid-file", str(tmp_path / "rotel.pid")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        deadline = time.monotonic() + 20
+        while True:  # wait for rotel's receiver
+            try:
+                socket.create_connection(("127.0.0.1", rotel_http), timeout=0.2).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "rotel did not start"
+                time.sleep(0.1)
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{rotel_http}/v1/traces")))
+        for i in range(5):
+            with rollout_scope(f"ro-rotel-{protocol}", tracer_provider=provider):
+                pass
+        provider.shutdown()
+        client = StoreClient(url)
+        deadline = time.monotonic() + 20
+        while len(client.query_spans(rollout_ids=[f"ro-rotel-{protocol}"])) < 5:
+            assert time.monotonic() < deadline, "rotel did not forward the spans"
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_redaction_happens_before_anything_is_written(store):
+    redactor = parse_rules(["key:secret.*", "email", "api-key", "regex:ACCT-\\d+"])
+    svc = StoreService(store, redactor=redactor)
+    url = svc.start_http_background()
+    try:
+        request = make_request("ro-red", 1, attrs=0)
+        span = request.resource_spans[0].scope_spans[0].spans[0]
+        span.attributes.add(key="secret.password").value.string_value = "hunter2"
+        span.attributes.add(key="gen_ai.input.messages").value.string_value = "mail bob@example.com key sk-abcdefghijklmnop1234"
+        nested = span.attributes.add(key="nested").value.kvlist_value.values.add(key="acct")
+        nested.value.string_value = "ACCT-12345 and ACCT-9"
+        span.attributes.add(key=semconv.PROMPT_TOKEN_IDS).value.array_value.values.add().int_value = 42
+        span.status.message = "failed for alice@example.org"
+        request.resource_spans[0].resource.attributes.add(key="secret.token").value.string_value = "t0k"
+        assert _post(url, request).status_code == 200
+        (stored,) = StoreClient(url).query_spans(rollout_ids=["ro-red"])
+        assert "secret.password" not in stored.attributes and "secret.token" not in stored.resource
+        assert stored.attributes["gen_ai.input.messages"] == f"mail {MASK} key {MASK}"
+        assert stored.attributes["nested"] == {"acct": f"{MASK} and {MASK}"}
+        assert stored.attributes[semconv.PROMPT_TOKEN_IDS] == [42]
+        assert stored.status_message == f"failed for {MASK}"
+        # the raw bytes on disk hold no trace of the secrets either
+        raw = b"".join(bytes(r[0]) for r in store._read("SELECT body FROM spans"))
+        assert b"hunter2" not in raw and b"bob@example.com" not in raw and b"ACCT-12345" not in raw
+    finally:
+        svc.close()
+    with pytest.raises(ValueError, match="not one of"):
+        parse_rules(["drop:x"])
+    with pytest.raises(ValueError, match="invalid regular expression"):
+        parse_rules(["regex:("])
+
+
+def test_retention_by_age_and_consumed(store):
+    old = make_request("ro-old", 3)
+    for span in old.resource_spans[0].scope_spans[0].spans:
+        span.start_time_unix_nano = int((time.time() - 10 * 86400) * 1e9)
+    pipeline = IngestPipeline(store)
+    for request in (old, make_request("ro-new", 2, first=10), make_request("ro-used", 4, first=20)):
+        pipeline.submit(pipeline.parse(request.SerializeToString())).result()
+    store.enqueue_rollouts([{"task_id": "t", "rollout_id": "ro-used"}, {"task_id": "t", "rollout_id": "ro-new"}])
+    assert store.mark_consumed(["ro-used"]) == 1
+    assert store.apply_retention(max_age_s=parse_duration("7d")) == 3
+    assert store.apply_retention(consumed=True) == 4
+    assert store.stats()["spans"] == 2 and len(store.query_spans(rollout_ids=["ro-new"])) == 2
+    assert RetentionPolicy.parse(["7d", "consumed"]) == RetentionPolicy(7 * 86400, True)
+    with pytest.raises(ValueError, match="duration"):
+        RetentionPolicy.parse(["forever"])
+    pipeline.close()
+
+
+def test_backpressure_answers_retry_later_and_recovers(store):
+    gate = threading.Event()
+    original = store.add_span_rows
+
+    def slow_add(rows, scopes):
+        gate.wait(10)
+        return original(rows, scopes)
+
+    store.add_span_rows = slow_add  # a stalled disk
+    pipeline = IngestPipeline(store, max_pending_spans=100)
+    svc = StoreService(store)
+    svc.pipeline = pipeline
+    from agl_core.store.server import create_store_app
+
+    with BackgroundServer(create_store_app(store, pipeline=pipeline)) as server:
+        first = threading.Thread(target=_post, args=(server.url, make_request("ro-bp", 80)))
+        first.start()
+        deadline = time.monotonic() + 5
+        while pipeline._pending == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = _post(server.url, make_request("ro-bp", 80, first=100))
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        gate.set()
+        first.join(10)
+        assert _post(server.url, make_request("ro-bp", 80, first=100)).status_code == 200
+    assert len(store.query_spans(rollout_ids=["ro-bp"])) == 160
+    pipeline.close()
+
+
+def test_write_failure_is_reported_not_acknowledged(store):
+    def broken(rows, scopes):
+        raise RuntimeError("disk full")
+
+    store.add_span_rows = broken
+    pipeline = IngestPipeline(store)
+    future = pipeline.submit(pipeline.parse(make_request("ro-x", 2).SerializeToString()))
+    with pytest.raises(RuntimeError, match="disk full"):
+        future.result(10)
+    pipeline.close()
+
+
+def test_32_concurrent_exporters_lose_nothing(service):
+    svc, url = service
+    per_sender, batch = 6, 40
+
+    def sender(k: int) -> None:
+        with httpx.Client() as http:
+            for b in range(per_sender):
+                body = make_request(f"ro-c{k}", batch, first=1 + b * batch).SerializeToString()
+                if b % 2:
+                    response = http.post(url + "/v1/traces", content=gzip.compress(body),
+                                         headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"})
+                else:
+                    response = http.post(url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"})
+                assert response.status_code == 200
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    client = StoreClient(url)
+    assert client.stats()["spans"] == 32 * per_sender * batch
+    assert {len(client.query_spans(rollout_ids=[f"ro-c{k}"])) for k in range(32)} == {per_sender * batch}
+
+
+def test_async_client(service):
+    svc, url = service
+
+    async def scenario():
+        async with AsyncStoreClient(url) as client:
+            (queued,) = await client.enqueue_rollouts([{"task_id": "t", "input": 3}])
+            rollout, attempt = await client.dequeue_rollout("w", lease_s=5)
+            assert (await client.heartbeat(attempt.attempt_id)).status.value == "running"
+            done = await client.complete_attempt(attempt.attempt_id, "succeeded", reward=1.0)
+            assert done.reward == 1.0
+            assert (await client.put_resource("r", {"a": 1})).version == 1
+            assert (await client.get_resource("r")).value == {"a": 1}
+            return await client.wait_for_rollouts([queued.rollout_id], timeout_s=1)
+
+    (final,) = asyncio.run(scenario())
+    assert final.status.value == "succeeded"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.binary(max_size=512))
+def test_fuzz_protobuf_decoder_never_crashes(body):
+    pipeline = IngestPipeline(store=None)
+    try:
+        batch = pipeline.parse(body)
+    except OtlpDecodeError:
+        return
+    for row in batch.rows:
+        assert len(row.trace_id) == 16 and len(row.span_id) == 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(doc=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+                        max_leaves=20))
+def test_fuzz_json_decoder_never_crashes(doc):
+    pipeline = IngestPipeline(store=None)
+    for candidate in (doc, {"resourceSpans": [{"scopeSpans": [{"spans": [doc]}]}]}):
+        try:
+            pipeline.parse(json.dumps(candidate).encode(), json_body=True)
+        except OtlpDecodeError:
+            pass
+
+
+def test_mutated_real_requests_never_crash(service):
+    """Bit flips and truncations of a real request: each gets a 200 or a clear 400, the server lives."""
+    svc, url = service
+    good = make_request("ro-mut", 3).SerializeToString()
+    with httpx.Client() as http:
+        for i in range(0, len(good), 7):
+            for body in (good[:i], good[:i] + bytes([good[i] ^ 0xFF]) + good[i + 1:]):
+                response = http.post(url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"})
+                assert response.status_code in (200, 400), response.status_code
+        assert http.get(url + "/healthz").status_code == 200
+
+
+def test_hostile_values(service):
+    svc, url = service
+    request = make_request("ro-hostile", 1, attrs=0)
+    span = request.resource_spans[0].scope_spans[0].spans[0]
+    span.name = "n\x00ame" + "y" * 5000
+    span.attributes.add(key="big").value.string_value = "z" * 200_000
+    deep = span.attributes.add(key="deep").value
+    for _ in range(30):
+        deep = deep.kvlist_value.values.add(key="k").value
+    span.attributes.add(key="nul").value.string_value = "a\x00b"
+    span.end_time_unix_nano = 2**64 - 1  # beyond int64
+    response = _post(url, request)
+    assert response.status_code == 200  # the request is fine; that one span is rejected with its reason
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    partial = ExportTraceServiceResponse.FromString(response.content).partial_success
+    assert partial.rejected_spans == 1 and "2262" in partial.error_message
+    span.end_time_unix_nano = span.start_time_unix_nano
+    assert _post(url, request).status_code == 200
+    (stored,) = StoreClient(url).query_spans(rollout_ids=["ro-hostile"])
+    assert len(stored.attributes["big"]) == 200_000 and stored.attributes["nul"] == "a\x00b"
+
+
+@pytest.mark.skipif(shutil.which("kill") is None, reason="needs kill")
+def test_sigkill_loses_no_acknowledged_span(tmp_path):
+    """Kill -9 the server in the middle of ingestion; every acknowledged span is there after a restart."""
+    db = tmp_path / "crash.sqlite"
+    port = _free_port()
+
+    def start():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port), "--no-grpc"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    proc = start()
+    acked: list[int] = []
+    stop = threading.Event()
+
+    def sender(k: int) -> None:
+        with httpx.Client(timeout=5) as http:
+            b = 0
+            while not stop.is_set():
+                body = make_request(f"ro-k{k}", 50, first=1 + b * 50).SerializeToString()
+                try:
+                    response = http.post(f"http://127.0.0.1:{port}/v1/traces", content=body,
+                                         headers={"content-type": "application/x-protobuf"})
+                except httpx.HTTPError:
+                    return
+                if response.status_code == 200:
+                    acked.append((k, b))
+                b += 1
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while len(acked) < 20 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, 9)
+    proc.wait()
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert len(acked) >= 20
+    proc = start()
+    try:
+        client = StoreClient(f"http://127.0.0.1:{port}")
+        for k in range(4):
+            stored = {s.name for s in client.all_spans([f"ro-k{k}"])}
+            for kk, b in acked:
+                if kk == k:
+                    assert {f"span-{i}" for i in range(1 + b * 50, 51 + b * 50)} <= stored
+    finally:
+        proc.terminate()
+        proc.wait(10)
