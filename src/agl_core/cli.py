@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="redact at ingest (repeatable): key:GLOB, regex:PATTERN, email, api-key")
     serve.add_argument("--retention", action="append", default=[], metavar="RULE",
                        help="delete old spans (repeatable): a duration like 7d or 12h, and/or 'consumed'")
+    serve.add_argument("--parse-workers", type=int, default=1,
+                       help="processes decoding OTLP beside the writer; 0 decodes in the server process (default: %(default)s)")
     serve.add_argument("--max-pending-spans", type=int, default=200_000,
                        help="write backlog above which ingest answers 'retry later' (default: %(default)s)")
     stats = store.add_parser("stats", help="print what a running store holds")
@@ -73,6 +75,8 @@ def _store_serve(args: argparse.Namespace) -> int:
 
     if args.max_pending_spans < 1:
         return fail("--max-pending-spans must be >= 1")
+    if not 0 <= args.parse_workers <= 64:
+        return fail("--parse-workers must be between 0 and 64")
     try:
         redactor = parse_rules(args.redact)
         retention = RetentionPolicy.parse(args.retention)
@@ -83,7 +87,8 @@ def _store_serve(args: argparse.Namespace) -> int:
     except (StoreError, OSError, ImportError) as exc:
         return fail(f"cannot open {args.db}: {exc}")
     service = StoreService(
-        store, token=args.token, redactor=redactor, retention=retention, max_pending_spans=args.max_pending_spans
+        store, token=args.token, redactor=redactor, retention=retention, max_pending_spans=args.max_pending_spans,
+        parse_workers=args.parse_workers,
     )
     try:
         grpc_note = "off"

@@ -38,7 +38,7 @@ def start_grpc_server(
             if not hmac.compare_digest(str(given).encode(), expected):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
         try:
-            batch = pipeline.parse(body)
+            batch = pipeline.parse_async(body).result()
             pipeline.submit(batch).result()
         except OtlpDecodeError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -1,7 +1,9 @@
 """The ingest pipeline shared by the OTLP/HTTP and OTLP/gRPC receivers.
 
-Request threads decode and validate; one writer thread commits whatever has queued up since its last
-commit in a single transaction (group commit), then acknowledges every request in it. The backlog is
+Request bodies are decoded and validated in the request thread, or, with ``parse_workers``, in worker
+processes so decoding runs beside the writer on another core. One writer thread commits whatever has
+queued up since its last commit in a single transaction (group commit), then acknowledges every request
+in it. The backlog is
 bounded: past ``max_pending_spans`` a request is refused with :class:`Overloaded`, which the receivers
 turn into the protocol's retryable answer (HTTP 503 + Retry-After, gRPC UNAVAILABLE). Nothing is
 acknowledged before it is committed.
@@ -10,9 +12,10 @@ acknowledged before it is committed.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from ._otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
@@ -31,6 +34,11 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
+def _parse(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBatch:
+    request = decode_json(body) if json_body else decode_protobuf(body)
+    return extract_rows(request, redactor)
+
+
 class IngestPipeline:
     def __init__(
         self,
@@ -39,11 +47,20 @@ class IngestPipeline:
         redactor: Redactor | None = None,
         max_pending_spans: int = 200_000,
         max_commit_spans: int = 20_000,
+        parse_workers: int = 0,
     ) -> None:
         if max_pending_spans < 1 or max_commit_spans < 1:
             raise ValueError("max_pending_spans and max_commit_spans must be >= 1")
+        if parse_workers < 0:
+            raise ValueError("parse_workers must be >= 0")
         self.store = store
         self.redactor = redactor if redactor else None
+        # spawn, not fork: the server process runs threads (gRPC, uvicorn) that must not be forked.
+        self._pool = (
+            ProcessPoolExecutor(parse_workers, mp_context=multiprocessing.get_context("spawn"))
+            if parse_workers
+            else None
+        )
         self.max_pending_spans = max_pending_spans
         self.max_commit_spans = max_commit_spans
         self._queue: queue.Queue[tuple[ParsedBatch, Future[int]] | None] = queue.Queue()
@@ -54,10 +71,25 @@ class IngestPipeline:
         self.accepted_spans = 0
         self.refused_requests = 0
 
+    @property
+    def has_workers(self) -> bool:
+        return self._pool is not None
+
     def parse(self, body: bytes, *, json_body: bool = False) -> ParsedBatch:
-        """Decode and validate a request body (raises ``OtlpDecodeError``). CPU only; no store access."""
-        request = decode_json(body) if json_body else decode_protobuf(body)
-        return extract_rows(request, self.redactor)
+        """Decode and validate a request body (raises ``OtlpDecodeError``) in the calling thread."""
+        return _parse(body, json_body, self.redactor)
+
+    def parse_async(self, body: bytes, *, json_body: bool = False) -> Future[ParsedBatch]:
+        """Like :meth:`parse`, in a worker process when the pipeline has them (small bodies stay here:
+        shipping them costs more than decoding them)."""
+        if self._pool is None or len(body) < 16_384:
+            done: Future[ParsedBatch] = Future()
+            try:
+                done.set_result(self.parse(body, json_body=json_body))
+            except BaseException as exc:
+                done.set_exception(exc)
+            return done
+        return self._pool.submit(_parse, body, json_body, self.redactor)
 
     def submit(self, batch: ParsedBatch) -> Future[int]:
         """Queue a parsed batch for writing; the future resolves (to the count of new spans) once it is
@@ -124,7 +156,10 @@ class IngestPipeline:
                 self._pending -= size
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writer (and the parse workers)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout_s)

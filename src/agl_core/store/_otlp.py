@@ -51,21 +51,12 @@ class OtlpDecodeError(ValueError):
     """The body is not a valid OTLP ExportTraceServiceRequest."""
 
 
-@dataclasses.dataclass(frozen=True)
-class SpanRow:
-    """A span as the store writes it: indexed columns plus the span's protobuf ``body``."""
+SpanRow = tuple
+"""A span as the store writes it, a plain tuple (cheap to build, pickle and bind) in column order:
+``(trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id,
+scope_key, body)``; ids are bytes, ``body`` is the span's own protobuf encoding."""
 
-    trace_id: bytes
-    span_id: bytes
-    parent_span_id: bytes | None
-    name: str
-    start_ns: int
-    end_ns: int
-    status_code: int
-    rollout_id: str | None
-    attempt_id: str | None
-    scope_key: bytes
-    body: bytes
+ROW_TRACE_ID, ROW_SPAN_ID, ROW_ROLLOUT_ID, ROW_BODY = 0, 1, 7, 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +171,7 @@ def extract_rows(
                     elif key == attempt_key:
                         attempt_id = _id_value(kv.value)
                 rows.append(
-                    SpanRow(
+                    (
                         trace_id,
                         span_id,
                         parent or None,

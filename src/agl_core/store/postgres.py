@@ -136,11 +136,7 @@ class PostgresStore(SqlStore):
         return f"{column} = ANY(?)", [list(values)]
 
     def _insert_spans(self, conn: Any, rows: Sequence[SpanRow]) -> int:
-        columns = list(zip(*[
-            (r.trace_id, r.span_id, r.parent_span_id, r.name, r.start_ns, r.end_ns, r.status_code,
-             r.rollout_id, r.attempt_id, r.scope_key, r.body)
-            for r in rows
-        ]))
+        columns = list(zip(*rows))
         cursor = conn.raw.execute(
             f"INSERT INTO spans ({_SPAN_COLUMNS}) SELECT * FROM unnest("
             "%s::bytea[], %s::bytea[], %s::bytea[], %s::text[], %s::bigint[], %s::bigint[], %s::int[],"

@@ -69,11 +69,14 @@ class StoreService:
         retention: RetentionPolicy | None = None,
         max_pending_spans: int = 200_000,
         maintenance_interval_s: float = 5.0,
+        parse_workers: int = 0,
     ) -> None:
         self.store = store
         self.token = token
         self.retention = retention
-        self.pipeline = IngestPipeline(store, redactor=redactor, max_pending_spans=max_pending_spans)
+        self.pipeline = IngestPipeline(
+            store, redactor=redactor, max_pending_spans=max_pending_spans, parse_workers=parse_workers
+        )
         self.app = create_store_app(store, token=token, pipeline=self.pipeline)
         self.maintenance_interval_s = maintenance_interval_s
         self._grpc: Any = None

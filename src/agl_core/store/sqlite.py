@@ -106,11 +106,6 @@ class SqliteStore(SqlStore):
     def _insert_spans(self, conn: Any, rows: Sequence[SpanRow]) -> int:
         before = conn.total_changes
         conn.executemany(
-            f"INSERT INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
-            [
-                (r.trace_id, r.span_id, r.parent_span_id, r.name, r.start_ns, r.end_ns, r.status_code,
-                 r.rollout_id, r.attempt_id, r.scope_key, r.body)
-                for r in rows
-            ],
+            f"INSERT INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING", rows
         )
         return conn.total_changes - before
