@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -74,3 +75,41 @@ def test_load_agent_errors():
     with pytest.raises(ValueError, match="no callable 'nope'"):
         load_agent("json:nope")
     assert load_agent("json:dumps")([1]) == "[1]"
+
+
+def test_runner_heartbeats_keep_long_rollouts_and_cancel_drops_the_result(store_server, client):
+    provider = TracerProvider()
+    client.put_resource(LLM_RESOURCE, {"base_url": "http://127.0.0.1:9", "model": "m"})
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_agent(task, llm):
+        started.set()
+        release.wait(10)
+        return 1.0
+
+    (long_one,) = client.enqueue_rollouts([{"task_id": "long"}])
+    runner = Runner(slow_agent, client, provider, workers=1, lease_s=0.3).start()
+    try:
+        assert started.wait(10)
+        time.sleep(1.0)  # three lease lengths: only heartbeats keep it alive
+        (state,) = client.get_rollouts([long_one.rollout_id])
+        assert state.status == RolloutStatus.RUNNING
+        release.set()
+        (done,) = client.wait_for_rollouts([long_one.rollout_id], timeout_s=10)
+        assert done.status == RolloutStatus.SUCCEEDED and done.reward == 1.0
+
+        release.clear()
+        started.clear()
+        (cancel_me,) = client.enqueue_rollouts([{"task_id": "cancel"}])
+        assert started.wait(10)
+        client.cancel_rollouts([cancel_me.rollout_id])
+        time.sleep(0.5)  # the next heartbeat sees the cancellation
+        release.set()
+        time.sleep(0.5)
+        (after,) = client.get_rollouts([cancel_me.rollout_id])
+        assert after.status == RolloutStatus.CANCELLED and after.reward is None
+    finally:
+        release.set()
+        runner.stop()
+    provider.shutdown()

@@ -227,6 +227,8 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
                     )
                     backend.policy_version += 1
                 publish()
+            # lets `agl store serve --retention consumed` drop spans that training has used
+            client.mark_consumed([r.rollout_id for r in finished if r.status.finished])
             metrics = StepMetrics(
                 step=step,
                 policy_version=backend.policy_version,
