@@ -112,3 +112,52 @@ def test_one_lora_update_changes_the_adapter_and_lowers_the_loss():
     assert changed and all("lora_" in n for n in changed)
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
     assert loss_after < loss_before - 1e-4
+
+
+def test_kl_k3_by_hand_and_zero_at_the_reference():
+    from agl_trainer.update import kl_k3
+
+    new = torch.tensor([math.log(0.5), math.log(0.25)], requires_grad=True)
+    ref = torch.tensor([math.log(0.25), math.log(0.25)])
+    kl = kl_k3(new, ref)
+    # delta = ref - new: [-log 2, 0] -> exp(-log2) + log2 - 1 = 0.5 + 0.6931 - 1
+    assert kl.tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0])
+    kl.sum().backward()
+    # d/dnew [exp(ref-new) - (ref-new) - 1] = 1 - exp(ref - new)
+    assert new.grad.tolist() == pytest.approx([0.5, 0.0])
+
+
+def test_advantage_estimators():
+    from agl_trainer.algo import compute_advantages
+
+    ts = [_t("a", 0, 1.0), _t("b", 0, 0.0), _t("c", 0, 3.0), _t("d", 0, 1.0)]
+    groups = {"a": "g1", "b": "g1", "c": "g2", "d": "g2"}
+    grpo, _ = compute_advantages(ts, groups, "grpo")
+    ppo, _ = compute_advantages(ts, groups, "ppo")
+    rpp, _ = compute_advantages(ts, groups, "reinforce_pp")
+    assert [round(s.advantage, 4) for s in grpo] == [1.0, -1.0, 1.0, -1.0]
+    assert [s.advantage for s in ppo] == [0.5, -0.5, 1.0, -1.0]
+    # group baseline, then normalised over the batch: [.5,-.5,1,-1] has mean 0 and std sqrt(0.625)
+    assert [round(s.advantage, 4) for s in rpp] == [round(x / math.sqrt(0.625), 4) for x in (0.5, -0.5, 1.0, -1.0)]
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        compute_advantages(ts, groups, "dpo")
+
+
+def test_kl_penalty_uses_the_adapter_free_model_as_reference():
+    from peft import LoraConfig, get_peft_model
+
+    from agl_trainer.model import tiny_model
+    from agl_trainer.update import reference_logprobs_fn
+
+    model = get_peft_model(tiny_model(128, seed=2), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                              task_type="CAUSAL_LM"))
+    samples = [Advantaged(_t(f"r{i}", 0, float(i), (1, 2, 3), (4 + i, 5, 6 + i)), 1.0 if i else -1.0) for i in range(2)]
+    reference = reference_logprobs_fn(model, pad_id=0)
+    _, info = batch_loss(model, samples, clip_eps=0.2, pad_id=0, kl_coef=0.1, reference=reference)
+    assert info["kl_to_reference"] == pytest.approx(0.0, abs=1e-7)  # LoRA B starts at 0: policy == reference
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    update_step(model, optimizer, samples, clip_eps=0.2, pad_id=0)
+    _, info = batch_loss(model, samples, clip_eps=0.2, pad_id=0, kl_coef=0.1, reference=reference)
+    assert info["kl_to_reference"] > 1e-6
+    with pytest.raises(ValueError, match="needs a reference"):
+        batch_loss(model, samples, clip_eps=0.2, pad_id=0, kl_coef=0.1)

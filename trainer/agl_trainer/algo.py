@@ -1,6 +1,10 @@
 """LightningRL's advantage estimation: per rollout, within the group of rollouts of the same task.
 
-Pure functions over transitions (no torch).
+Pure functions over transitions (no torch). The estimators, by update rule:
+
+* ``grpo``: ``(r - mean_g) / std_g`` (group-normalised, as in GRPO)
+* ``ppo``: ``r - mean_g`` (PPO-clip with the group mean as baseline, no critic)
+* ``reinforce_pp``: ``r - mean_g``, then normalised over the whole batch (REINFORCE++ with baseline)
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from collections.abc import Mapping, Sequence
 
 from agl_core.records import Transition
 
-__all__ = ["Advantaged", "GroupReport", "group_advantages"]
+__all__ = ["ALGORITHMS", "Advantaged", "GroupReport", "compute_advantages", "group_advantages"]
+
+ALGORITHMS = ("grpo", "ppo", "reinforce_pp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +78,18 @@ def group_advantages(
         mean, std = stats[group]
         out.append(Advantaged(t, (t.reward - mean) / (std + eps) if scale_by_std else t.reward - mean))
     return out, GroupReport(len(members), no_variance, singleton)
+
+
+def compute_advantages(
+    transitions: Sequence[Transition], group_of: Mapping[str, str], algorithm: str = "grpo", *, eps: float = 1e-6
+) -> tuple[list[Advantaged], GroupReport]:
+    """Advantages for ``algorithm`` (one of :data:`ALGORITHMS`); groups without reward variance are skipped."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    samples, report = group_advantages(transitions, group_of, scale_by_std=algorithm == "grpo", eps=eps)
+    if algorithm == "reinforce_pp" and samples:
+        values = [s.advantage for s in samples]
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        samples = [Advantaged(s.transition, (s.advantage - mean) / (std + eps)) for s in samples]
+    return samples, report

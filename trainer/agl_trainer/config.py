@@ -62,8 +62,12 @@ class RunnerConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    #: ``ppo``: PPO-clip with the gateway's behaviour logprobs.
-    name: Literal["ppo"] = "ppo"
+    #: Advantage estimator; every rule uses the PPO-clip loss with the gateway's behaviour logprobs.
+    #: ``grpo``: group-normalised; ``ppo``: group-mean baseline; ``reinforce_pp``: REINFORCE++ (baseline,
+    #: then normalised over the batch).
+    name: Literal["grpo", "ppo", "reinforce_pp"] = "grpo"
+    #: Weight of the per-token KL penalty to the reference policy (the base model under LoRA); 0 = off.
+    kl_coef: float = pydantic.Field(0.0, ge=0.0)
     credit: Literal["episode", "last", "discounted"] = "episode"
     gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)
     clip_eps: float = pydantic.Field(0.2, gt=0.0, lt=1.0)

@@ -21,7 +21,7 @@ from agl_core.store.server import create_store_app
 from agl_core.tracing import make_otlp_exporter, setup_tracing
 from agl_core.transitions import spans_to_transitions
 
-from .algo import group_advantages
+from .algo import compute_advantages
 from .config import TrainerConfig
 
 __all__ = ["StepMetrics", "load_tasks", "train"]
@@ -151,6 +151,13 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
             f" {sum(p.numel() for p in trainable):,} trainable parameters"
         )
         optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
+        reference = None
+        if config.algorithm.kl_coef > 0:
+            if config.model.lora is None:
+                raise ValueError("algorithm.kl_coef > 0 needs model.lora (the base model is the reference)")
+            from .update import reference_logprobs_fn
+
+            reference = reference_logprobs_fn(model, tokenizer.pad_token_id or 0)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
         backend = HFBackend(
@@ -214,7 +221,9 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
                 gamma=config.algorithm.gamma,
             )
             transitions = [t for t in transitions if t.prompt_ids and t.response_ids]
-            samples, report = group_advantages(transitions, {r.rollout_id: r.group_id or r.rollout_id for r in done})
+            samples, report = compute_advantages(
+                transitions, {r.rollout_id: r.group_id or r.rollout_id for r in done}, config.algorithm.name
+            )
             rewards = [r.reward for r in done if r.reward is not None]
             stats = None
             if samples:
@@ -224,6 +233,7 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
                         clip_eps=config.algorithm.clip_eps, pad_id=pad_id,
                         max_grad_norm=config.algorithm.max_grad_norm,
                         micro_batch_tokens=config.algorithm.micro_batch_tokens,
+                        kl_coef=config.algorithm.kl_coef, reference=reference,
                     )
                     backend.policy_version += 1
                 publish()

@@ -1,4 +1,5 @@
-"""One policy update from advantaged transitions: PPO-clip, loss normalised per rollout.
+"""One policy update from advantaged transitions: PPO-clip with an optional KL penalty to the reference
+policy, the loss normalised per rollout.
 
 Each transition (one LLM call) is its own sample: prompt + response, loss on the response tokens only.
 A transition's loss is the mean over its response tokens; a rollout's is the mean over its transitions;
@@ -7,17 +8,28 @@ the batch loss is the mean over rollouts, so a rollout with many calls weighs as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .algo import Advantaged
 
-__all__ = ["UpdateStats", "ppo_clip_token_loss", "response_logprobs", "update_step", "batch_loss"]
+__all__ = [
+    "UpdateStats",
+    "batch_loss",
+    "kl_k3",
+    "ppo_clip_token_loss",
+    "reference_logprobs_fn",
+    "response_logprobs",
+    "update_step",
+]
+
+ReferenceFn = Callable[[Sequence[Advantaged]], list[torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +41,7 @@ class UpdateStats:
     clip_fraction: float
     approx_kl: float
     grad_norm: float
+    kl_to_reference: float = 0.0
 
 
 def ppo_clip_token_loss(
@@ -41,8 +54,27 @@ def ppo_clip_token_loss(
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
 
 
-def response_logprobs(model: Any, samples: Sequence[Advantaged], pad_id: int) -> list[torch.Tensor]:
-    """Log-probabilities of each sample's response tokens under ``model`` (one tensor per sample)."""
+def kl_k3(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token estimate of KL(new || ref): ``exp(ref - new) - (ref - new) - 1`` (non-negative, unbiased)."""
+    delta = ref_logprobs - new_logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager[Any]:
+    if bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def response_logprobs(
+    model: Any, samples: Sequence[Advantaged], pad_id: int, *, bf16: bool = False
+) -> list[torch.Tensor]:
+    """Log-probabilities (float32, on the model's device) of each sample's response tokens under ``model``."""
+    device = _device(model)
     seqs = [list(s.transition.prompt_ids) + list(s.transition.response_ids) for s in samples]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -50,16 +82,33 @@ def response_logprobs(model: Any, samples: Sequence[Advantaged], pad_id: int) ->
     for i, seq in enumerate(seqs):
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
-    logits = model(input_ids=ids, attention_mask=mask).logits
+    with _autocast(device, bf16):
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
     out = []
     for i, s in enumerate(samples):
         start = len(s.transition.prompt_ids)
         end = start + len(s.transition.response_ids)
         # the token at position p is predicted by the logits at p - 1
         step_logits = logits[i, start - 1 : end - 1].float()
-        targets = torch.tensor(s.transition.response_ids, dtype=torch.long)
+        targets = torch.tensor(s.transition.response_ids, dtype=torch.long, device=device)
         out.append(torch.log_softmax(step_logits, dim=-1).gather(1, targets[:, None]).squeeze(1))
     return out
+
+
+def reference_logprobs_fn(model: Any, pad_id: int, reference: Any = None, *, bf16: bool = False) -> ReferenceFn:
+    """How to get the reference policy's logprobs: a separate frozen ``reference`` model, or, for a
+    LoRA (peft) model, the same model with its adapter switched off (no second copy in memory)."""
+
+    def compute(samples: Sequence[Advantaged]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            if reference is not None:
+                return response_logprobs(reference, samples, pad_id, bf16=bf16)
+            if not hasattr(model, "disable_adapter"):
+                raise ValueError("a KL penalty with full fine-tuning needs a reference model")
+            with model.disable_adapter():
+                return response_logprobs(model, samples, pad_id, bf16=bf16)
+
+    return compute
 
 
 def _micro_batches(samples: Sequence[Advantaged], max_tokens: int) -> list[list[Advantaged]]:
@@ -88,24 +137,36 @@ def batch_loss(
     pad_id: int,
     micro_batch_tokens: int = 4096,
     backward: bool = False,
+    kl_coef: float = 0.0,
+    reference: ReferenceFn | None = None,
+    bf16: bool = False,
 ) -> tuple[float, dict[str, float]]:
-    """The per-rollout-normalised PPO-clip loss of ``samples``; with ``backward``, accumulate gradients.
+    """The per-rollout-normalised PPO-clip loss of ``samples`` (+ ``kl_coef`` x KL to the reference);
+    with ``backward``, accumulate gradients micro-batch by micro-batch.
 
-    Returns (loss, {"tokens", "clip_fraction", "approx_kl"}). Samples without behaviour logprobs use the
-    current policy's (ratio 1: plain policy gradient).
+    Returns (loss, {"tokens", "clip_fraction", "approx_kl", "kl_to_reference"}). Samples without behaviour
+    logprobs use the current policy's (ratio 1: plain policy gradient).
     """
+    if kl_coef > 0 and reference is None:
+        raise ValueError("kl_coef > 0 needs a reference (see reference_logprobs_fn)")
     calls_per_rollout = Counter(s.transition.rollout_id for s in samples)
     n_rollouts = len(calls_per_rollout)
     total = 0.0
     tokens = clipped = 0
-    kl_sum = 0.0
+    kl_sum = ref_kl_sum = 0.0
     for micro in _micro_batches(samples, micro_batch_tokens):
-        new = response_logprobs(model, micro, pad_id)
+        ref = reference(micro) if kl_coef > 0 and reference is not None else None
+        new = response_logprobs(model, micro, pad_id, bf16=bf16)
         losses = []
-        for s, lp in zip(micro, new):
+        for i, (s, lp) in enumerate(zip(micro, new)):
             behaviour = s.transition.response_logprobs
-            old = torch.tensor(behaviour, dtype=lp.dtype) if behaviour is not None else lp.detach()
-            token_loss, was_clipped = ppo_clip_token_loss(lp, old, torch.tensor(s.advantage, dtype=lp.dtype), clip_eps)
+            old = torch.tensor(behaviour, dtype=lp.dtype, device=lp.device) if behaviour is not None else lp.detach()
+            advantage = torch.tensor(s.advantage, dtype=lp.dtype, device=lp.device)
+            token_loss, was_clipped = ppo_clip_token_loss(lp, old, advantage, clip_eps)
+            if ref is not None:
+                kl = kl_k3(lp, ref[i])
+                token_loss = token_loss + kl_coef * kl
+                ref_kl_sum += float(kl.detach().sum())
             weight = 1.0 / (n_rollouts * calls_per_rollout[s.transition.rollout_id])
             losses.append(token_loss.mean() * weight)
             tokens += lp.numel()
@@ -119,6 +180,7 @@ def batch_loss(
         "tokens": float(tokens),
         "clip_fraction": clipped / max(tokens, 1),
         "approx_kl": kl_sum / max(tokens, 1),
+        "kl_to_reference": ref_kl_sum / max(tokens, 1),
     }
 
 
@@ -131,14 +193,19 @@ def update_step(
     pad_id: int,
     max_grad_norm: float = 1.0,
     micro_batch_tokens: int = 4096,
+    kl_coef: float = 0.0,
+    reference: ReferenceFn | None = None,
+    bf16: bool = False,
 ) -> UpdateStats:
-    """One optimizer step on ``samples`` (gradient accumulation over token-budgeted micro-batches)."""
+    """One optimizer step on ``samples`` (gradient accumulation over token-budgeted micro-batches).
+    A non-finite gradient norm skips the step (the weights stay as they were)."""
     if not samples:
         raise ValueError("update_step needs at least one sample")
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss, info = batch_loss(
-        model, samples, clip_eps=clip_eps, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens, backward=True
+        model, samples, clip_eps=clip_eps, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens, backward=True,
+        kl_coef=kl_coef, reference=reference, bf16=bf16,
     )
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0
@@ -153,4 +220,5 @@ def update_step(
         clip_fraction=info["clip_fraction"],
         approx_kl=info["approx_kl"],
         grad_norm=grad_norm,
+        kl_to_reference=info["kl_to_reference"],
     )
