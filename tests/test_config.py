@@ -33,7 +33,7 @@ def test_valid_config_resolves_paths_and_defaults(folder):
     config = load_config(_write(folder, GOOD))
     assert config.tasks == folder / "tasks.jsonl"
     assert config.base_dir == folder.resolve()
-    assert config.train.steps == 3 and config.train.threads == 1 and config.algorithm.name == "ppo"
+    assert config.train.steps == 3 and config.train.threads == 1 and config.algorithm.name == "grpo"
 
 
 def test_overrides_are_typed_and_validated(folder):
