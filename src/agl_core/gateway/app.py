@@ -474,12 +474,15 @@ class _EventStream:
                     yield self._chunk([fmt.closing(call, event)])
                 elif event.text or event.tool_calls:
                     yield self._chunk([fmt.delta(call, event)])
+            # Recorded before the stream's end reaches the client: whoever reads the spans after the call
+            # returned (a runner flushing at the end of a rollout) finds them.
+            self.status = 200
+            await self.finish()
             if self.include_usage:
                 usage = fmt.envelope(call, fmt.chunk_name, [])
                 usage["usage"] = fmt.usage(call)
                 yield b"data: " + json.dumps(usage).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
-            self.status = 200
         except BackendError as exc:
             status, message, kind, span_error = _error_of(exc)
             self.status, self.error = status, (span_error or "backend_error", str(exc))
@@ -517,10 +520,50 @@ class _SSEResponse(StreamingResponse):
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        coalesce = _CoalescingSend(send)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, coalesce)
         finally:
+            coalesce.cancel()
             await self._stream.finish()
+
+
+class _CoalescingSend:
+    """Sends the stream's events that become ready in the same event-loop turn as one write.
+
+    A socket write costs far more than formatting an event; a burst of events (several tokens read from
+    the backend at once, or the last token, the finish and ``[DONE]``) then costs one. Nothing waits for a
+    timer: the buffer is flushed as soon as the task producing events yields to the loop."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._buffer: list[bytes] = []
+        self._flush: asyncio.Task[None] | None = None
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        self._buffer.append(message.get("body", b""))
+        if message.get("more_body", False):
+            if len(self._buffer) == 1:
+                self._flush = asyncio.get_running_loop().create_task(self._flush_soon(self._flush))
+            return
+        if self._flush is not None:
+            await self._flush
+        body, self._buffer = b"".join(self._buffer), []
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _flush_soon(self, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:
+            await previous
+        body, self._buffer = b"".join(self._buffer), []
+        if body:
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+
+    def cancel(self) -> None:
+        if self._flush is not None and not self._flush.done():
+            self._flush.cancel()
 
 
 async def _aclose(events: AsyncIterator[Event]) -> None:

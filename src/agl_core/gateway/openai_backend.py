@@ -1,4 +1,4 @@
-"""Backends that forward to an OpenAI-compatible HTTP server (pure HTTP, httpx).
+"""Backends that forward to an OpenAI-compatible HTTP server (pure HTTP, on asyncio streams: see ``_http``).
 
 :class:`OpenAIBackend` talks to any such server, for evaluation: it cannot see token ids, so its calls are
 marked as not trainable. :class:`~agl_core.gateway.vllm_backend.VLLMBackend` builds on it with vLLM's
@@ -13,8 +13,7 @@ import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import httpx
-
+from ._http import ConnectFailed, HTTPFailure, Pool, Response, TimedOut
 from .backend import (
     BackendError,
     BackendUnavailableError,
@@ -33,11 +32,11 @@ _CONTEXT = re.compile(
 )
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(response: Response) -> str:
     try:
         data = response.json()
     except ValueError:
-        return response.text.strip()[:500] or response.reason_phrase
+        return response.content.decode(errors="replace").strip()[:500] or response.reason
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict) and error.get("message"):
@@ -95,28 +94,30 @@ class OpenAIBackend:
         self._names = (model_name,)
         self.upstream_model = upstream_model or model_name
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = httpx.Timeout(timeout_s, connect=10.0)
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._timeout_s = timeout_s
+        self._max_connections = max_connections
+        Pool(self.base_url)  # fails now on a malformed URL, not at the first call
+        self._pools: dict[asyncio.AbstractEventLoop, Pool] = {}
         self.policy_version = 0
 
     @property
     def model_names(self) -> Sequence[str]:
         return self._names
 
-    def _client(self) -> httpx.AsyncClient:
-        # An httpx client belongs to the event loop it first ran on; keep one per loop.
+    def _pool(self) -> Pool:
+        # Connections belong to the event loop that opened them; keep one pool per loop.
         loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None:
-            client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
-            self._clients[loop] = client
-        return client
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = Pool(self.base_url, headers=self._headers, timeout_s=self._timeout_s, max_idle=self._max_connections)
+            self._pools[loop] = pool
+        return pool
 
-    async def aclose(self) -> None:
-        client = self._clients.pop(asyncio.get_running_loop(), None)
-        if client is not None:
-            await client.aclose()
+    def close(self) -> None:
+        """Close idle connections (from the loop that made them, or when no loop runs any more)."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     # -- request / response shapes (vLLM overrides the extension points) -------------------------------
 
@@ -168,28 +169,28 @@ class OpenAIBackend:
     async def generate(self, model: str, request: ChatRequest) -> AsyncIterator[Event]:
         version = self.policy_version
         served = self._served_model()
-        url = f"{self.base_url}/{'chat/completions' if request.is_chat else 'completions'}"
+        path = "/chat/completions" if request.is_chat else "/completions"
         body = self._body(request, served)
         try:
-            if not request.stream:
-                response = await self._client().post(url, json=body)
-                if response.status_code != 200:
-                    raise self._failure(response.status_code, _error_message(response))
-                data = response.json()
-                for choice in sorted(data.get("choices") or [], key=lambda c: c.get("index", 0)):
-                    yield self._completion(request, data, choice, version)
-                return
-            async with self._client().stream("POST", url, json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise self._failure(response.status_code, _error_message(response))
+            async with self._pool().stream("POST", path, body) as response:
+                if response.status != 200:
+                    await response.read()
+                    raise self._failure(response.status, _error_message(response))
+                if not request.stream:
+                    await response.read()
+                    data = response.json()
+                    for choice in sorted(data.get("choices") or [], key=lambda c: c.get("index", 0)):
+                        yield self._completion(request, data, choice, version)
+                    return
                 async for event in self._stream_events(request, response, version):
                     yield event
-        except httpx.ConnectError as exc:
-            raise BackendUnavailableError(f"cannot connect to {self.base_url}: {exc}") from None
-        except httpx.TimeoutException as exc:
-            raise BackendError(f"{self.base_url} did not answer in time ({type(exc).__name__})") from None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except ConnectFailed as exc:
+            raise BackendUnavailableError(f"{self.base_url}: {exc}") from None
+        except TimedOut as exc:
+            raise BackendError(f"{self.base_url} did not answer in time: {exc}") from None
+        except HTTPFailure as exc:
+            raise BackendError(f"{self.base_url}: {exc}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BackendError(f"bad answer from {self.base_url}: {type(exc).__name__}: {exc}") from None
 
     def _completion(self, request: ChatRequest, data: Mapping[str, Any], choice: Mapping[str, Any], version: int) -> Completion:
@@ -228,16 +229,18 @@ class OpenAIBackend:
             served_model=served,
         )
 
-    async def _stream_events(self, request: ChatRequest, response: httpx.Response, version: int) -> AsyncIterator[Event]:
+    async def _stream_events(self, request: ChatRequest, response: Response, version: int) -> AsyncIterator[Event]:
         states: dict[int, _ChoiceState] = {}
         prompt_ids: list[int] = []
         served: str | None = None
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
+        done = False
+        async for line in response.lines():  # read to the body's end, so the connection can be reused
+            if done or not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
+            if payload == b"[DONE]":
+                done = True
+                continue
             chunk = json.loads(payload)
             if "error" in chunk and not chunk.get("choices"):
                 error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}

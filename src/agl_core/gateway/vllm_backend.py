@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from ._http import ConnectFailed, HTTPFailure, Response
 from .backend import BackendError, BackendUnavailableError, ChatRequest, PolicyUpdate
 from .openai_backend import OpenAIBackend, _error_message
 
@@ -78,22 +79,24 @@ class VLLMBackend(OpenAIBackend):
                 self._loaded.clear()
             self.policy_version = update.version
 
-    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _post(self, path: str, body: dict[str, Any]) -> Response:
         try:
-            return await self._client().post(f"{self.base_url}/{path}", json=body)
-        except httpx.ConnectError as exc:
-            raise BackendUnavailableError(f"cannot connect to {self.base_url}: {exc}") from None
+            return await self._pool().send("POST", f"/{path}", body)
+        except ConnectFailed as exc:
+            raise BackendUnavailableError(f"{self.base_url}: {exc}") from None
+        except HTTPFailure as exc:
+            raise BackendError(f"{self.base_url}: {exc}") from None
 
     async def _load_adapter(self, update: PolicyUpdate) -> None:
         name = f"{self._names[0]}-v{update.version}"
         response = await self._post("load_lora_adapter", {"lora_name": name, "lora_path": update.path})
         # A 404 about the adapter is vLLM's answer; a bare "Not Found" means the route is not there.
-        if response.status_code == 404 and "adapter" not in _error_message(response).lower():
+        if response.status == 404 and "adapter" not in _error_message(response).lower():
             raise BackendError(
                 "vLLM has no /v1/load_lora_adapter: start it with --enable-lora and the environment variable"
                 " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
             )
-        if response.status_code != 200:
+        if response.status != 200:
             raise BackendError(f"vLLM refused LoRA adapter {update.path}: {_error_message(response)}")
         self._adapter = name
         self._loaded.append(name)
@@ -101,7 +104,7 @@ class VLLMBackend(OpenAIBackend):
         while len(self._loaded) > 2:
             old = self._loaded.popleft()
             gone = await self._post("unload_lora_adapter", {"lora_name": old})
-            if gone.status_code != 200:
+            if gone.status != 200:
                 raise BackendError(f"vLLM could not unload LoRA adapter {old}: {_error_message(gone)}")
 
     # -- a server this backend runs itself --------------------------------------------------------------
@@ -170,7 +173,7 @@ class VLLMBackend(OpenAIBackend):
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        self.close()
+        self._stop_process()
         raise BackendUnavailableError(f"{' '.join(argv)} was not ready after {a['startup_timeout_s']:.0f}s")
 
     def _restart_with(self, path: str) -> None:
@@ -179,11 +182,15 @@ class VLLMBackend(OpenAIBackend):
                 "loading full weights into a vLLM server this gateway did not start needs a restart of that"
                 " server on the new checkpoint; publish a LoRA adapter instead, or let the gateway launch vLLM"
             )
-        self.close()
+        self._stop_process()
         self._start(path)
 
     def close(self) -> None:
-        """Stop the server :meth:`launch` started (no-op for a server started elsewhere)."""
+        """Close idle connections, and stop the server :meth:`launch` started (if it did)."""
+        super().close()
+        self._stop_process()
+
+    def _stop_process(self) -> None:
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
             return
