@@ -72,9 +72,7 @@ class TextAssembler:
 
     def finish(self) -> tuple[str | None, list[dict[str, Any]], str, list[Mapping[str, Any]]]:
         """``(content, tool_calls, last text delta, last logprob entries)`` once the choice has ended."""
-        text = self._decode(self.ids) if not self.stopped else self.text
-        if self.stopped:
-            text = self.text
+        text = self.text if self.stopped else self._decode(self.ids)
         calls: list[dict[str, Any]] = []
         content: str | None = text
         if self._tool_format:
