@@ -291,6 +291,32 @@ def test_trainer_lock_holds_generation_and_version_follows(gw, oa):
     backend.policy_version -= 1
 
 
+def test_weight_update_gets_the_lock_between_batches_under_load(gw):
+    stop = threading.Event()
+
+    def flood():
+        client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
+        while not stop.is_set():
+            client.chat.completions.create(model="tiny", messages=HI, max_tokens=6)
+
+    threads = [threading.Thread(target=flood) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.3)
+        waits = []
+        for _ in range(5):
+            started = time.monotonic()
+            with gw.backend.lock:
+                waits.append(time.monotonic() - started)
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert max(waits) < 2.0, waits  # one batch of 6 tokens at most, not the whole flood
+
+
 def test_hot_swap_full_weights_then_lora_without_restart(tmp_path):
     import torch
     from peft import LoraConfig, get_peft_model

@@ -66,6 +66,44 @@ class _Job:
     open_choices: int = 0
 
 
+class _PolicyLock:
+    """The lock between generation and weight updates: re-entrant, and fair to updates.
+
+    Anyone but the worker takes it with ``with backend.lock:`` (the trainer around an optimizer step); the
+    worker takes it per batch with :meth:`acquire_for_batch`, which first lets every waiting holder in, so a
+    steady stream of requests cannot keep an update waiting for more than the batch in progress."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._changed = threading.Condition()
+        self._waiting = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._changed:
+            self._waiting += 1
+        try:
+            return self._lock.acquire(blocking, timeout)
+        finally:
+            with self._changed:
+                self._waiting -= 1
+                self._changed.notify_all()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire_for_batch(self) -> None:
+        with self._changed:
+            while self._waiting:
+                self._changed.wait()
+        self._lock.acquire()
+
+
 class _Row:
     """One choice being generated in the batch."""
 
@@ -122,7 +160,7 @@ class HFBackend:
         self.logits_processor = logits_processor
         self.policy_version = 0
         #: Held by the worker for each batch; hold it to change the weights (then bump ``policy_version``).
-        self.lock = threading.RLock()
+        self.lock = _PolicyLock()
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
         if isinstance(im_end, int):
@@ -328,14 +366,17 @@ class HFBackend:
                 return
             if not jobs:
                 continue
+            self.lock.acquire_for_batch()
             try:
-                with self.lock, torch.no_grad():
+                with torch.no_grad():
                     self._batch(jobs)
             except Exception as exc:  # a failed forward pass fails its requests, never the worker
                 logger.exception("agl: generation failed")
                 for job in jobs:
                     if job.open_choices:
                         job.sink(BackendError(f"generation failed: {type(exc).__name__}: {exc}"))
+            finally:
+                self.lock.release()
 
     def _forward(self, **kwargs: Any) -> Any:
         if self._keep_logits_arg:
