@@ -164,3 +164,33 @@ def test_http_pool_reads_chunked_lines_and_times_out():
         return lines
 
     assert asyncio.run(main()) == [b"data: 1", b"data: 2", b"data: [DONE]"]
+
+
+class _BlockingBackend:
+    """A backend written against the first interface: a blocking ``chat`` and nothing else."""
+
+    model_names = ("old",)
+    trainable = True
+
+    def chat(self, model, request):
+        from agl_core.gateway import Completion
+
+        return Completion(text=f"echo {request.messages[-1]['content']}", finish_reason="stop", prompt_ids=(1, 2),
+                          response_ids=(3, 4), response_logprobs=(-0.5, -0.25), policy_version=7)
+
+
+def test_a_blocking_chat_backend_still_serves_streamed_and_whole_calls():
+    import openai
+
+    from agl_core import semconv
+
+    from .gateway_helpers import serve_gateway
+
+    with serve_gateway(_BlockingBackend()) as gateway:
+        client = openai.OpenAI(base_url=gateway.v1, api_key="x", max_retries=0)
+        whole = client.chat.completions.create(model="old", messages=[{"role": "user", "content": "hi"}], n=2)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="old", messages=[{"role": "user", "content": "hi"}], stream=True) if c.choices)
+        spans = gateway.spans()
+    assert [c.message.content for c in whole.choices] == ["echo hi", "echo hi"] and streamed == "echo hi"
+    assert {s.attributes[semconv.POLICY_VERSION] for s in spans} == {7} and len(spans) == 3

@@ -468,11 +468,16 @@ class _EventStream:
                 opening = fmt.opening(call, index)
                 if opening is not None:
                     yield self._chunk([opening])
+            streamed: set[int] = set()
             async for event in self._all_events():
                 if isinstance(event, Completion):
                     call.completions.append(event)
+                    if event.index not in streamed and (event.text or event.tool_calls):
+                        # a backend that does not stream pieces: the whole choice goes as one delta
+                        yield self._chunk([fmt.delta(call, _whole_delta(event, call.chat))])
                     yield self._chunk([fmt.closing(call, event)])
                 elif event.text or event.tool_calls:
+                    streamed.add(event.index)
                     yield self._chunk([fmt.delta(call, event)])
             # Recorded before the stream's end reaches the client: whoever reads the spans after the call
             # returned (a runner flushing at the end of a rollout) finds them.
@@ -510,6 +515,12 @@ class _EventStream:
                 metrics.inflight -= 1
                 metrics.request_done(self.call.endpoint, self.status)
                 await self.call.record(self.error)
+
+
+def _whole_delta(result: Completion, chat: ChatRequest) -> ChoiceDelta:
+    calls = tuple({"index": i, **call} for i, call in enumerate(result.tool_calls))
+    entries = tuple(logprob_entries(result, chat.top_logprobs)) if chat.logprobs else ()
+    return ChoiceDelta(result.index, result.text or "", tool_calls=calls, logprobs=entries)
 
 
 class _SSEResponse(StreamingResponse):
