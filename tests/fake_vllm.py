@@ -296,8 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=2048)
     args = parser.parse_args(argv)
-    from agl_core._serve import serve_forever
     from agl_trainer.model import load_tokenizer
+
+    from agl_core._serve import serve_forever
 
     fake = FakeVLLM(
         load_tokenizer("tiny"), served_model_name=args.served_model_name or args.model, max_model_len=args.max_model_len,

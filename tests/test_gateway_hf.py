@@ -319,10 +319,9 @@ def test_weight_update_gets_the_lock_between_batches_under_load(gw):
 
 def test_hot_swap_full_weights_then_lora_without_restart(tmp_path):
     import torch
-    from peft import LoraConfig, get_peft_model
-
     from agl_trainer.hf_backend import HFBackend
     from agl_trainer.model import load_policy
+    from peft import LoraConfig, get_peft_model
 
     model, tokenizer = load_policy("tiny", seed=0)
     backend = HFBackend(model, tokenizer, model_name="tiny")

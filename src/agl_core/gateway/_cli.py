@@ -83,7 +83,6 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
     if args.backend == "hf":
         try:
             import torch
-
             from agl_trainer.hf_backend import HFBackend
             from agl_trainer.model import load_policy
         except ImportError as exc:
