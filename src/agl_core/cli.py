@@ -2,6 +2,7 @@
 
 ``agl store serve``   run the collector-store (OTLP/HTTP + coordination API)
 ``agl store stats``   counts of what a store holds
+``agl gateway serve`` run the OpenAI-compatible LLM gateway in front of a model backend
 ``agl train CONFIG``  train an agent as the YAML config says (needs the ``trainer`` extra)
 """
 
@@ -52,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     stats = store.add_parser("stats", help="print what a running store holds")
     stats.add_argument("--url", default=None, help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
     stats.add_argument("--token", default=None)
+
+    gateway = commands.add_parser("gateway", help="the LLM gateway").add_subparsers(
+        dest="gateway_command", required=True, metavar="SUBCOMMAND"
+    )
+    from .gateway._cli import add_serve_arguments
+
+    add_serve_arguments(gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port)
 
     train = commands.add_parser("train", help="train an agent from a YAML config")
     train.add_argument("config", help="path of the trainer's YAML config")
@@ -125,6 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"agl store stats: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "gateway" and args.gateway_command == "serve":
+        from .gateway._cli import run_gateway_serve
+
+        return run_gateway_serve(args)
     if args.command == "train":
         try:
             from agl_trainer.cli import run_train

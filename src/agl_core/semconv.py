@@ -31,6 +31,21 @@ RESPONSE_LOGPROBS = "agl.llm.response_logprobs"
 POLICY_VERSION = "agl.policy.version"
 #: False when the serving backend cannot be trained (an external endpoint used for evaluation).
 TRAINABLE = "agl.llm.trainable"
+#: Which of the ``n`` choices of one request a gateway span records (one span per choice).
+CHOICE_INDEX = "agl.llm.choice_index"
+#: True when the client asked for a streamed (server-sent events) response.
+STREAM = "agl.llm.stream"
+#: Leading response tokens the backend forced (a named or "required" ``tool_choice``) instead of sampling.
+RESPONSE_FORCED_TOKENS = "agl.llm.response_forced_tokens"
+#: Seconds from the request's arrival to the first generated text or token reaching the gateway.
+TIME_TO_FIRST_TOKEN = "agl.llm.time_to_first_token"
+#: Drift check: True when the prompt ids the backend reports differ from the gateway's own rendering of
+#: the chat template, False when they match; absent when the call was not checked.
+PROMPT_DRIFT = "agl.llm.prompt_drift"
+#: The gateway's own rendering of the prompt, recorded only when it differs from the backend's.
+RENDERED_PROMPT_TOKEN_IDS = "agl.llm.rendered_prompt_token_ids"
+#: Kind of backend that served a gateway call: ``"hf"``, ``"vllm"`` or ``"openai"``.
+GATEWAY_BACKEND = "agl.gateway.backend"
 
 # --- OpenTelemetry GenAI conventions ---------------------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
@@ -39,6 +54,9 @@ GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+GEN_AI_REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
+GEN_AI_REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
@@ -50,6 +68,8 @@ GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
 #: JSON-encoded input / output messages (opt-in content capture in the GenAI conventions).
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+#: JSON-encoded tool definitions offered to the model.
+GEN_AI_TOOL_DEFINITIONS = "gen_ai.tool.definitions"
 ERROR_TYPE = "error.type"
 
 # Values of ``gen_ai.operation.name``.

@@ -164,6 +164,7 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
             model, tokenizer, model_name=config.model.served_name,
             default_max_tokens=config.gateway.default_max_tokens,
         )
+        started.append(backend.close)
         gateway_provider = _tracer_provider(store_url, "agl-gateway")
         started.append(gateway_provider.shutdown)
         gateway = BackgroundServer(

@@ -1,5 +1,9 @@
 """OpenAI-compatible gateway that records exact token ids for every LLM call.
 
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both also streamed as server-sent
+events), ``GET /v1/models``, ``GET /metrics`` (Prometheus text), ``GET /health``, and
+``GET|POST /agl/v1/policy`` (the policy version served; publishing a new one to backends that can load it).
+
 Rollout attribution, without changing agent code, by either
 * a rollout-scoped base URL: ``{gateway}/rollouts/{rollout_id}/attempts/{attempt_id}/v1`` (the runner hands
   this to the agent), or
@@ -9,29 +13,51 @@ A W3C ``traceparent`` header on the request makes the gateway span a child of th
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
+import anyio
 import pydantic
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import semconv
 from ..tracing import RolloutContext, get_tracer, rollout_attributes
-from .backend import Backend, BackendError, ChatRequest, Completion, ContextTooLongError
+from ._compat import as_backend
+from ._schema import RequestError, parse_chat, parse_completion
+from .backend import (
+    Backend,
+    BackendError,
+    BackendUnavailableError,
+    ChatRequest,
+    ChoiceDelta,
+    Completion,
+    ContextTooLongError,
+    Event,
+    PolicyUpdate,
+    UpstreamError,
+)
+from .metrics import GatewayMetrics
+from .render import TemplateRenderer
 
 __all__ = ["create_gateway_app", "rollout_base_url"]
 
+logger = logging.getLogger(__name__)
+
 _MAX_BODY = 8 * 1024 * 1024
 _propagator = TraceContextTextMapPropagator()
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def rollout_base_url(gateway_url: str, rollout_id: str, attempt_id: str | None = None) -> str:
@@ -42,185 +68,547 @@ def rollout_base_url(gateway_url: str, rollout_id: str, attempt_id: str | None =
     return url + "/v1"
 
 
-class _Message(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def flat(self) -> dict[str, Any]:
-        """The message with list-of-parts content joined into one string."""
-        out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            texts = []
-            for part in self.content:
-                if part.get("type") not in ("text", "input_text") or not isinstance(part.get("text"), str):
-                    raise ValueError(f"only text content parts are supported, got a {part.get('type')!r} part")
-                texts.append(part["text"])
-            out["content"] = "".join(texts)
-        elif self.content is None:
-            out["content"] = ""
-        if out["role"] == "developer":
-            out["role"] = "system"
-        return out
+def _openai_error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
-class _ChatIn(pydantic.BaseModel):
-    # OpenAI clients send many optional fields; unknown ones are accepted and ignored like OpenAI does.
-    model_config = pydantic.ConfigDict(extra="allow")
-    model: str = pydantic.Field(min_length=1)
-    messages: list[_Message] = pydantic.Field(min_length=1)
-    max_tokens: int | None = pydantic.Field(default=None, ge=1)
-    max_completion_tokens: int | None = pydantic.Field(default=None, ge=1)
-    temperature: float = pydantic.Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
-    n: int = pydantic.Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    logprobs: bool = False
-    tools: list[dict[str, Any]] | None = None
+def _error_of(exc: BackendError) -> tuple[int, str, str, str | None]:
+    """(HTTP status, message, OpenAI error type, error.type for the span) for a backend failure."""
+    if isinstance(exc, ContextTooLongError):
+        return 400, str(exc), "invalid_request_error", "context_length_exceeded"
+    if isinstance(exc, UpstreamError):
+        return exc.status, str(exc), exc.kind, "upstream_error"
+    if isinstance(exc, BackendUnavailableError):
+        return 503, f"the model backend is unavailable: {exc}", "server_error", "backend_unavailable"
+    return 502, f"the model backend failed: {exc}", "server_error", "backend_error"
 
 
-def _openai_error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status
-    )
+def _chat_logprobs(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {"content": list(entries)}
 
 
-def create_gateway_app(backend: Backend, *, tracer_provider: trace.TracerProvider | None = None) -> Starlette:
-    """The ASGI app of the gateway in front of ``backend``; spans go through ``tracer_provider``."""
-    tracer = get_tracer(tracer_provider)
+def _text_logprobs(entries: Sequence[Mapping[str, Any]], offset: int = 0) -> dict[str, Any]:
+    tokens = [e["token"] for e in entries]
+    offsets, at = [], offset
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
+        "text_offset": offsets,
+    }
 
-    async def chat_completions(request: Request) -> Response:
+
+def logprob_entries(result: Completion, top: int) -> list[dict[str, Any]]:
+    """OpenAI ``logprobs.content`` entries of a completion's response tokens."""
+    if result.response_logprobs is None:
+        return []
+    tokens = result.response_tokens or tuple("" for _ in result.response_ids)
+    tops = result.top_logprobs or ()
+    out = []
+    for i, (tok, lp) in enumerate(zip(tokens, result.response_logprobs)):
+        alternatives = tops[i][:top] if top and i < len(tops) else ()
+        out.append({
+            "token": tok, "logprob": lp, "bytes": list(tok.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alternatives],
+        })
+    return out
+
+
+class _Call:
+    """One request through the gateway: its identity, the spans it records, the drift check."""
+
+    def __init__(self, app: _Gateway, request: Request, chat: ChatRequest, model: str, endpoint: str) -> None:
+        self.app = app
+        self.chat = chat
+        self.model = model
+        self.endpoint = endpoint
+        self.t0 = time.time_ns()
+        self.first_event_ns: int | None = None
+        self.id = (f"chatcmpl-{uuid.uuid4().hex}" if chat.is_chat else f"cmpl-{uuid.uuid4().hex}")
+        self.created = self.t0 // 1_000_000_000
+        headers = request.headers
+        self.parent = _propagator.extract({"traceparent": headers["traceparent"], "tracestate": headers.get("tracestate", "")}) if "traceparent" in headers else None
+        rollout_id = request.path_params.get("rollout_id") or headers.get(semconv.HEADER_ROLLOUT_ID)
+        attempt_id = request.path_params.get("attempt_id") or headers.get(semconv.HEADER_ATTEMPT_ID)
+        self.rollout = RolloutContext(rollout_id, attempt_id) if rollout_id else None
+        self.completions: list[Completion] = []
+        # The drift check renders the prompt on a worker thread while the backend generates.
+        self.expected: asyncio.Task[list[int] | None] | None = None
+        if app.renderer is not None:
+            self.expected = asyncio.ensure_future(asyncio.to_thread(self._render, app.renderer))
+
+    def _render(self, renderer: TemplateRenderer) -> list[int] | None:
+        try:
+            if self.chat.is_chat:
+                return renderer.render(self.chat.messages, self.chat.tools if self.chat.tools_enabled else None)
+            return renderer.encode(self.chat.prompt)  # type: ignore[arg-type]
+        except Exception:  # the backend reports the template error itself; nothing to compare
+            return None
+
+    def saw_event(self) -> None:
+        if self.first_event_ns is None:
+            self.first_event_ns = time.time_ns()
+
+    def _base_attributes(self) -> dict[str, Any]:
+        chat, backend = self.chat, self.app.backend
+        attrs: dict[str, Any] = rollout_attributes(self.rollout) if self.rollout else {}
+        attrs.update({
+            semconv.SOURCE: semconv.SOURCE_GATEWAY,
+            semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT if chat.is_chat else semconv.OP_TEXT_COMPLETION,
+            semconv.GEN_AI_PROVIDER_NAME: "agl",
+            semconv.GEN_AI_REQUEST_MODEL: self.model,
+            semconv.GEN_AI_REQUEST_TEMPERATURE: chat.temperature,
+            semconv.GEN_AI_REQUEST_TOP_P: chat.top_p,
+            semconv.GEN_AI_RESPONSE_ID: self.id,
+            semconv.TRAINABLE: backend.trainable,
+            semconv.GATEWAY_BACKEND: getattr(backend, "kind", type(backend).__name__),
+            semconv.STREAM: chat.stream,
+        })
+        messages = chat.messages if chat.is_chat else [{"role": "user", "content": chat.prompt}]
+        attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(list(messages), ensure_ascii=False)
+        if chat.max_tokens:
+            attrs[semconv.GEN_AI_REQUEST_MAX_TOKENS] = chat.max_tokens
+        if chat.n != 1:
+            attrs[semconv.GEN_AI_REQUEST_CHOICE_COUNT] = chat.n
+        if chat.seed is not None:
+            attrs[semconv.GEN_AI_REQUEST_SEED] = chat.seed
+        if chat.stop:
+            attrs[semconv.GEN_AI_REQUEST_STOP_SEQUENCES] = list(chat.stop)
+        if chat.tools:
+            attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = json.dumps(list(chat.tools), ensure_ascii=False)
+        return attrs
+
+    def _span(self, attrs: dict[str, Any]) -> trace.Span:
+        return self.app.tracer.start_span(
+            f"{'chat' if self.chat.is_chat else 'text_completion'} {self.model}",
+            context=self.parent, kind=SpanKind.SERVER, attributes=attrs, start_time=self.t0,
+            record_exception=False, set_status_on_exception=False,
+        )
+
+    async def record(self, error: tuple[str, str] | None = None) -> None:
+        """Write one span per finished choice (or one error span) and update the metrics.
+
+        ``error`` is ``(error.type, message)`` when the call failed; choices that finished before the
+        failure are not recorded (the client never received them whole)."""
+        metrics = self.app.metrics
+        base = self._base_attributes()
+        if self.first_event_ns is not None:
+            base[semconv.TIME_TO_FIRST_TOKEN] = (self.first_event_ns - self.t0) / 1e9
+        if error is not None or not self.completions:
+            kind, message = error or ("no_choices", "the backend returned no choice")
+            span = self._span(base)
+            span.set_attribute(semconv.ERROR_TYPE, kind)
+            span.set_status(Status(StatusCode.ERROR, message))
+            span.end()
+            if self.expected is not None:
+                self.expected.cancel()
+            return
+        drift: bool | None = None
+        expected: list[int] | None = None
+        prompt_ids = self.completions[0].prompt_ids
+        if self.expected is not None and prompt_ids:
+            expected = await self.expected
+            if expected is not None:
+                drift = tuple(expected) != tuple(prompt_ids)
+                metrics.prompt_checks += 1
+                metrics.prompt_drift += int(drift)
+                if drift:
+                    logger.warning(
+                        "agl gateway: prompt token ids of %s differ from the chat template's (%d vs %d tokens)",
+                        self.id, len(prompt_ids), len(expected),
+                    )
+        metrics.prompt_tokens += len(prompt_ids)
+        for result in self.completions:
+            metrics.completion_tokens += len(result.response_ids)
+            attrs = dict(base)
+            attrs[semconv.CHOICE_INDEX] = result.index
+            attrs[semconv.GEN_AI_RESPONSE_MODEL] = result.served_model or self.model
+            attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = [result.finish_reason]
+            attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = len(result.prompt_ids)
+            attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = len(result.response_ids)
+            attrs[semconv.PROMPT_TOKEN_IDS] = list(result.prompt_ids)
+            attrs[semconv.RESPONSE_TOKEN_IDS] = list(result.response_ids)
+            if result.response_logprobs is not None:
+                attrs[semconv.RESPONSE_LOGPROBS] = list(result.response_logprobs)
+            if result.forced_tokens:
+                attrs[semconv.RESPONSE_FORCED_TOKENS] = result.forced_tokens
+            attrs[semconv.POLICY_VERSION] = result.policy_version
+            if drift is not None:
+                attrs[semconv.PROMPT_DRIFT] = drift
+                if drift and expected is not None:
+                    attrs[semconv.RENDERED_PROMPT_TOKEN_IDS] = expected
+            message: dict[str, Any] = {"role": "assistant", "content": result.text}
+            if result.tool_calls:
+                message["tool_calls"] = [dict(c) for c in result.tool_calls]
+            attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = json.dumps([message], ensure_ascii=False)
+            self._span(attrs).end()
+
+
+class _Gateway:
+    def __init__(self, backend: Backend, tracer: trace.Tracer, renderer: TemplateRenderer | None,
+                 metrics: GatewayMetrics, admin_token: str | None) -> None:
+        self.backend = backend
+        self.tracer = tracer
+        self.renderer = renderer
+        self.metrics = metrics
+        self.admin_token = admin_token
+
+    # -- endpoints ------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat", parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions", parse_completion)
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "agl"} for name in self.backend.model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def policy(self, request: Request) -> Response:
+        if request.method == "GET":
+            return JSONResponse({"policy_version": getattr(self.backend, "policy_version", None)})
+        if self.admin_token is not None:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given, self.admin_token):
+                return _openai_error(401, "publishing a policy needs 'Authorization: Bearer <admin token>'", "authentication_error")
+        update_policy = getattr(self.backend, "update_policy", None)
+        if update_policy is None:
+            return _openai_error(501, f"the {getattr(self.backend, 'kind', 'configured')} backend cannot load new policy versions", "invalid_request_error")
+        try:
+            body = json.loads(await request.body())
+            update = PolicyUpdate(version=int(body["version"]), path=str(body["path"]), kind=body.get("kind", "lora"))
+            if update.kind not in ("lora", "full"):
+                raise ValueError(f"kind must be 'lora' or 'full', got {update.kind!r}")
+        except (ValueError, KeyError, TypeError) as exc:
+            return _openai_error(400, f'expected {{"version": int, "path": str, "kind": "lora"|"full"}}: {exc}', "invalid_request_error")
+        try:
+            await update_policy(update)
+        except BackendError as exc:
+            status, message, kind, _ = _error_of(exc)
+            return _openai_error(status if status != 502 else 500, f"cannot load policy v{update.version}: {exc}", kind)
+        return JSONResponse({"policy_version": update.version})
+
+    # -- the generation path --------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, endpoint: str, parse: Callable[[bytes], tuple[Any, ChatRequest]]) -> Response:
+        metrics = self.metrics
         raw = await request.body()
         if len(raw) > _MAX_BODY:
-            return _openai_error(413, f"request body over {_MAX_BODY} bytes", "invalid_request_error")
+            return self._done(endpoint, _openai_error(413, f"request body over {_MAX_BODY} bytes", "invalid_request_error"))
         try:
-            body = _ChatIn.model_validate_json(raw)
-            messages = [m.flat() for m in body.messages]
+            body, chat = parse(raw)
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
-            return _openai_error(400, f"invalid request: {param}: {err['msg']}", "invalid_request_error", param)
-        except ValueError as exc:
-            return _openai_error(400, f"invalid request: {exc}", "invalid_request_error", "messages")
-        if body.stream:
-            return _openai_error(400, "stream=true is not supported by this gateway version", "invalid_request_error", "stream")
-        if body.model not in backend.model_names:
-            return _openai_error(
-                404,
-                f"model {body.model!r} does not exist here; available: {', '.join(backend.model_names)}",
-                "invalid_request_error",
-                "model",
-            )
-        rollout = _rollout_of(request)
-        chat = ChatRequest(
-            messages=messages,
-            max_tokens=body.max_completion_tokens or body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-            seed=body.seed,
-            tools=body.tools,
-        )
-        parent = _propagator.extract({k.lower(): v for k, v in request.headers.items()})
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = []
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for index in range(body.n):
-            attrs: dict[str, Any] = rollout_attributes(rollout) if rollout else {}
-            attrs.update(
-                {
-                    semconv.SOURCE: semconv.SOURCE_GATEWAY,
-                    semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT,
-                    semconv.GEN_AI_PROVIDER_NAME: "agl",
-                    semconv.GEN_AI_REQUEST_MODEL: body.model,
-                    semconv.GEN_AI_REQUEST_TEMPERATURE: body.temperature,
-                    semconv.GEN_AI_REQUEST_TOP_P: body.top_p,
-                    semconv.GEN_AI_RESPONSE_ID: completion_id,
-                    semconv.GEN_AI_INPUT_MESSAGES: json.dumps(messages, ensure_ascii=False),
-                    semconv.TRAINABLE: backend.trainable,
-                }
-            )
-            if chat.max_tokens:
-                attrs[semconv.GEN_AI_REQUEST_MAX_TOKENS] = chat.max_tokens
-            with tracer.start_as_current_span(
-                f"chat {body.model}", context=parent, kind=SpanKind.SERVER, attributes=attrs,
-                record_exception=False, set_status_on_exception=False,
-            ) as span:
-                try:
-                    result = await run_in_threadpool(backend.chat, body.model, chat)
-                except ContextTooLongError as exc:
-                    span.set_status(Status(StatusCode.ERROR, str(exc)))
-                    span.set_attribute(semconv.ERROR_TYPE, "context_length_exceeded")
-                    return _openai_error(400, str(exc), "invalid_request_error", "messages")
-                except BackendError as exc:
-                    span.set_status(Status(StatusCode.ERROR, str(exc)))
-                    span.set_attribute(semconv.ERROR_TYPE, "backend_error")
-                    return _openai_error(502, f"the model backend failed: {exc}", "server_error")
-                _record(span, result)
-            usage["prompt_tokens"] = len(result.prompt_ids)
-            usage["completion_tokens"] += len(result.response_ids)
-            choices.append(_choice(index, result, body.logprobs))
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return JSONResponse(
-            {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.model,
-                "choices": choices,
-                "usage": usage,
-            }
-        )
+            if err["type"] == "json_invalid":
+                message = f"the body is not valid JSON: {err['msg']}"
+            else:
+                message = f"invalid request: {param}: {err['msg']}"
+            return self._done(endpoint, _openai_error(400, message, "invalid_request_error", param))
+        except RequestError as exc:
+            return self._done(endpoint, _openai_error(400, f"invalid request: {exc}", "invalid_request_error", exc.param))
+        if body.model not in self.backend.model_names:
+            return self._done(endpoint, _openai_error(
+                404, f"model {body.model!r} does not exist here; available: {', '.join(self.backend.model_names)}",
+                "invalid_request_error", "model", "model_not_found",
+            ))
+        call = _Call(self, request, chat, body.model, endpoint)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        metrics.inflight += 1
+        events = self.backend.generate(body.model, chat)
+        try:
+            if chat.stream:
+                # The first event is awaited here, so a request the backend refuses still gets a proper status.
+                first = await events.__anext__()
+                call.saw_event()
+                return _SSEResponse(_EventStream(self, call, events, first, include_usage))
+            async for event in events:
+                call.saw_event()
+                if isinstance(event, Completion):
+                    call.completions.append(event)
+        except StopAsyncIteration:
+            pass
+        except BackendError as exc:
+            await _aclose(events)
+            metrics.inflight -= 1
+            status, message, kind, span_error = _error_of(exc)
+            await call.record((span_error or "backend_error", str(exc)))
+            param = "messages" if isinstance(exc, ContextTooLongError) else None
+            code = "context_length_exceeded" if isinstance(exc, ContextTooLongError) else None
+            return self._done(endpoint, _openai_error(status, message, kind, param, code))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await _aclose(events)
+            metrics.inflight -= 1
+            raise
+        metrics.inflight -= 1
+        await call.record()
+        call.completions.sort(key=lambda c: c.index)
+        return self._done(endpoint, JSONResponse(_Format.of(call).response(call)))
 
-    async def models(request: Request) -> Response:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "agl"} for name in backend.model_names]
-        return JSONResponse({"object": "list", "data": data})
-
-    routes = []
-    for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}"):
-        routes.append(Route(prefix + "/v1/chat/completions", chat_completions, methods=["POST"]))
-        routes.append(Route(prefix + "/v1/models", models, methods=["GET"]))
-    return Starlette(routes=routes)
+    def _done(self, endpoint: str, response: Response) -> Response:
+        self.metrics.request_done(endpoint, response.status_code)
+        return response
 
 
-def _rollout_of(request: Request) -> RolloutContext | None:
-    rollout_id = request.path_params.get("rollout_id") or request.headers.get(semconv.HEADER_ROLLOUT_ID)
-    if not rollout_id:
+class _Format:
+    """The OpenAI wire shapes of one endpoint: whole responses and stream chunks."""
+
+    @staticmethod
+    def of(call: _Call) -> _Format:
+        return _CHAT if call.chat.is_chat else _TEXT
+
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+
+    def usage(self, call: _Call) -> dict[str, int]:
+        prompt = len(call.completions[0].prompt_ids) if call.completions else 0
+        completion = sum(len(c.response_ids) for c in call.completions)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def envelope(self, call: _Call, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": call.id, "object": name, "created": call.created, "model": call.model, "choices": choices}
+
+    def response(self, call: _Call) -> dict[str, Any]:
+        out = self.envelope(call, self.object_name, [self.choice(call, c) for c in call.completions])
+        out["usage"] = self.usage(call)
+        return out
+
+    def choice(self, call: _Call, result: Completion) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            message["tool_calls"] = [dict(c) for c in result.tool_calls]
+        logprobs = _chat_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
+        return {"index": result.index, "message": message, "finish_reason": result.finish_reason, "logprobs": logprobs}
+
+    def opening(self, call: _Call, index: int) -> dict[str, Any] | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, call: _Call, event: ChoiceDelta) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if event.text:
+            delta["content"] = event.text
+        if event.tool_calls:
+            delta["tool_calls"] = [dict(c) for c in event.tool_calls]
+        logprobs = _chat_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs)) if call.chat.logprobs and event.logprobs else None
+        return {"index": event.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+    def closing(self, call: _Call, result: Completion) -> dict[str, Any]:
+        return {"index": result.index, "delta": {}, "logprobs": None, "finish_reason": result.finish_reason}
+
+
+class _TextFormat(_Format):
+    object_name = chunk_name = "text_completion"
+
+    def choice(self, call: _Call, result: Completion) -> dict[str, Any]:
+        logprobs = _text_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
+        return {"index": result.index, "text": result.text or "", "logprobs": logprobs, "finish_reason": result.finish_reason}
+
+    def opening(self, call: _Call, index: int) -> dict[str, Any] | None:
         return None
-    attempt_id = request.path_params.get("attempt_id") or request.headers.get(semconv.HEADER_ATTEMPT_ID)
-    return RolloutContext(rollout_id, attempt_id)
+
+    def delta(self, call: _Call, event: ChoiceDelta) -> dict[str, Any]:
+        logprobs = _text_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs)) if call.chat.logprobs and event.logprobs else None
+        return {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
+
+    def closing(self, call: _Call, result: Completion) -> dict[str, Any]:
+        return {"index": result.index, "text": "", "logprobs": None, "finish_reason": result.finish_reason}
 
 
-def _record(span: trace.Span, result: Completion) -> None:
-    span.set_attribute(semconv.GEN_AI_RESPONSE_FINISH_REASONS, [result.finish_reason])
-    span.set_attribute(semconv.GEN_AI_USAGE_INPUT_TOKENS, len(result.prompt_ids))
-    span.set_attribute(semconv.GEN_AI_USAGE_OUTPUT_TOKENS, len(result.response_ids))
-    span.set_attribute(semconv.PROMPT_TOKEN_IDS, list(result.prompt_ids))
-    span.set_attribute(semconv.RESPONSE_TOKEN_IDS, list(result.response_ids))
-    if result.response_logprobs is not None:
-        span.set_attribute(semconv.RESPONSE_LOGPROBS, list(result.response_logprobs))
-    span.set_attribute(semconv.POLICY_VERSION, result.policy_version)
-    span.set_attribute(
-        semconv.GEN_AI_OUTPUT_MESSAGES,
-        json.dumps([{"role": "assistant", "content": result.text}], ensure_ascii=False),
-    )
+_CHAT = _Format()
+_TEXT = _TextFormat()
 
 
-def _choice(index: int, result: Completion, with_logprobs: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": index,
-        "message": {"role": "assistant", "content": result.text},
-        "finish_reason": result.finish_reason,
-        "logprobs": None,
-    }
-    if with_logprobs and result.response_logprobs is not None:
-        tokens = result.response_tokens or tuple("" for _ in result.response_ids)
-        choice["logprobs"] = {
-            "content": [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, result.response_logprobs)
-            ]
-        }
-    return choice
+def _trim_top(entries: Sequence[Mapping[str, Any]], top: int) -> list[Mapping[str, Any]]:
+    if all(len(e.get("top_logprobs", ())) <= top for e in entries):
+        return list(entries)
+    return [{**e, "top_logprobs": list(e["top_logprobs"])[:top]} for e in entries]
+
+
+class _EventStream:
+    """Server-sent events for one streamed call; records the call's spans when the stream ends."""
+
+    def __init__(self, gateway: _Gateway, call: _Call, events: AsyncIterator[Event], first: Event, include_usage: bool) -> None:
+        self.gateway = gateway
+        self.call = call
+        self.events = events
+        self.first = first
+        self.include_usage = include_usage
+        self.format = _Format.of(call)
+        self.status: int | None = None
+        self.error: tuple[str, str] | None = None
+        self.finished = False
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        out = self.format.envelope(self.call, self.format.chunk_name, choices)
+        if self.include_usage:
+            out["usage"] = None
+        return b"data: " + json.dumps(out, ensure_ascii=False).encode() + b"\n\n"
+
+    async def _all_events(self) -> AsyncIterator[Event]:
+        yield self.first
+        async for event in self.events:
+            self.call.saw_event()
+            yield event
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        call, fmt = self.call, self.format
+        try:
+            for index in range(call.chat.n):
+                opening = fmt.opening(call, index)
+                if opening is not None:
+                    yield self._chunk([opening])
+            streamed: set[int] = set()
+            async for event in self._all_events():
+                if isinstance(event, Completion):
+                    call.completions.append(event)
+                    if event.index not in streamed and (event.text or event.tool_calls):
+                        # a backend that does not stream pieces: the whole choice goes as one delta
+                        yield self._chunk([fmt.delta(call, _whole_delta(event, call.chat))])
+                    yield self._chunk([fmt.closing(call, event)])
+                elif event.text or event.tool_calls:
+                    streamed.add(event.index)
+                    yield self._chunk([fmt.delta(call, event)])
+            # Recorded before the stream's end reaches the client: whoever reads the spans after the call
+            # returned (a runner flushing at the end of a rollout) finds them.
+            self.status = 200
+            await self.finish()
+            if self.include_usage:
+                usage = fmt.envelope(call, fmt.chunk_name, [])
+                usage["usage"] = fmt.usage(call)
+                yield b"data: " + json.dumps(usage).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except BackendError as exc:
+            status, message, kind, span_error = _error_of(exc)
+            self.status, self.error = status, (span_error or "backend_error", str(exc))
+            # Headers are gone already: the error travels as an event, as OpenAI-compatible servers do.
+            payload = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+            yield b"data: " + json.dumps(payload).encode() + b"\n\n"
+        finally:
+            await self.finish()
+
+    async def finish(self) -> None:
+        """Stop the backend and record the call, once; a stream that did not reach its end (the client
+        went away, or the response never started) counts as a disconnect."""
+        if self.finished:
+            return
+        self.finished = True
+        metrics = self.gateway.metrics
+        if self.status is None:
+            self.status = 499
+            self.error = ("client_disconnected", "the client closed the stream before it ended")
+            metrics.client_disconnects += 1
+        with anyio.CancelScope(shield=True):
+            try:
+                await _aclose(self.events)
+            finally:
+                metrics.inflight -= 1
+                metrics.request_done(self.call.endpoint, self.status)
+                await self.call.record(self.error)
+
+
+def _whole_delta(result: Completion, chat: ChatRequest) -> ChoiceDelta:
+    calls = tuple({"index": i, **call} for i, call in enumerate(result.tool_calls))
+    entries = tuple(logprob_entries(result, chat.top_logprobs)) if chat.logprobs else ()
+    return ChoiceDelta(result.index, result.text or "", tool_calls=calls, logprobs=entries)
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always finishes its call, also when the client leaves before it starts."""
+
+    def __init__(self, stream: _EventStream) -> None:
+        super().__init__(stream.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        coalesce = _CoalescingSend(send)
+        try:
+            await super().__call__(scope, receive, coalesce)
+        finally:
+            coalesce.cancel()
+            await self._stream.finish()
+
+
+class _CoalescingSend:
+    """Sends the stream's events that become ready in the same event-loop turn as one write.
+
+    A socket write costs far more than formatting an event; a burst of events (several tokens read from
+    the backend at once, or the last token, the finish and ``[DONE]``) then costs one. Nothing waits for a
+    timer: the buffer is flushed as soon as the task producing events yields to the loop."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._buffer: list[bytes] = []
+        self._flush: asyncio.Task[None] | None = None
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        self._buffer.append(message.get("body", b""))
+        if message.get("more_body", False):
+            if len(self._buffer) == 1:
+                self._flush = asyncio.get_running_loop().create_task(self._flush_soon(self._flush))
+            return
+        if self._flush is not None:
+            await self._flush
+        body, self._buffer = b"".join(self._buffer), []
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _flush_soon(self, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:
+            await previous
+        body, self._buffer = b"".join(self._buffer), []
+        if body:
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+
+    def cancel(self) -> None:
+        if self._flush is not None and not self._flush.done():
+            self._flush.cancel()
+
+
+async def _aclose(events: AsyncIterator[Event]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+def create_gateway_app(
+    backend: Any,
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+    renderer: TemplateRenderer | None = None,
+    metrics: GatewayMetrics | None = None,
+    admin_token: str | None = None,
+) -> Starlette:
+    """The ASGI app of the gateway in front of ``backend``; spans go through ``tracer_provider``.
+
+    ``renderer`` turns on the drift check: the gateway renders each prompt with it and compares the ids
+    with what the backend reports (flagged on the span, counted in ``/metrics``). ``admin_token``, when
+    set, is required to publish a new policy version. A backend with only a blocking
+    ``chat(model, request) -> Completion`` method (the older interface) is accepted too.
+    """
+    gateway = _Gateway(as_backend(backend), get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token)
+    routes = [
+        Route("/metrics", gateway.metrics_text, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/agl/v1/policy", gateway.policy, methods=["GET", "POST"]),
+    ]
+    for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}"):
+        routes.append(Route(prefix + "/v1/chat/completions", gateway.chat_completions, methods=["POST"]))
+        routes.append(Route(prefix + "/v1/completions", gateway.completions, methods=["POST"]))
+        routes.append(Route(prefix + "/v1/models", gateway.models, methods=["GET"]))
+    app = Starlette(routes=routes)
+    app.state.metrics = gateway.metrics
+    app.state.backend = gateway.backend
+    return app

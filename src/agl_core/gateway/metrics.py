@@ -1,0 +1,44 @@
+"""Counters the gateway keeps, served in the Prometheus text format at ``GET /metrics``."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+__all__ = ["GatewayMetrics"]
+
+
+@dataclasses.dataclass
+class GatewayMetrics:
+    """Plain counters, updated from the event loop only (no locking needed)."""
+
+    requests: collections.Counter[tuple[str, int]] = dataclasses.field(default_factory=collections.Counter)
+    #: Calls whose prompt ids the gateway compared with its own rendering of the chat template.
+    prompt_checks: int = 0
+    #: Of those, calls where the backend's prompt ids differed from the gateway's rendering.
+    prompt_drift: int = 0
+    client_disconnects: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    inflight: int = 0
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] += 1
+
+    def render(self) -> str:
+        lines = [
+            "# HELP agl_gateway_requests_total Requests answered, by endpoint and HTTP status.",
+            "# TYPE agl_gateway_requests_total counter",
+        ]
+        for (endpoint, status), count in sorted(self.requests.items()):
+            lines.append(f'agl_gateway_requests_total{{endpoint="{endpoint}",code="{status}"}} {count}')
+        for name, kind, help_text, value in (
+            ("agl_gateway_prompt_checks_total", "counter", "Calls whose prompt token ids were checked against the gateway's own chat-template rendering.", self.prompt_checks),
+            ("agl_gateway_prompt_drift_total", "counter", "Checked calls where the backend's prompt token ids differed from the gateway's rendering.", self.prompt_drift),
+            ("agl_gateway_client_disconnects_total", "counter", "Streams whose client went away before the end.", self.client_disconnects),
+            ("agl_gateway_prompt_tokens_total", "counter", "Prompt tokens of answered calls.", self.prompt_tokens),
+            ("agl_gateway_completion_tokens_total", "counter", "Generated tokens of answered calls.", self.completion_tokens),
+            ("agl_gateway_inflight_requests", "gauge", "Requests being served now.", self.inflight),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,95 @@
+"""``agl gateway serve``: flag validation, and a real run in front of a (fake) vLLM with spans into the store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from agl_core import semconv
+from agl_core._serve import BackgroundServer
+from agl_core.cli import main
+from agl_core.gateway import rollout_base_url
+
+from .fake_vllm import FakeVLLM
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--backend", "openai"], "needs --upstream URL"),
+        (["--backend", "openai", "--upstream", "http://h/v1"], "needs --upstream-model"),
+        (["--backend", "openai", "--upstream", "ftp://h/v1", "--upstream-model", "m"], "http(s) URL"),
+        (["--backend", "vllm"], "--upstream URL (a running 'vllm serve') or --model"),
+        (["--backend", "vllm", "--upstream", "http://h/v1", "--vllm-arg=--enforce-eager"], "only applies when the gateway launches"),
+        (["--backend", "hf", "--upstream", "http://h/v1"], "do not apply to --backend hf"),
+        (["--backend", "openai", "--upstream", "http://h/v1", "--upstream-model", "m", "--max-batch", "4"], "only apply to --backend hf"),
+    ],
+)
+def test_bad_flag_combinations_are_explained(argv, fragment, capsys):
+    assert main(["gateway", "serve", *argv]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-batch", "0"], ["--backend", "tgi"]])
+def test_bad_flag_values_stop_argparse(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["gateway", "serve", *argv])
+    assert stop.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_in_front_of_vllm_sends_spans_to_the_store(tiny_policy, store_server, client):
+    import openai
+
+    fake = FakeVLLM(tiny_policy[1], served_model_name="policy")
+    port = _free_port()
+    with BackgroundServer(fake.app()) as upstream:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agl_core.cli", "gateway", "serve", "--backend", "vllm", "--upstream", upstream.url + "/v1",
+             "--served-name", "policy", "--port", str(port), "--store", store_server.url],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert process.poll() is None, process.communicate()
+                assert time.monotonic() < deadline, "gateway did not start"
+                time.sleep(0.1)
+            oa = openai.OpenAI(base_url=rollout_base_url(url, "ro-cli", "at-cli"), api_key="x", max_retries=0)
+            reply = oa.chat.completions.create(model="policy", messages=[{"role": "user", "content": "ping"}])
+        finally:
+            process.send_signal(signal.SIGTERM)
+            out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert f"agl gateway: http://127.0.0.1:{port}/v1 serving policy (vLLM at {upstream.url}/v1)" in out
+    (span,) = client.query_spans(rollout_ids=["ro-cli"])
+    assert span.attempt_id == "at-cli"
+    assert span.attributes[semconv.GEN_AI_RESPONSE_ID] == reply.id
+    assert tiny_policy[1].decode(list(span.attributes[semconv.RESPONSE_TOKEN_IDS]), skip_special_tokens=True) == "echo: ping"
+
+
+def test_gateway_modules_and_cli_stay_light():
+    code = (
+        "import sys, agl_core.cli, agl_core.gateway.vllm_backend, agl_core.gateway.openai_backend, agl_core.gateway._cli\n"
+        "print([m for m in ('torch', 'transformers', 'vllm', 'peft', 'openai') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "[]"
