@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +37,15 @@ def test_train_example_end_to_end_on_cpu(tmp_path):
     assert any(m["loss"] is not None for m in metrics), metrics
     assert metrics[-1]["policy_version"] >= 1
 
-    with sqlite3.connect(out / "store.sqlite") as db:
-        (gateway_spans,) = db.execute(
-            "SELECT COUNT(*) FROM spans WHERE json_extract(attributes, '$.\"agl.source\"') = 'gateway'"
-        ).fetchone()
-        (rollouts,) = db.execute("SELECT COUNT(*) FROM rollouts WHERE status = 'succeeded'").fetchone()
-    assert gateway_spans == 16 and rollouts == 16
+    from agl_core import semconv
+    from agl_core.store import SqliteStore
+
+    store = SqliteStore(out / "store.sqlite")  # the file the job left behind, read through the store API
+    try:
+        spans = store.query_spans(limit=100_000)
+        stats = store.stats()
+    finally:
+        store.close()
+    gateway_spans = [s for s in spans if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
+    assert len(gateway_spans) == 16 and stats["rollouts_succeeded"] == 16
+    assert all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in gateway_spans)
