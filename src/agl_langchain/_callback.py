@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -16,37 +13,24 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl_core import semconv
+from agl_core._hooks import HookErrors, guarded
+from agl_core.spantree import langgraph_role
 from agl_core.tracing import get_tracer, mark_span_error, rollout_attributes
 
 from . import _convert
 
 __all__ = ["AglCallbackHandler"]
 
-logger = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _never_raise(method: F) -> F:
-    """Instrumentation never breaks the agent: log the first failure of each hook and carry on."""
-
-    @functools.wraps(method)
-    def wrapper(self: AglCallbackHandler, *args: Any, **kwargs: Any) -> None:
-        try:
-            method(self, *args, **kwargs)
-        except Exception:
-            if method.__name__ not in self._failed_hooks:
-                self._failed_hooks.add(method.__name__)
-                logger.exception("agl: LangChain hook %s failed; the agent continues untraced there", method.__name__)
-
-    return wrapper  # type: ignore[return-value]
-
-
 class AglCallbackHandler(BaseCallbackHandler):
     """Records chat-model / LLM calls, tool calls and chain or graph steps as OpenTelemetry spans.
 
     Add it to ``callbacks`` (of a model, a runnable, or the run config of a LangGraph graph). Spans carry
-    the current rollout's identity, follow the GenAI conventions, and nest like the LangChain runs do. A
-    LangGraph node's name (or ``agent_name``) becomes the agent name of the calls under it.
+    the current rollout's identity, follow the GenAI conventions, and nest like the LangChain runs do.
+
+    Agent names: ``agent_name``, when given, names everything the handler sees. Otherwise, in a LangGraph
+    graph, the outermost of these is an agent step (``invoke_agent``) and names the calls under it: a
+    graph compiled with a name of its own (``create_react_agent(..., name="solver")``), else a graph node.
+    The nodes of a subgraph run by a node belong to that node's agent.
     """
 
     # Run in the caller's context even for async runnables, so the rollout context is always visible.
@@ -66,8 +50,9 @@ class AglCallbackHandler(BaseCallbackHandler):
         self._tracer_provider = tracer_provider
         self._spans: dict[UUID, trace.Span] = {}
         self._rollout_attrs: dict[UUID, dict[str, str]] = {}
+        self._agents: dict[UUID, str | None] = {}
         self._lock = threading.Lock()
-        self._failed_hooks: set[str] = set()
+        self.hook_errors = HookErrors("LangChain")
 
     # --- span bookkeeping ----------------------------------------------------------------------------
     def _start(
@@ -77,6 +62,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         name: str,
         attributes: dict[str, Any],
         kind: SpanKind = SpanKind.INTERNAL,
+        agent: str | None = None,
     ) -> trace.Span:
         with self._lock:
             parent = self._spans.get(parent_run_id) if parent_run_id else None
@@ -88,12 +74,21 @@ class AglCallbackHandler(BaseCallbackHandler):
         with self._lock:
             self._spans[run_id] = span
             self._rollout_attrs[run_id] = rollout
+            self._agents[run_id] = agent
         return span
 
     def _pop(self, run_id: UUID) -> trace.Span | None:
         with self._lock:
             self._rollout_attrs.pop(run_id, None)
+            self._agents.pop(run_id, None)
             return self._spans.pop(run_id, None)
+
+    def _enclosing_agent(self, parent_run_id: UUID | None) -> str | None:
+        """The agent the parent run belongs to (``agent_name`` when the handler was given one)."""
+        if self.agent_name:
+            return self.agent_name
+        with self._lock:
+            return self._agents.get(parent_run_id) if parent_run_id else None
 
     def _succeed(self, run_id: UUID) -> None:
         span = self._pop(run_id)
@@ -107,11 +102,6 @@ class AglCallbackHandler(BaseCallbackHandler):
             mark_span_error(span, error)
             span.end()
 
-    def _agent_name(self, kwargs: dict[str, Any]) -> str | None:
-        metadata = kwargs.get("metadata") or {}
-        node = metadata.get("langgraph_node")
-        return self.agent_name or (node if isinstance(node, str) else None)
-
     # --- LLM calls -----------------------------------------------------------------------------------
     def _llm_start(self, operation: str, serialized: dict[str, Any] | None, run_id: UUID,
                    parent_run_id: UUID | None, content: str | None, kwargs: dict[str, Any]) -> None:
@@ -122,27 +112,27 @@ class AglCallbackHandler(BaseCallbackHandler):
         params = kwargs.get("invocation_params") or {}
         if isinstance(params.get("temperature"), (int, float)):
             attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = float(params["temperature"])
-        agent = self._agent_name(kwargs)
+        agent = self._enclosing_agent(parent_run_id)
         if agent:
             attrs[semconv.GEN_AI_AGENT_NAME] = agent
         if self.capture_content and content is not None:
             attrs[semconv.GEN_AI_INPUT_MESSAGES] = content
         name = f"{operation} {model}" if model else operation
-        self._start(run_id, parent_run_id, name, attrs, SpanKind.CLIENT)
+        self._start(run_id, parent_run_id, name, attrs, SpanKind.CLIENT, agent)
 
-    @_never_raise
+    @guarded
     def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[Any]], *, run_id: UUID,
                             parent_run_id: UUID | None = None, **kwargs: Any) -> None:
         content = _convert.messages_json(messages) if self.capture_content else None
         self._llm_start(semconv.OP_CHAT, serialized, run_id, parent_run_id, content, kwargs)
 
-    @_never_raise
+    @guarded
     def on_llm_start(self, serialized: dict[str, Any], prompts: list[str], *, run_id: UUID,
                      parent_run_id: UUID | None = None, **kwargs: Any) -> None:
         content = json.dumps(prompts[:1]) if self.capture_content else None
         self._llm_start(semconv.OP_TEXT_COMPLETION, serialized, run_id, parent_run_id, content, kwargs)
 
-    @_never_raise
+    @guarded
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         span = self._pop(run_id)
         if span is None:
@@ -159,36 +149,35 @@ class AglCallbackHandler(BaseCallbackHandler):
             span.set_attribute(semconv.GEN_AI_OUTPUT_MESSAGES, _convert.output_json(response))
         span.end()
 
-    @_never_raise
+    @guarded
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         self._fail(run_id, error)
 
     # --- chains / graph nodes ------------------------------------------------------------------------
-    @_never_raise
+    @guarded
     def on_chain_start(self, serialized: dict[str, Any] | None, inputs: Any, *, run_id: UUID,
                        parent_run_id: UUID | None = None, **kwargs: Any) -> None:
         name = _convert.run_name(serialized, kwargs, "chain")
         attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_STEP}
-        metadata = kwargs.get("metadata") or {}
-        node = metadata.get("langgraph_node")
-        # The span of the graph node itself names the agent; runs inside it inherit through the tree.
-        if isinstance(node, str) and node == name:
+        agent = self._enclosing_agent(parent_run_id)
+        starts_agent = parent_run_id is None and agent is not None
+        if agent is None and langgraph_role(name, kwargs.get("metadata")):
+            agent, starts_agent = name, True
+        if starts_agent:
             attrs[semconv.GEN_AI_OPERATION_NAME] = semconv.OP_INVOKE_AGENT
-            attrs[semconv.GEN_AI_AGENT_NAME] = self.agent_name or node
-        elif parent_run_id is None and self.agent_name:
-            attrs[semconv.GEN_AI_AGENT_NAME] = self.agent_name
-        self._start(run_id, parent_run_id, name, attrs)
+            attrs[semconv.GEN_AI_AGENT_NAME] = agent
+        self._start(run_id, parent_run_id, name, attrs, agent=agent)
 
-    @_never_raise
+    @guarded
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
         self._succeed(run_id)
 
-    @_never_raise
+    @guarded
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         self._fail(run_id, error)
 
     # --- tools ---------------------------------------------------------------------------------------
-    @_never_raise
+    @guarded
     def on_tool_start(self, serialized: dict[str, Any] | None, input_str: str, *, run_id: UUID,
                       parent_run_id: UUID | None = None, **kwargs: Any) -> None:
         name = _convert.run_name(serialized, kwargs, "tool")
@@ -196,12 +185,15 @@ class AglCallbackHandler(BaseCallbackHandler):
         call_id = kwargs.get("tool_call_id") or (kwargs.get("metadata") or {}).get("tool_call_id")
         if isinstance(call_id, str):
             attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
-        self._start(run_id, parent_run_id, f"{semconv.OP_EXECUTE_TOOL} {name}", attrs)
+        agent = self._enclosing_agent(parent_run_id)
+        if agent:
+            attrs[semconv.GEN_AI_AGENT_NAME] = agent
+        self._start(run_id, parent_run_id, f"{semconv.OP_EXECUTE_TOOL} {name}", attrs, agent=agent)
 
-    @_never_raise
+    @guarded
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         self._succeed(run_id)
 
-    @_never_raise
+    @guarded
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         self._fail(run_id, error)
