@@ -1,0 +1,230 @@
+"""``AglTracingProcessor``: an Agents SDK trace processor that records the SDK's spans as OpenTelemetry
+spans, and ``instrument()`` / ``uninstrument()`` that add it to (and remove it from) the SDK."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from contextvars import ContextVar, Token
+from typing import Any
+
+from agents.tracing import TracingProcessor
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from agl_core import semconv
+from agl_core._hooks import HookErrors, guarded
+from agl_core.tracing import get_tracer, rollout_attributes
+
+from . import _convert
+
+__all__ = ["AglTracingProcessor", "instrument", "uninstrument"]
+
+logger = logging.getLogger(__name__)
+_propagator = TraceContextTextMapPropagator()
+
+
+def _headers_override() -> ContextVar[dict[str, str] | None] | None:
+    # The SDK's chat-completions model merges this context variable into the headers of each request it
+    # sends (its own hook for per-call headers, also used by its LiteLLM / any-llm models). Putting the
+    # W3C traceparent of the generation span there makes the gateway span a child of it: an exact join.
+    # When a future SDK drops it, calls are still joined, by order within the rollout.
+    try:
+        from agents.models.chatcmpl_helpers import HEADERS_OVERRIDE
+    except ImportError:
+        return None
+    return HEADERS_OVERRIDE
+
+
+@dataclasses.dataclass
+class _Open:
+    """An SDK span or trace we are recording: its OTel span and what its children inherit."""
+
+    span: trace.Span
+    rollout: dict[str, str]
+    agent: str | None
+    #: Tool calls of the generations under this span that no function span has claimed yet.
+    tool_calls: list[_convert.ToolCall] = dataclasses.field(default_factory=list)
+    headers_token: Token[dict[str, str] | None] | None = None
+
+
+class AglTracingProcessor(TracingProcessor):
+    """Records Agents SDK traces and spans as OpenTelemetry spans following the GenAI conventions.
+
+    Agents become ``invoke_agent`` spans, generations / responses ``chat`` spans (with usage and, unless
+    ``capture_content=False``, the messages), function tools ``execute_tool`` spans with the tool call
+    id and error status, handoffs and guardrails ``agl.handoff`` / ``agl.guardrail`` spans. Every span
+    carries the rollout identity of the context the SDK trace started in, and the agent name.
+    """
+
+    def __init__(self, *, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = True) -> None:
+        self.capture_content = capture_content
+        self._tracer = get_tracer(tracer_provider)
+        self._open: dict[str, _Open] = {}
+        self._lock = threading.Lock()
+        self._headers = _headers_override()
+        self.hook_errors = HookErrors("OpenAI Agents SDK")
+        #: ``uninstrument()`` turns the processor off when it cannot take it out of the SDK.
+        self.enabled = True
+
+    def _start(self, key: str, parent_key: str | None, name: str, attrs: dict[str, Any], agent: str | None,
+               kind: SpanKind = SpanKind.INTERNAL) -> _Open:
+        with self._lock:
+            parent = self._open.get(parent_key) if parent_key else None
+        ctx = trace.set_span_in_context(parent.span) if parent is not None else otel_context.get_current()
+        rollout = rollout_attributes() or (parent.rollout if parent is not None else {})
+        agent = agent or (parent.agent if parent is not None else None)
+        attrs = {**attrs, **rollout, semconv.SOURCE: semconv.SOURCE_OPENAI_AGENTS}
+        if agent and semconv.GEN_AI_AGENT_NAME not in attrs:
+            attrs[semconv.GEN_AI_AGENT_NAME] = agent
+        opened = _Open(self._tracer.start_span(name, context=ctx, kind=kind, attributes=attrs), rollout, agent)
+        with self._lock:
+            self._open[key] = opened
+        return opened
+
+    # --- traces --------------------------------------------------------------------------------------
+    @guarded
+    def on_trace_start(self, trace: Any) -> None:
+        if self.enabled:
+            self._start(trace.trace_id, None, trace.name, {semconv.GEN_AI_OPERATION_NAME: semconv.OP_STEP}, None)
+
+    @guarded
+    def on_trace_end(self, trace: Any) -> None:
+        with self._lock:
+            opened = self._open.pop(trace.trace_id, None)
+        if opened is not None:
+            opened.span.end()
+
+    # --- spans ---------------------------------------------------------------------------------------
+    @guarded
+    def on_span_start(self, span: Any) -> None:
+        if not self.enabled:
+            return
+        data = span.span_data
+        llm = data.type in ("generation", "response")
+        opened = self._start(
+            span.span_id,
+            span.parent_id or span.trace_id,
+            _convert.span_name(data),
+            _convert.start_attributes(data),
+            _convert.agent_name(data),
+            SpanKind.CLIENT if llm else SpanKind.INTERNAL,
+        )
+        if llm and self._headers is not None:
+            carrier: dict[str, str] = {}
+            _propagator.inject(carrier, context=trace.set_span_in_context(opened.span))
+            opened.headers_token = self._headers.set({**(self._headers.get() or {}), **carrier})
+
+    @guarded
+    def on_span_end(self, span: Any) -> None:
+        with self._lock:
+            opened = self._open.pop(span.span_id, None)
+            parent = self._open.get(span.parent_id or span.trace_id)
+        if opened is None:
+            return
+        if opened.headers_token is not None and self._headers is not None:
+            try:
+                self._headers.reset(opened.headers_token)
+            except ValueError:  # ended in another context than it started in; nothing of ours is left there
+                pass
+        data = span.span_data
+        otel_span = opened.span
+        otel_span.set_attributes(_convert.end_attributes(data, capture_content=self.capture_content))
+        if data.type == "generation" and parent is not None:
+            parent.tool_calls.extend(_convert.tool_calls(data.output))
+        elif data.type == "function" and parent is not None:
+            call_id = _convert.match_tool_call(data.name, data.input, parent.tool_calls)
+            if call_id:
+                otel_span.set_attribute(semconv.GEN_AI_TOOL_CALL_ID, call_id)
+        if data.type == "handoff" and data.to_agent:
+            otel_span.update_name(_convert.span_name(data))
+        if span.error:
+            error_type, description = _convert.error_description(span.error)
+            otel_span.set_attribute(semconv.ERROR_TYPE, error_type)
+            otel_span.set_status(Status(StatusCode.ERROR, description))
+        else:
+            otel_span.set_status(Status(StatusCode.OK))
+        otel_span.end()
+
+    def shutdown(self) -> None:
+        self.force_flush()
+
+    def force_flush(self) -> None:
+        """Spans go out through the OpenTelemetry tracer provider; flush that to export them."""
+
+
+# --- instrument / uninstrument -----------------------------------------------------------------------
+@dataclasses.dataclass
+class _Installed:
+    processor: AglTracingProcessor
+    #: The SDK's processors before ``instrument(replace_processors=True)``; ``None`` when agl only added.
+    replaced: tuple[Any, ...] | None
+
+
+_installed: _Installed | None = None
+_install_lock = threading.Lock()
+
+
+def _sdk_processors() -> tuple[Any, ...] | None:
+    # The SDK can add or replace processors but has no public way to list them; uninstrument() needs the
+    # list to take agl's out and leave the user's. None when a future SDK keeps them elsewhere.
+    from agents.tracing import get_trace_provider
+
+    multi = getattr(get_trace_provider(), "_multi_processor", None)
+    processors = getattr(multi, "_processors", None)
+    return tuple(processors) if isinstance(processors, (tuple, list)) else None
+
+
+def instrument(
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+    capture_content: bool = True,
+    replace_processors: bool = False,
+) -> AglTracingProcessor:
+    """Record the Agents SDK's traces as OpenTelemetry spans; returns the processor.
+
+    Adds :class:`AglTracingProcessor` next to the processors already registered (the SDK's own exporter
+    to the OpenAI dashboard included); ``replace_processors=True`` makes it the only one. Calling it
+    again while instrumented returns the same processor and changes nothing.
+    """
+    global _installed
+    from agents.tracing import add_trace_processor, set_trace_processors
+
+    with _install_lock:
+        if _installed is not None:
+            return _installed.processor
+        processor = AglTracingProcessor(tracer_provider=tracer_provider, capture_content=capture_content)
+        replaced = None
+        if replace_processors:
+            replaced = _sdk_processors()
+            if replaced is None:
+                logger.warning("agl: cannot list the Agents SDK's trace processors; uninstrument() cannot restore them")
+                replaced = ()
+            set_trace_processors([processor])
+        else:
+            add_trace_processor(processor)
+        _installed = _Installed(processor, replaced)
+        return processor
+
+
+def uninstrument() -> None:
+    """Take agl's processor out of the SDK; with ``replace_processors=True`` the previous ones come back."""
+    global _installed
+    from agents.tracing import set_trace_processors
+
+    with _install_lock:
+        if _installed is None:
+            return
+        installed, _installed = _installed, None
+        installed.processor.enabled = False
+        if installed.replaced is not None:
+            set_trace_processors(list(installed.replaced))
+            return
+        current = _sdk_processors()
+        if current is None:
+            logger.warning("agl: cannot list the Agents SDK's trace processors; agl's stays registered, switched off")
+            return
+        set_trace_processors([p for p in current if p is not installed.processor])
