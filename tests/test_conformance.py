@@ -314,19 +314,20 @@ def test_a_failing_hook_never_breaks_the_agent(stack: Stack, framework: str, cap
     assert failures and len(failures) == len(set(failures)), failures  # each failing hook logged once
 
 
-def _autogen_bindings() -> dict[tuple[str, str], Any]:
+def _autogen_bindings() -> dict[tuple[Any, str], Any]:
+    """``{(module or class, attribute): value}`` of everything agl_autogen may patch."""
     import sys
 
     from autogen_agentchat.teams import BaseGroupChat
     from autogen_ext.models.openai import BaseOpenAIChatCompletionClient
 
-    found = {(name, attr): value for name, module in list(sys.modules.items())
+    found = {(module, attr): value for name, module in list(sys.modules.items())
              if module is not None and name.startswith(("autogen_agentchat", "autogen_core"))
              for attr, value in vars(module).items() if attr in ("trace_invoke_agent_span", "trace_tool_span")}
     for cls in (BaseGroupChat, BaseOpenAIChatCompletionClient):
         for attr in ("run_stream", "create", "create_stream"):
             if attr in cls.__dict__:
-                found[(cls.__name__, attr)] = cls.__dict__[attr]
+                found[(cls, attr)] = cls.__dict__[attr]
     return found
 
 
@@ -383,3 +384,22 @@ def test_autogen_teams_name_their_agents(stack: Stack, kind: str) -> None:
     team = {"round_robin": "RoundRobinGroupChat", "selector": "SelectorGroupChat", "swarm": "Swarm"}[kind]
     first = {"round_robin": ["triage"], "selector": [team], "swarm": ["triage"]}[kind]
     assert [t.agent_name for t in result.transitions] == [*first, "solver", "solver", "solver"]
+
+
+def test_autogen_uninstrumented_out_of_order_keeps_the_other_instrumentor_working(stack: Stack) -> None:
+    import agl_autogen
+
+    before = _autogen_bindings()
+    oi = _openinference("autogen")
+    try:
+        agl_autogen.instrument(tracer_provider=stack.provider)
+        oi.instrument(tracer_provider=stack.provider)
+        agl_autogen.uninstrument()  # OpenInference wrapped after agl: agl switches itself off instead
+        output = run_rollout(stack, "autogen", "single", "ro-out-of-order", [])
+        assert output == FINAL_ANSWER
+        sources = {source_of(s) for s in stack.spans("ro-out-of-order")}
+        assert semconv.SOURCE_OPENINFERENCE in sources and semconv.SOURCE_AUTOGEN not in sources
+    finally:
+        oi.uninstrument()
+        for (owner, attr), value in before.items():  # leave the exact originals for the other tests
+            setattr(owner, attr, value)

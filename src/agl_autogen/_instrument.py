@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import logging
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -36,6 +37,8 @@ from agl_core.tracing import context_rollout_attributes, get_tracer, mark_span_e
 from . import _convert
 
 __all__ = ["instrument", "uninstrument"]
+
+logger = logging.getLogger(__name__)
 
 #: The agent whose turn is running in this context (for LLM and tool spans).
 _current_agent: ContextVar[str | None] = ContextVar("agl_autogen_agent", default=None)
@@ -60,6 +63,8 @@ class _Tracing:
     tracer: trace.Tracer
     capture_content: bool
     hooks: HookErrors
+    #: False after ``uninstrument()`` when a wrapper could not be taken out (see :func:`uninstrument`).
+    active: bool = True
 
     def start(self, name: str, attrs: dict[str, Any], kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
         attrs = {**attrs, **context_rollout_attributes(), semconv.SOURCE: semconv.SOURCE_AUTOGEN}
@@ -75,6 +80,9 @@ class _Tracing:
         Errors of the block are recorded on the span and re-raised untouched; agl's own errors are
         reported (once) and the block runs on without the span.
         """
+        if not self.active:
+            yield None
+            return
         span = self.hooks.call(hook, lambda: self.start(name, attrs(), kind))
         token = otel_context.attach(trace.set_span_in_context(span)) if span is not None else None
         agent_token = _current_agent.set(agent) if agent else None
@@ -185,20 +193,24 @@ class _Tracing:
 
 
 # --- patching ----------------------------------------------------------------------------------------
+_Patch = tuple[Any, str, Any, Any]  # (owner, attribute, original, agl's wrapper)
+
+
 @dataclasses.dataclass
 class _Installed:
-    #: ``(owner, attribute, original)`` for every patched binding, in patch order.
-    patches: list[tuple[Any, str, Any]]
+    tracing: _Tracing
+    #: Every patched binding, in patch order.
+    patches: list[_Patch]
 
 
 _installed: _Installed | None = None
 _install_lock = threading.Lock()
 
 
-def _patch(patches: list[tuple[Any, str, Any]], owner: Any, attribute: str, wrapper: Callable[..., Any]) -> None:
+def _patch(patches: list[_Patch], owner: Any, attribute: str, wrapper: Callable[..., Any]) -> None:
     original = owner.__dict__[attribute]
     setattr(owner, attribute, wrapper)
-    patches.append((owner, attribute, original))
+    patches.append((owner, attribute, original, wrapper))
 
 
 def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
@@ -233,7 +245,7 @@ def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_c
         if _installed is not None:
             return
         tracing = _Tracing(get_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
-        patches: list[tuple[Any, str, Any]] = []
+        patches: list[_Patch] = []
         try:
             for helper, wrap in ((trace_invoke_agent_span, tracing.wrap_agent_helper),
                                  (trace_tool_span, tracing.wrap_tool_helper)):
@@ -251,18 +263,31 @@ def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_c
         except BaseException:
             _restore(patches)
             raise
-        _installed = _Installed(patches)
+        _installed = _Installed(tracing, patches)
 
 
-def _restore(patches: list[tuple[Any, str, Any]]) -> None:
-    for owner, attribute, original in reversed(patches):
-        setattr(owner, attribute, original)
+def _restore(patches: list[_Patch]) -> bool:
+    """Put the originals back where agl's wrapper is still in place; False if one was wrapped again."""
+    clean = True
+    for owner, attribute, original, wrapper in reversed(patches):
+        if owner.__dict__.get(attribute) is wrapper:
+            setattr(owner, attribute, original)
+        else:
+            clean = False
+    return clean
 
 
 def uninstrument() -> None:
-    """Put back every original agl replaced; spans already open finish normally."""
+    """Put back every original agl replaced; spans already open finish normally.
+
+    Where another instrumentor wrapped a method after agl did, taking agl's wrapper out would take
+    theirs out too: agl's wrapper stays there, switched off. Uninstrument in the reverse order of
+    instrumenting to get the exact originals back.
+    """
     global _installed
     with _install_lock:
         if _installed is not None:
-            _restore(_installed.patches)
+            if not _restore(_installed.patches):
+                _installed.tracing.active = False
+                logger.info("agl: AutoGen was instrumented again after agl; agl's wrappers stay, switched off")
             _installed = None
