@@ -403,3 +403,33 @@ def test_autogen_uninstrumented_out_of_order_keeps_the_other_instrumentor_workin
         oi.uninstrument()
         for (owner, attr), value in before.items():  # leave the exact originals for the other tests
             setattr(owner, attr, value)
+
+
+def test_agl_inspect_prints_the_tree_the_transitions_and_why_a_call_made_none(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
+    from langchain_openai import ChatOpenAI
+
+    from agl_core.cli import main
+    from agl_langchain import AglCallbackHandler
+
+    rollout_id = "ro-inspect"
+    handler = AglCallbackHandler(tracer_provider=stack.provider)
+    output = run_rollout(stack, "langchain", "multi", rollout_id, [handler])
+    assert output == FINAL_ANSWER
+    with rollout_scope(rollout_id, tracer_provider=stack.provider):
+        # a call that bypasses the rollout's gateway URL: the gateway cannot attribute it to the rollout
+        stray = ChatOpenAI(base_url=stack.gateway_url + "/v1", api_key="x", model="tiny", max_retries=0)
+        stray.invoke([("system", "ROLE=triage"), ("user", "hi")], config={"callbacks": [handler]})
+    stack.provider.force_flush()
+
+    assert main(["inspect", rollout_id, "--store", stack.client.url]) == 0
+    out = capsys.readouterr().out
+    assert f"rollout {rollout_id}: " in out and "4 LLM calls through the gateway, 4 transitions" in out
+    assert "      triage  [agent, langchain, agent=triage]" in out and "agent=solver" in out
+    assert "execute_tool divide  [tool, langchain, agent=solver, ERROR ZeroDivisionError" in out
+    for i in range(4):  # on the framework's LLM span and on the gateway's
+        assert out.count(f"-> transition {i}]") == 2
+    assert out.count("-> no transition: LLM call has no gateway span with token ids") == 1
+    assert "problems\n  span " in out
+
+    assert main(["inspect", "ro-nothing", "--store", stack.client.url]) == 1
+    assert "has no spans of rollout 'ro-nothing'" in capsys.readouterr().err

@@ -205,6 +205,7 @@ def test_an_agl_span_and_an_openinference_span_of_one_call_make_one_transition()
     result = spans_to_transitions([*spans, _reward("ro-both", root, 1.0)])
     assert result.problems == ()
     assert [t.agent_name for t in result.transitions] == ["solver", "solver"]  # the agl span names the agent
+    assert sorted(result.joins.values()) == sorted([t.span_id for t in result.transitions] * 2)  # both sources joined
 
 
 def test_openinference_langgraph_nodes_name_agents():

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from . import semconv
 from .records import Span, Transition
@@ -47,6 +47,8 @@ class Problem:
 class TransitionResult:
     transitions: tuple[Transition, ...]
     problems: tuple[Problem, ...]
+    #: ``{framework LLM span id: gateway span id}`` of every join made (from every source).
+    joins: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def reasons(self) -> dict[str, int]:
         """How many problems of each reason."""
@@ -100,12 +102,13 @@ def spans_to_transitions(spans: Iterable[Span]) -> TransitionResult:
     rewards = episode_rewards(s for group in by_rollout.values() for s in group)
     transitions: list[Transition] = []
     problems: list[Problem] = []
+    joins: dict[str, str] = {}
     for rollout_id, group in by_rollout.items():
         group.sort(key=lambda s: (s.start_ns, s.seq or 0))
-        made, found = _rollout_transitions(rollout_id, group, rewards.get(rollout_id))
+        made, found = _rollout_transitions(rollout_id, group, rewards.get(rollout_id), joins)
         transitions.extend(made)
         problems.extend(found)
-    return TransitionResult(tuple(transitions), tuple(problems))
+    return TransitionResult(tuple(transitions), tuple(problems), joins)
 
 
 
@@ -157,7 +160,7 @@ def _join_source(
 
 
 def _rollout_transitions(
-    rollout_id: str, spans: Sequence[Span], reward: float | None
+    rollout_id: str, spans: Sequence[Span], reward: float | None, joins: dict[str, str]
 ) -> tuple[list[Transition], list[Problem]]:
     tree = SpanTree(spans)
     gateway = [s for s in tree.spans if is_gateway_llm(s)]
@@ -176,6 +179,7 @@ def _rollout_transitions(
         problems.extend(found)
         for gateway_id, partner in joined.items():
             partners.setdefault(gateway_id, partner)
+            joins[partner.span_id] = gateway_id
 
     if not gateway:
         problems.append(Problem(rollout_id, NO_LLM_CALL))
