@@ -114,16 +114,16 @@ def instrumented(framework: str, source: str, provider: Any) -> Iterator[list[An
         if framework == "langchain":
             from agl_langchain import AglCallbackHandler
 
-            callbacks.append(AglCallbackHandler(tracer_provider=provider))
+            callbacks.append(AglCallbackHandler(tracer_provider=provider, capture_content=True))
         elif framework == "openai_agents":
             import agl_openai_agents
 
-            agl_openai_agents.instrument(tracer_provider=provider)
+            agl_openai_agents.instrument(tracer_provider=provider, capture_content=True)
             undo.append(agl_openai_agents.uninstrument)
         else:
             import agl_autogen
 
-            agl_autogen.instrument(tracer_provider=provider)
+            agl_autogen.instrument(tracer_provider=provider, capture_content=True)
             undo.append(agl_autogen.uninstrument)
     try:
         yield callbacks

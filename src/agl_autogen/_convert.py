@@ -79,7 +79,7 @@ def tool_attributes(tool_name: str, call_id: str | None, agent_name: str | None)
 def llm_start_attributes(
     model: str | None, messages: Sequence[Any] | None, agent_name: str | None, *, capture_content: bool
 ) -> dict[str, Any]:
-    attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT, semconv.GEN_AI_PROVIDER_NAME: "openai"}
+    attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT}
     if model:
         attrs[semconv.GEN_AI_REQUEST_MODEL] = model
     if agent_name:

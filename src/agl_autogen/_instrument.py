@@ -28,7 +28,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from agl_core import semconv
 from agl_core._hooks import HookErrors
@@ -77,7 +77,7 @@ class _Tracing:
     ) -> Iterator[trace.Span | None]:
         """Run the block under a new span (current for the block), as ``agent``'s turn when given.
 
-        Errors of the block are recorded on the span and re-raised untouched; agl's own errors are
+        Errors of the block are recorded on the span (ERROR status) and re-raised untouched; agl's own errors are
         reported (once) and the block runs on without the span.
         """
         if not self.active:
@@ -92,10 +92,7 @@ class _Tracing:
             if span is not None:
                 self.hooks.call(hook, mark_span_error, span, exc)
             raise
-        else:
-            if span is not None:
-                span.set_status(Status(StatusCode.OK))
-        finally:
+        finally:  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
             with contextlib.suppress(ValueError):  # ended in another context (an abandoned generator)
                 if agent_token is not None:
                     _current_agent.reset(agent_token)
@@ -228,7 +225,7 @@ def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
     return sites
 
 
-def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = True) -> None:
+def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False) -> None:
     """Record AutoGen AgentChat agents, teams, tool calls and model-client calls as OpenTelemetry spans.
 
     Agent turns (alone or in a round-robin, selector or swarm team) become ``invoke_agent`` spans named

@@ -17,9 +17,11 @@ __all__ = [
     "agent_name",
     "end_attributes",
     "error_description",
+    "is_bookkeeping",
     "match_tool_call",
     "span_name",
     "start_attributes",
+    "start_info",
     "tool_calls",
 ]
 
@@ -58,6 +60,15 @@ def span_name(data: Any) -> str:
     return name if isinstance(name, str) and name else kind or "span"
 
 
+def is_bookkeeping(data: Any) -> bool:
+    """The SDK's ``task`` and ``turn`` spans, which only group what runs inside them (older SDKs made
+    them custom spans with an ``sdk_span_type``)."""
+    kind = getattr(data, "type", "")
+    if kind == "custom":
+        kind = (getattr(data, "data", None) or {}).get("sdk_span_type")
+    return kind in ("task", "turn")
+
+
 def model_name(data: Any) -> str | None:
     model = getattr(data, "model", None)
     if isinstance(model, str) and model:
@@ -72,10 +83,10 @@ def agent_name(data: Any) -> str | None:
     kind = getattr(data, "type", "")
     if kind == "agent":
         return str(data.name)
+    value = getattr(data, "agent_name", None)
     if kind == "custom":
         value = (getattr(data, "data", None) or {}).get("agent_name")
-        return value if isinstance(value, str) and value else None
-    return None
+    return value if isinstance(value, str) and value else None
 
 
 def start_attributes(data: Any) -> dict[str, Any]:
@@ -89,7 +100,6 @@ def start_attributes(data: Any) -> dict[str, Any]:
     elif kind == "guardrail":
         attrs[semconv.GUARDRAIL_NAME] = str(data.name)
     elif kind in ("generation", "response"):
-        attrs[semconv.GEN_AI_PROVIDER_NAME] = "openai"
         model = model_name(data)
         if model:
             attrs[semconv.GEN_AI_REQUEST_MODEL] = model
@@ -104,6 +114,11 @@ def start_attributes(data: Any) -> dict[str, Any]:
     return attrs
 
 
+def start_info(data: Any) -> tuple[str, dict[str, Any], str | None, bool]:
+    """``(span name, start attributes, agent name, is an LLM call)`` in one pass (the hot path)."""
+    return span_name(data), start_attributes(data), agent_name(data), getattr(data, "type", "") in ("generation", "response")
+
+
 def _usage(usage: Any) -> dict[str, int]:
     if usage is None:
         return {}
@@ -116,7 +131,7 @@ def _usage(usage: Any) -> dict[str, int]:
     return out
 
 
-def end_attributes(data: Any, *, capture_content: bool = True) -> dict[str, Any]:
+def end_attributes(data: Any, *, capture_content: bool = False) -> dict[str, Any]:
     """Attributes known when the span ends (outputs, usage, handoff target, guardrail result)."""
     kind = getattr(data, "type", "")
     attrs: dict[str, Any] = {}

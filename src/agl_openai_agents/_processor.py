@@ -12,8 +12,7 @@ from typing import Any
 from agents.tracing import TracingProcessor
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span
 
 from agl_core import semconv
 from agl_core._hooks import HookErrors, guarded
@@ -24,7 +23,6 @@ from . import _convert
 __all__ = ["AglTracingProcessor", "instrument", "uninstrument"]
 
 logger = logging.getLogger(__name__)
-_propagator = TraceContextTextMapPropagator()
 
 
 def _headers_override() -> ContextVar[dict[str, str] | None] | None:
@@ -39,32 +37,39 @@ def _headers_override() -> ContextVar[dict[str, str] | None] | None:
     return HEADERS_OVERRIDE
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Open:
     """An SDK span or trace we are recording: its OTel span and what its children inherit."""
 
     span: trace.Span
     rollout: dict[str, str]
     agent: str | None
-    #: Tool calls of the generations under this span that no function span has claimed yet.
+    #: Tool calls of the generations under this span that no function span has claimed yet (shared
+    #: with the SDK spans folded into this one).
     tool_calls: list[_convert.ToolCall] = dataclasses.field(default_factory=list)
     headers_token: Token[dict[str, str] | None] | None = None
+    #: An SDK bookkeeping span recorded as its parent's span (not ended by its own end).
+    folded: bool = False
 
 
 class AglTracingProcessor(TracingProcessor):
     """Records Agents SDK traces and spans as OpenTelemetry spans following the GenAI conventions.
 
-    Agents become ``invoke_agent`` spans, generations / responses ``chat`` spans (with usage and, unless
-    ``capture_content=False``, the messages), function tools ``execute_tool`` spans with the tool call
-    id and error status, handoffs and guardrails ``agl.handoff`` / ``agl.guardrail`` spans. Every span
-    carries the rollout identity of the context the SDK trace started in, and the agent name.
+    Agents become ``invoke_agent`` spans, generations / responses ``chat`` spans (with usage and, with
+    ``capture_content=True``, the messages), function tools ``execute_tool`` spans with the tool call
+    id and error status, handoffs and guardrails ``agl.handoff`` / ``agl.guardrail`` spans. The SDK's
+    traces and its ``task`` and ``turn`` bookkeeping spans get no span of their own (what runs in them
+    nests under their parent; an SDK trace's agents under the span current where the trace started,
+    the rollout's). Every span carries the rollout identity of the context the SDK trace started in, and
+    the agent name.
     """
 
-    def __init__(self, *, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = True) -> None:
+    def __init__(self, *, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False) -> None:
         self.capture_content = capture_content
         self._tracer = get_tracer(tracer_provider)
+        # Each operation on it is a single dict operation (atomic under the GIL); an SDK span's start and
+        # end never race, so no lock is needed across threads.
         self._open: dict[str, _Open] = {}
-        self._lock = threading.Lock()
         self._headers = _headers_override()
         self.hook_errors = HookErrors("OpenAI Agents SDK")
         #: ``uninstrument()`` turns the processor off when it cannot take it out of the SDK.
@@ -72,31 +77,30 @@ class AglTracingProcessor(TracingProcessor):
 
     def _start(self, key: str, parent_key: str | None, name: str, attrs: dict[str, Any], agent: str | None,
                kind: SpanKind = SpanKind.INTERNAL) -> _Open:
-        with self._lock:
-            parent = self._open.get(parent_key) if parent_key else None
-        ctx = trace.set_span_in_context(parent.span) if parent is not None else otel_context.get_current()
-        rollout = rollout_attributes() or (parent.rollout if parent is not None else {})
-        agent = agent or (parent.agent if parent is not None else None)
+        parent = self._open.get(parent_key) if parent_key else None
+        if parent is not None:  # the rollout was read where the SDK trace started
+            ctx, rollout, agent = trace.set_span_in_context(parent.span), parent.rollout, agent or parent.agent
+        else:
+            ctx, rollout = otel_context.get_current(), rollout_attributes()
         attrs = {**attrs, **rollout, semconv.SOURCE: semconv.SOURCE_OPENAI_AGENTS}
         if agent and semconv.GEN_AI_AGENT_NAME not in attrs:
             attrs[semconv.GEN_AI_AGENT_NAME] = agent
         opened = _Open(self._tracer.start_span(name, context=ctx, kind=kind, attributes=attrs), rollout, agent)
-        with self._lock:
-            self._open[key] = opened
+        self._open[key] = opened
         return opened
 
     # --- traces --------------------------------------------------------------------------------------
     @guarded
     def on_trace_start(self, trace: Any) -> None:
+        # An SDK trace (one Runner.run, or the user's ``trace()`` block) gets no span: its agents nest
+        # under the span current where it started, the rollout's or the user's own.
         if self.enabled:
-            self._start(trace.trace_id, None, trace.name, {semconv.GEN_AI_OPERATION_NAME: semconv.OP_STEP}, None)
+            current = get_current_span()
+            self._open[trace.trace_id] = _Open(current, rollout_attributes(), None, folded=True)
 
     @guarded
     def on_trace_end(self, trace: Any) -> None:
-        with self._lock:
-            opened = self._open.pop(trace.trace_id, None)
-        if opened is not None:
-            opened.span.end()
+        self._open.pop(trace.trace_id, None)
 
     # --- spans ---------------------------------------------------------------------------------------
     @guarded
@@ -104,26 +108,24 @@ class AglTracingProcessor(TracingProcessor):
         if not self.enabled:
             return
         data = span.span_data
-        llm = data.type in ("generation", "response")
-        opened = self._start(
-            span.span_id,
-            span.parent_id or span.trace_id,
-            _convert.span_name(data),
-            _convert.start_attributes(data),
-            _convert.agent_name(data),
-            SpanKind.CLIENT if llm else SpanKind.INTERNAL,
-        )
+        parent_key = span.parent_id or span.trace_id
+        if _convert.is_bookkeeping(data) and parent_key in self._open:
+            parent = self._open[parent_key]
+            agent = _convert.agent_name(data) or parent.agent
+            self._open[span.span_id] = _Open(parent.span, parent.rollout, agent, parent.tool_calls, folded=True)
+            return
+        name, attrs, agent, llm = _convert.start_info(data)
+        opened = self._start(span.span_id, parent_key, name, attrs, agent, SpanKind.CLIENT if llm else SpanKind.INTERNAL)
         if llm and self._headers is not None:
-            carrier: dict[str, str] = {}
-            _propagator.inject(carrier, context=trace.set_span_in_context(opened.span))
-            opened.headers_token = self._headers.set({**(self._headers.get() or {}), **carrier})
+            context = opened.span.get_span_context()
+            traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+            opened.headers_token = self._headers.set({**(self._headers.get() or {}), semconv.HEADER_TRACEPARENT: traceparent})
 
     @guarded
     def on_span_end(self, span: Any) -> None:
-        with self._lock:
-            opened = self._open.pop(span.span_id, None)
-            parent = self._open.get(span.parent_id or span.trace_id)
-        if opened is None:
+        opened = self._open.pop(span.span_id, None)
+        parent = self._open.get(span.parent_id or span.trace_id)
+        if opened is None or opened.folded:
             return
         if opened.headers_token is not None and self._headers is not None:
             try:
@@ -131,22 +133,23 @@ class AglTracingProcessor(TracingProcessor):
             except ValueError:  # ended in another context than it started in; nothing of ours is left there
                 pass
         data = span.span_data
+        kind = data.type
         otel_span = opened.span
-        otel_span.set_attributes(_convert.end_attributes(data, capture_content=self.capture_content))
-        if data.type == "generation" and parent is not None:
+        attrs = _convert.end_attributes(data, capture_content=self.capture_content)
+        if kind == "generation" and parent is not None:
             parent.tool_calls.extend(_convert.tool_calls(data.output))
-        elif data.type == "function" and parent is not None:
+        elif kind == "function" and parent is not None:
             call_id = _convert.match_tool_call(data.name, data.input, parent.tool_calls)
             if call_id:
-                otel_span.set_attribute(semconv.GEN_AI_TOOL_CALL_ID, call_id)
-        if data.type == "handoff" and data.to_agent:
+                attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
+        elif kind == "handoff" and data.to_agent:
             otel_span.update_name(_convert.span_name(data))
-        if span.error:
+        if attrs:
+            otel_span.set_attributes(attrs)
+        if span.error:  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
             error_type, description = _convert.error_description(span.error)
             otel_span.set_attribute(semconv.ERROR_TYPE, error_type)
             otel_span.set_status(Status(StatusCode.ERROR, description))
-        else:
-            otel_span.set_status(Status(StatusCode.OK))
         otel_span.end()
 
     def shutdown(self) -> None:
@@ -181,7 +184,7 @@ def _sdk_processors() -> tuple[Any, ...] | None:
 def instrument(
     *,
     tracer_provider: trace.TracerProvider | None = None,
-    capture_content: bool = True,
+    capture_content: bool = False,
     replace_processors: bool = False,
 ) -> AglTracingProcessor:
     """Record the Agents SDK's traces as OpenTelemetry spans; returns the processor.
