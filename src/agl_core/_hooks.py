@@ -7,16 +7,14 @@ agent's code always reaches the agent unchanged.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-__all__ = ["HookErrors", "guarded"]
+__all__ = ["HookErrors"]
 
 logger = logging.getLogger("agl.adapters")
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class HookErrors:
@@ -42,17 +40,3 @@ class HookErrors:
         except Exception:
             self.report(hook)
             return None
-
-
-def guarded(method: F) -> F:
-    """Method decorator for hook objects that have a ``hook_errors: HookErrors`` attribute."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except Exception:
-            self.hook_errors.report(method.__name__)
-            return None
-
-    return wrapper  # type: ignore[return-value]

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span
 
 from agl_core import semconv
-from agl_core._hooks import HookErrors, guarded
+from agl_core._hooks import HookErrors
 from agl_core.tracing import get_tracer, rollout_attributes
 
 from . import _convert
@@ -90,67 +90,76 @@ class AglTracingProcessor(TracingProcessor):
         return opened
 
     # --- traces --------------------------------------------------------------------------------------
-    @guarded
+    # Every hook catches its own errors inline (the SDK calls them several times per LLM call).
     def on_trace_start(self, trace: Any) -> None:
-        # An SDK trace (one Runner.run, or the user's ``trace()`` block) gets no span: its agents nest
-        # under the span current where it started, the rollout's or the user's own.
-        if self.enabled:
-            current = get_current_span()
-            self._open[trace.trace_id] = _Open(current, rollout_attributes(), None, folded=True)
+        try:
+            # An SDK trace (one Runner.run, or the user's ``trace()`` block) gets no span: its agents nest
+            # under the span current where it started, the rollout's or the user's own.
+            if self.enabled:
+                current = get_current_span()
+                self._open[trace.trace_id] = _Open(current, rollout_attributes(), None, folded=True)
+        except Exception:
+            self.hook_errors.report("on_trace_start")
 
-    @guarded
     def on_trace_end(self, trace: Any) -> None:
-        self._open.pop(trace.trace_id, None)
+        try:
+            self._open.pop(trace.trace_id, None)
+        except Exception:
+            self.hook_errors.report("on_trace_end")
 
     # --- spans ---------------------------------------------------------------------------------------
-    @guarded
     def on_span_start(self, span: Any) -> None:
-        if not self.enabled:
-            return
-        data = span.span_data
-        parent_key = span.parent_id or span.trace_id
-        if _convert.is_bookkeeping(data) and parent_key in self._open:
-            parent = self._open[parent_key]
-            agent = _convert.agent_name(data) or parent.agent
-            self._open[span.span_id] = _Open(parent.span, parent.rollout, agent, parent.tool_calls, folded=True)
-            return
-        name, attrs, agent, llm = _convert.start_info(data)
-        opened = self._start(span.span_id, parent_key, name, attrs, agent, SpanKind.CLIENT if llm else SpanKind.INTERNAL)
-        if llm and self._headers is not None:
-            context = opened.span.get_span_context()
-            traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
-            opened.headers_token = self._headers.set({**(self._headers.get() or {}), semconv.HEADER_TRACEPARENT: traceparent})
+        try:
+            if not self.enabled:
+                return
+            data = span.span_data
+            parent_key = span.parent_id or span.trace_id
+            if _convert.is_bookkeeping(data) and parent_key in self._open:
+                parent = self._open[parent_key]
+                agent = _convert.agent_name(data) or parent.agent
+                self._open[span.span_id] = _Open(parent.span, parent.rollout, agent, parent.tool_calls, folded=True)
+                return
+            name, attrs, agent, llm = _convert.start_info(data)
+            opened = self._start(span.span_id, parent_key, name, attrs, agent, SpanKind.CLIENT if llm else SpanKind.INTERNAL)
+            if llm and self._headers is not None:
+                context = opened.span.get_span_context()
+                traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+                opened.headers_token = self._headers.set({**(self._headers.get() or {}), semconv.HEADER_TRACEPARENT: traceparent})
+        except Exception:
+            self.hook_errors.report("on_span_start")
 
-    @guarded
     def on_span_end(self, span: Any) -> None:
-        opened = self._open.pop(span.span_id, None)
-        parent = self._open.get(span.parent_id or span.trace_id)
-        if opened is None or opened.folded:
-            return
-        if opened.headers_token is not None and self._headers is not None:
-            try:
-                self._headers.reset(opened.headers_token)
-            except ValueError:  # ended in another context than it started in; nothing of ours is left there
-                pass
-        data = span.span_data
-        kind = data.type
-        otel_span = opened.span
-        attrs = _convert.end_attributes(data, capture_content=self.capture_content)
-        if kind == "generation" and parent is not None:
-            parent.tool_calls.extend(_convert.tool_calls(data.output))
-        elif kind == "function" and parent is not None:
-            call_id = _convert.match_tool_call(data.name, data.input, parent.tool_calls)
-            if call_id:
-                attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
-        elif kind == "handoff" and data.to_agent:
-            otel_span.update_name(_convert.span_name(data))
-        if attrs:
-            otel_span.set_attributes(attrs)
-        if span.error:  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
-            error_type, description = _convert.error_description(span.error)
-            otel_span.set_attribute(semconv.ERROR_TYPE, error_type)
-            otel_span.set_status(Status(StatusCode.ERROR, description))
-        otel_span.end()
+        try:
+            opened = self._open.pop(span.span_id, None)
+            parent = self._open.get(span.parent_id or span.trace_id)
+            if opened is None or opened.folded:
+                return
+            if opened.headers_token is not None and self._headers is not None:
+                try:
+                    self._headers.reset(opened.headers_token)
+                except ValueError:  # ended in another context than it started in; nothing of ours is left there
+                    pass
+            data = span.span_data
+            kind = data.type
+            otel_span = opened.span
+            attrs = _convert.end_attributes(data, capture_content=self.capture_content)
+            if kind == "generation" and parent is not None:
+                parent.tool_calls.extend(_convert.tool_calls(data.output))
+            elif kind == "function" and parent is not None:
+                call_id = _convert.match_tool_call(data.name, data.input, parent.tool_calls)
+                if call_id:
+                    attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
+            elif kind == "handoff" and data.to_agent:
+                otel_span.update_name(_convert.span_name(data))
+            if attrs:
+                otel_span.set_attributes(attrs)
+            if span.error:  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
+                error_type, description = _convert.error_description(span.error)
+                otel_span.set_attribute(semconv.ERROR_TYPE, error_type)
+                otel_span.set_status(Status(StatusCode.ERROR, description))
+            otel_span.end()
+        except Exception:
+            self.hook_errors.report("on_span_end")
 
     def shutdown(self) -> None:
         self.force_flush()
