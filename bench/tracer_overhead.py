@@ -69,6 +69,31 @@ class _Drop(SpanExporter):
 Runner = Callable[[int], None]
 
 
+def _async_runner(call: Callable[[], Any]) -> Runner:
+    """Run ``n`` awaits of ``call()`` in one event loop."""
+
+    def run(n: int) -> None:
+        async def calls() -> None:
+            for _ in range(n):
+                await call()
+
+        asyncio.run(calls())
+
+    return run
+
+
+def _switch(adapter: Any, provider: TracerProvider) -> Callable[[bool], None]:
+    """Turn an adapter with ``instrument()`` / ``uninstrument()`` on or off."""
+
+    def switch(on: bool) -> None:
+        if on:
+            adapter.instrument(tracer_provider=provider)
+        else:
+            adapter.uninstrument()
+
+    return switch
+
+
 def _langchain(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]]:
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
@@ -102,20 +127,10 @@ def _openai_agents(provider: TracerProvider) -> tuple[Runner, Callable[[bool], N
                          http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)))
     agent = Agent(name="geo", instructions="Answer briefly.", model=OpenAIChatCompletionsModel(model="m", openai_client=client))
 
-    def run(n: int) -> None:
-        async def calls() -> None:
-            for _ in range(n):
-                await Runner.run(agent, "Capital of France?")
+    async def call() -> None:
+        await Runner.run(agent, "Capital of France?")
 
-        asyncio.run(calls())
-
-    def switch(on: bool) -> None:
-        if on:
-            agl_openai_agents.instrument(tracer_provider=provider)
-        else:
-            agl_openai_agents.uninstrument()
-
-    return run, switch
+    return _async_runner(call), _switch(agl_openai_agents, provider)
 
 
 def _autogen(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]]:
@@ -130,21 +145,11 @@ def _autogen(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]]:
                                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)))
     agent = AssistantAgent("geo", client, system_message="Answer briefly.")
 
-    def run(n: int) -> None:
-        async def calls() -> None:
-            for _ in range(n):
-                await agent.run(task="Capital of France?")
-                await agent.on_reset(CancellationToken())
+    async def call() -> None:
+        await agent.run(task="Capital of France?")
+        await agent.on_reset(CancellationToken())
 
-        asyncio.run(calls())
-
-    def switch(on: bool) -> None:
-        if on:
-            agl_autogen.instrument(tracer_provider=provider)
-        else:
-            agl_autogen.uninstrument()
-
-    return run, switch
+    return _async_runner(call), _switch(agl_autogen, provider)
 
 
 MAKERS = {"langchain": _langchain, "openai_agents": _openai_agents, "autogen": _autogen}

@@ -58,22 +58,23 @@ def messages_json(messages: Sequence[Any]) -> str:
     return _json([message_to_dict(m) for m in messages])
 
 
-def agent_attributes(agent_name: str, agent_id: str | None, description: str | None) -> dict[str, Any]:
-    attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: agent_name}
-    if agent_id:
-        attrs[semconv.GEN_AI_AGENT_ID] = agent_id
-    if description:
-        attrs[semconv.GEN_AI_AGENT_DESCRIPTION] = description
+def _with(attrs: dict[str, Any], optional: dict[str, Any]) -> dict[str, Any]:
+    attrs.update((k, v) for k, v in optional.items() if v)
     return attrs
+
+
+def agent_attributes(agent_name: str, agent_id: str | None, description: str | None) -> dict[str, Any]:
+    return _with(
+        {semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: agent_name},
+        {semconv.GEN_AI_AGENT_ID: agent_id, semconv.GEN_AI_AGENT_DESCRIPTION: description},
+    )
 
 
 def tool_attributes(tool_name: str, call_id: str | None, agent_name: str | None) -> dict[str, Any]:
-    attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL, semconv.GEN_AI_TOOL_NAME: tool_name}
-    if call_id:
-        attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
-    if agent_name:
-        attrs[semconv.GEN_AI_AGENT_NAME] = agent_name
-    return attrs
+    return _with(
+        {semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL, semconv.GEN_AI_TOOL_NAME: tool_name},
+        {semconv.GEN_AI_TOOL_CALL_ID: call_id, semconv.GEN_AI_AGENT_NAME: agent_name},
+    )
 
 
 def llm_start_attributes(

@@ -102,35 +102,33 @@ class _Tracing:
                 span.end()
 
     # --- agent invocations and tool calls (wrapping autogen-core's span helpers) --------------------
-    def wrap_agent_helper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap_helper(self, original: Callable[..., Any], *, operation: str, name_key: str,
+                    attributes: Callable[[str, dict[str, Any]], dict[str, Any]], is_agent: bool) -> Callable[..., Any]:
+        """A replacement for ``trace_invoke_agent_span`` / ``trace_tool_span``: agl's span around the
+        original's (called with the same arguments)."""
+
         @contextlib.contextmanager
         @functools.wraps(original)
-        def trace_invoke_agent_span(*args: Any, **kwargs: Any) -> Iterator[Any]:
-            name = str(kwargs.get("agent_name", args[0] if args else "agent"))
-
-            def attrs() -> dict[str, Any]:
-                return _convert.agent_attributes(name, kwargs.get("agent_id"), kwargs.get("agent_description"))
-
-            with self.step("invoke_agent", f"{semconv.OP_INVOKE_AGENT} {name}", attrs, agent=name):
+        def helper(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            name = str(kwargs.get(name_key, args[0] if args else operation))
+            with self.step(operation, f"{operation} {name}", lambda: attributes(name, kwargs),
+                           agent=name if is_agent else None):
                 with original(*args, **kwargs) as inner:
                     yield inner
 
-        return trace_invoke_agent_span
+        return helper
+
+    def wrap_agent_helper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return self.wrap_helper(
+            original, operation=semconv.OP_INVOKE_AGENT, name_key="agent_name", is_agent=True,
+            attributes=lambda name, kw: _convert.agent_attributes(name, kw.get("agent_id"), kw.get("agent_description")),
+        )
 
     def wrap_tool_helper(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @contextlib.contextmanager
-        @functools.wraps(original)
-        def trace_tool_span(*args: Any, **kwargs: Any) -> Iterator[Any]:
-            name = str(kwargs.get("tool_name", args[0] if args else "tool"))
-
-            def attrs() -> dict[str, Any]:
-                return _convert.tool_attributes(name, kwargs.get("tool_call_id"), _current_agent.get())
-
-            with self.step("execute_tool", f"{semconv.OP_EXECUTE_TOOL} {name}", attrs):
-                with original(*args, **kwargs) as inner:
-                    yield inner
-
-        return trace_tool_span
+        return self.wrap_helper(
+            original, operation=semconv.OP_EXECUTE_TOOL, name_key="tool_name", is_agent=False,
+            attributes=lambda name, kw: _convert.tool_attributes(name, kw.get("tool_call_id"), _current_agent.get()),
+        )
 
     # --- teams ---------------------------------------------------------------------------------------
     def wrap_run_stream(self, original: Callable[..., Any]) -> Callable[..., Any]:

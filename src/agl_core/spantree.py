@@ -120,18 +120,19 @@ def usage(span: Span) -> tuple[int | None, int | None]:
 def langgraph_role(name: str, metadata: Mapping[str, Any] | None) -> str | None:
     """What a LangChain run is to LangGraph, from its name and metadata: ``"graph"`` for a graph compiled
     with a name of its own, ``"node"`` for a graph node, else ``None``."""
-    if not metadata or metadata.get("ls_integration") != _LANGGRAPH:
+    if not metadata:
         return None
     node = metadata.get("langgraph_node")
-    if node is None:
-        return "graph" if name != _LANGGRAPH_DEFAULT_NAME else None
-    return "node" if node == name else None
+    if node is not None:
+        return "node" if node == name else None
+    # A graph's own run carries only this marker (LangGraph 1.x); older versions mark no graph run.
+    return "graph" if metadata.get("ls_integration") == _LANGGRAPH and name != _LANGGRAPH_DEFAULT_NAME else None
 
 
 def _langgraph_role(span: Span) -> str | None:
     """:func:`langgraph_role` of an OpenInference LangChain span (its metadata is a JSON string)."""
     raw = span.attributes.get(semconv.OI_METADATA)
-    if not isinstance(raw, str) or _LANGGRAPH not in raw:
+    if not isinstance(raw, str) or "langgraph" not in raw:
         return None
     try:
         metadata = json.loads(raw)
