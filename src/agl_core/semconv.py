@@ -67,7 +67,8 @@ OP_EXECUTE_TOOL = "execute_tool"
 OP_INVOKE_AGENT = "invoke_agent"
 #: Not a GenAI value: a chain / graph step that is neither an LLM nor a tool call.
 OP_STEP = "agl.step"
-#: Not a GenAI value: control passing from one agent to another (Agents SDK handoff, AutoGen swarm).
+#: Not a GenAI value: control passing from one agent to another (Agents SDK handoff; an AutoGen swarm
+#: handoff is its `transfer_to_*` tool call).
 OP_HANDOFF = "agl.handoff"
 #: Not a GenAI value: an input / output guardrail check (Agents SDK).
 OP_GUARDRAIL = "agl.guardrail"
