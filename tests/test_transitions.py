@@ -1,6 +1,14 @@
 from agl_core import semconv
 from agl_core.credit import assign_credit, select_agents
-from agl_core.transitions import NO_LLM_CALL, NO_REWARD, NOT_JOINED, NOT_TRAINABLE, spans_to_transitions
+from agl_core.transitions import (
+    COUNT_MISMATCH,
+    NO_LLM_CALL,
+    NO_REWARD,
+    NOT_JOINED,
+    NOT_TRAINABLE,
+    USAGE_MISMATCH,
+    spans_to_transitions,
+)
 
 from .conftest import make_span
 
@@ -130,3 +138,91 @@ def test_credit_strategies_and_agent_selection():
 
     with pytest.raises(ValueError, match="unknown credit strategy"):
         assign_credit(transitions, "bogus")
+
+
+# --- joins without a completion id, and two sources describing the same calls --------------------------
+def _framework_llm(rollout, parent, source, usage=None, **extra):
+    attrs = {**_ids(rollout), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, **extra}
+    if source == "openinference":
+        attrs = {**_ids(rollout), R.OPENINFERENCE_SPAN_KIND: "LLM", **extra}
+    else:
+        attrs[R.SOURCE] = source
+    if usage is not None:
+        key_in, key_out = (
+            (R.LLM_TOKEN_COUNT_PROMPT, R.LLM_TOKEN_COUNT_COMPLETION) if source == "openinference"
+            else (R.GEN_AI_USAGE_INPUT_TOKENS, R.GEN_AI_USAGE_OUTPUT_TOKENS)
+        )
+        attrs.update({key_in: usage[0], key_out: usage[1]})
+    return make_span("chat m", attrs, parent=parent)
+
+
+def _gateway_call(rollout, response_id, n_prompt, n_response):
+    return _gateway(rollout, None, response_id, list(range(n_prompt)), list(range(n_response)), [-0.1] * n_response,
+                    **{R.GEN_AI_USAGE_INPUT_TOKENS: n_prompt, R.GEN_AI_USAGE_OUTPUT_TOKENS: n_response})
+
+
+def _order_rollout(rollout, source, usages, gateway_sizes):
+    root = make_span(R.SPAN_ROLLOUT, _ids(rollout))
+    agents = [make_span(f"invoke_agent a{i}", {**_ids(rollout), R.GEN_AI_AGENT_NAME: f"a{i}"}, parent=root) for i in range(len(usages))]
+    calls = [_framework_llm(rollout, agents[i], source, usage) for i, usage in enumerate(usages)]
+    gateway = [_gateway_call(rollout, f"c{i}", *size) for i, size in enumerate(gateway_sizes)]
+    return [root, *agents, *calls, *gateway, _reward(rollout, root, 1.0)], calls
+
+
+def test_calls_without_completion_id_are_joined_by_order_when_token_counts_agree():
+    spans, _ = _order_rollout("ro-ord", "autogen", [(3, 2), (5, 1), (9, 4)], [(3, 2), (5, 1), (9, 4)])
+    result = spans_to_transitions(spans)
+    assert result.problems == ()
+    assert [t.agent_name for t in result.transitions] == ["a0", "a1", "a2"]
+
+
+def test_order_join_refuses_when_counts_or_token_counts_disagree():
+    spans, calls = _order_rollout("ro-cnt", "autogen", [(3, 2), (5, 1)], [(3, 2), (5, 1), (9, 4)])
+    result = spans_to_transitions(spans)
+    assert result.reasons() == {COUNT_MISMATCH: 2}
+    assert {p.span_id for p in result.problems} == {c.span_id for c in calls}
+    assert "2 unmatched framework calls, 3 unmatched gateway calls" in result.problems[0].detail
+    # the gateway calls are still trained on, only without an agent name
+    assert len(result.transitions) == 3 and {t.agent_name for t in result.transitions} == {None}
+
+    spans, calls = _order_rollout("ro-use", "openinference", [(3, 2), (5, 7)], [(3, 2), (5, 1)])
+    result = spans_to_transitions(spans)
+    assert result.reasons() == {USAGE_MISMATCH: 1}
+    assert result.problems[0].span_id == calls[1].span_id and "output tokens 7 vs 1" in result.problems[0].detail
+    assert [t.agent_name for t in result.transitions] == ["a0", None]
+
+
+def test_an_agl_span_and_an_openinference_span_of_one_call_make_one_transition():
+    root = make_span(R.SPAN_ROLLOUT, _ids("ro-both"))
+    agent = make_span("invoke_agent solver", {**_ids("ro-both"), R.GEN_AI_AGENT_NAME: "solver"}, parent=root)
+    oi_agent = make_span("solver", {**_ids("ro-both"), R.OPENINFERENCE_SPAN_KIND: "AGENT", R.OI_AGENT_NAME: "solver-oi"}, parent=root)
+    spans = [root, agent, oi_agent]
+    for i in range(2):
+        agl = _framework_llm("ro-both", agent, R.SOURCE_OPENAI_AGENTS, (4, 2))
+        oi = _framework_llm("ro-both", oi_agent, "openinference", (4, 2))
+        gateway = _gateway("ro-both", agl, f"c{i}", [1, 2, 3, 4], [5, 6], [-0.1, -0.2])  # child of the agl span
+        spans += [agl, oi, gateway]
+    result = spans_to_transitions([*spans, _reward("ro-both", root, 1.0)])
+    assert result.problems == ()
+    assert [t.agent_name for t in result.transitions] == ["solver", "solver"]  # the agl span names the agent
+    assert sorted(result.joins.values()) == sorted([t.span_id for t in result.transitions] * 2)  # both sources joined
+
+
+def test_openinference_langgraph_nodes_name_agents():
+    import json
+
+    def chain(name, metadata, parent):
+        return make_span(name, {**_ids("ro-lg"), R.OPENINFERENCE_SPAN_KIND: "CHAIN", R.OI_METADATA: json.dumps(metadata)}, parent=parent)
+
+    root = make_span(R.SPAN_ROLLOUT, _ids("ro-lg"))
+    graph = chain("LangGraph", {"ls_integration": "langgraph"}, root)
+    node = chain("solver", {"ls_integration": "langgraph", "langgraph_node": "solver"}, graph)
+    inner = chain("agent", {"ls_integration": "langgraph", "langgraph_node": "agent"}, node)
+    llm = _framework_llm("ro-lg", inner, "openinference", None, **{R.GEN_AI_RESPONSE_ID: "c1"})
+    named = chain("planner", {"ls_integration": "langgraph"}, root)  # a graph compiled with a name
+    named_node = chain("agent", {"ls_integration": "langgraph", "langgraph_node": "agent"}, named)
+    llm2 = _framework_llm("ro-lg", named_node, "openinference", None, **{R.GEN_AI_RESPONSE_ID: "c2"})
+    spans = [root, graph, node, inner, llm, named, named_node, llm2, _gateway_call("ro-lg", "c1", 2, 1), _gateway_call("ro-lg", "c2", 2, 1),
+             _reward("ro-lg", root, 1.0)]
+    result = spans_to_transitions(spans)
+    assert result.problems == () and [t.agent_name for t in result.transitions] == ["solver", "planner"]

@@ -1,3 +1,20 @@
-"""AutoGen AgentChat adapter. Not implemented in this version."""
+"""AutoGen AgentChat adapter: ``agl_autogen.instrument()`` and every agent, team, tool call and model
+call is traced; ``agl_autogen.uninstrument()`` restores AutoGen exactly. AutoGen is imported only when
+one of these is called."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._instrument import instrument, uninstrument
+
+__all__ = ["instrument", "uninstrument"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import _instrument
+
+        return getattr(_instrument, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

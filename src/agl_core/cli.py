@@ -3,6 +3,7 @@
 ``agl store serve``   run the collector-store (OTLP/HTTP + coordination API)
 ``agl store stats``   counts of what a store holds
 ``agl gateway serve`` run the OpenAI-compatible LLM gateway in front of a model backend
+``agl inspect ID``    a rollout's span tree, its transitions, and why any LLM call made none
 ``agl train CONFIG``  train an agent as the YAML config says (needs the ``trainer`` extra)
 """
 
@@ -60,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     from .gateway._cli import add_serve_arguments
 
     add_serve_arguments(gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port)
+    inspect = commands.add_parser("inspect", help="print a rollout's span tree, transitions and problems")
+    inspect.add_argument("rollout_id", metavar="ROLLOUT_ID")
+    inspect.add_argument("--store", default=None, help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
+    inspect.add_argument("--token", default=None)
 
     train = commands.add_parser("train", help="train an agent from a YAML config")
     train.add_argument("config", help="path of the trainer's YAML config")
@@ -137,6 +142,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .gateway._cli import run_gateway_serve
 
         return run_gateway_serve(args)
+    if args.command == "inspect":
+        from .report import format_rollout
+        from .store import StoreClient, StoreError
+
+        try:
+            with StoreClient(args.store, token=args.token) as client:
+                spans = client.all_spans([args.rollout_id])
+                url = client.url
+        except StoreError as exc:
+            print(f"agl inspect: {exc}", file=sys.stderr)
+            return 1
+        if not spans:
+            print(f"agl inspect: the store at {url} has no spans of rollout {args.rollout_id!r}", file=sys.stderr)
+            return 1
+        print(format_rollout(args.rollout_id, spans))
+        return 0
     if args.command == "train":
         try:
             from agl_trainer.cli import run_train

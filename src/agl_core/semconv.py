@@ -16,7 +16,13 @@ SOURCE = "agl.source"
 SOURCE_GATEWAY = "gateway"
 SOURCE_RUNNER = "runner"
 SOURCE_LANGCHAIN = "langchain"
+SOURCE_OPENAI_AGENTS = "openai_agents"
+SOURCE_AUTOGEN = "autogen"
 SOURCE_USER = "user"
+#: Not written on spans: how agl names spans made by an OpenInference instrumentor (they carry
+#: ``openinference.span.kind`` and no ``agl.source``) when it groups LLM calls by the component that
+#: described them.
+SOURCE_OPENINFERENCE = "openinference"
 
 # --- agl: rewards ----------------------------------------------------------------------------------
 REWARD_VALUE = "agl.reward.value"
@@ -63,6 +69,8 @@ GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_AGENT_NAME = "gen_ai.agent.name"
+GEN_AI_AGENT_ID = "gen_ai.agent.id"
+GEN_AI_AGENT_DESCRIPTION = "gen_ai.agent.description"
 GEN_AI_TOOL_NAME = "gen_ai.tool.name"
 GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
 #: JSON-encoded input / output messages (opt-in content capture in the GenAI conventions).
@@ -79,13 +87,32 @@ OP_EXECUTE_TOOL = "execute_tool"
 OP_INVOKE_AGENT = "invoke_agent"
 #: Not a GenAI value: a chain / graph step that is neither an LLM nor a tool call.
 OP_STEP = "agl.step"
+#: Not a GenAI value: control passing from one agent to another (Agents SDK handoff; an AutoGen swarm
+#: handoff is its `transfer_to_*` tool call).
+OP_HANDOFF = "agl.handoff"
+#: Not a GenAI value: an input / output guardrail check (Agents SDK).
+OP_GUARDRAIL = "agl.guardrail"
+
+# --- agl: agent structure the GenAI conventions do not cover ---------------------------------------
+HANDOFF_FROM_AGENT = "agl.handoff.from_agent"
+HANDOFF_TO_AGENT = "agl.handoff.to_agent"
+GUARDRAIL_NAME = "agl.guardrail.name"
+GUARDRAIL_TRIGGERED = "agl.guardrail.triggered"
 
 # --- OpenInference (read only) ---------------------------------------------------------------------
 OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
 OPENINFERENCE_KIND_LLM = "LLM"
 OPENINFERENCE_KIND_TOOL = "TOOL"
 OPENINFERENCE_KIND_AGENT = "AGENT"
+OPENINFERENCE_KIND_CHAIN = "CHAIN"
 LLM_MODEL_NAME = "llm.model_name"
+LLM_TOKEN_COUNT_PROMPT = "llm.token_count.prompt"
+LLM_TOKEN_COUNT_COMPLETION = "llm.token_count.completion"
+OI_AGENT_NAME = "agent.name"
+OI_GRAPH_NODE_ID = "graph.node.id"
+OI_TOOL_NAME = "tool.name"
+#: JSON object of the run's metadata (OpenInference LangChain: carries ``langgraph_node``).
+OI_METADATA = "metadata"
 
 # --- span names ------------------------------------------------------------------------------------
 SPAN_ROLLOUT = "agl.rollout"
@@ -95,3 +122,5 @@ SPAN_ERROR = "agl.error"
 # --- HTTP ------------------------------------------------------------------------------------------
 HEADER_ROLLOUT_ID = "x-agl-rollout-id"
 HEADER_ATTEMPT_ID = "x-agl-attempt-id"
+#: W3C trace context: makes the gateway span a child of the framework span that made the call.
+HEADER_TRACEPARENT = "traceparent"

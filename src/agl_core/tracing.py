@@ -16,7 +16,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource as OtelResource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Status, StatusCode
 
@@ -24,6 +25,8 @@ from . import semconv, settings
 
 __all__ = [
     "RolloutContext",
+    "RolloutSpanProcessor",
+    "context_rollout_attributes",
     "current_rollout",
     "emit_error",
     "emit_reward",
@@ -67,6 +70,47 @@ def rollout_attributes(rollout: RolloutContext | None = None) -> dict[str, str]:
     if rollout.task_id:
         attrs[semconv.TASK_ID] = rollout.task_id
     return attrs
+
+
+class RolloutSpanProcessor(SpanProcessor):
+    """Stamps the rollout's identity on every span started inside a rollout that does not carry it.
+
+    Spans from instrumentation that knows nothing of agl (OpenInference instrumentors, a framework's own
+    telemetry) then land in the right rollout in the store. The rollout is the one of the context the
+    span starts in, else the one its parent span carries. :func:`setup_tracing` installs it; add it to
+    your own tracer provider when you export spans some other way.
+    """
+
+    def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
+        if span.attributes and semconv.ROLLOUT_ID in span.attributes:
+            return
+        attrs = context_rollout_attributes(parent_context)
+        if attrs:
+            span.set_attributes(attrs)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+_IDENTITY_KEYS = (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID, semconv.TASK_ID)
+
+
+def context_rollout_attributes(context: otel_context.Context | None = None) -> dict[str, Any]:
+    """:func:`rollout_attributes` of ``context`` (default: the current one); where it holds no rollout,
+    the identity attributes of its current span, when that is an SDK span that carries them (code a
+    framework runs in a context of its own, under a span started inside the rollout)."""
+    value = otel_context.get_value(_ROLLOUT_KEY, context)
+    if isinstance(value, RolloutContext):
+        return rollout_attributes(value)
+    parent = trace.get_current_span(context)
+    inherited = parent.attributes if isinstance(parent, ReadableSpan) and parent.attributes else {}
+    return {k: inherited[k] for k in _IDENTITY_KEYS if k in inherited}
 
 
 def get_tracer(tracer_provider: trace.TracerProvider | None = None) -> trace.Tracer:
@@ -201,7 +245,8 @@ def setup_tracing(
     """Send this process's spans (through the global tracer provider) to the collector-store over OTLP.
 
     If the process already has an SDK tracer provider (the user's own tracing), agl adds its exporter to
-    it instead of replacing it. Calling it again re-aims agl's exporter at the new endpoint. Returns the
+    it instead of replacing it. A :class:`RolloutSpanProcessor` is added too, so spans from other
+    instrumentation (OpenInference) made during a rollout are attributed to it. Calling it again re-aims agl's exporter at the new endpoint. Returns the
     provider spans go through; call ``force_flush()`` on it before relying on the store having them.
     """
     global _global_setup
@@ -219,6 +264,7 @@ def setup_tracing(
     else:
         provider = TracerProvider(resource=OtelResource.create({"service.name": service_name}))
         trace.set_tracer_provider(provider)
+    provider.add_span_processor(RolloutSpanProcessor())
     provider.add_span_processor(processor)
     _global_setup = (provider, switchable)
     return provider

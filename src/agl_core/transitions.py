@@ -2,11 +2,21 @@
 
 Pure functions over :class:`~agl_core.records.Span` records: no I/O, no framework.
 
-Two kinds of LLM span meet here. *Gateway spans* carry the token ids and logprobs. *Framework spans*
-(LangChain, the Agents SDK, AutoGen, OpenInference) carry the structure: which agent made the call, under
-which step. A framework span is joined to the gateway span of the same call by the completion id
-(``gen_ai.response.id``) or, when trace context was propagated, by being its parent. A framework LLM call
-with no gateway span is reported, never trained on with guessed tokens.
+Two kinds of LLM span meet here. *Gateway spans* carry the token ids and logprobs; each successful one
+is exactly one transition. *Framework spans* (LangChain, the Agents SDK, AutoGen, OpenInference) carry the
+structure: which agent made the call, under which step. A framework span is joined to the gateway span of
+the same call, in this order of preference:
+
+1. by the completion id (``gen_ai.response.id``) both record;
+2. by parentage, when trace context was propagated on the HTTP request (the gateway span is its child);
+3. by order, for framework spans that carry no completion id: within a rollout, the k-th such call of a
+   source is the k-th gateway call that source did not join otherwise, provided both sides have the same
+   number of calls and every pair agrees on its token counts where the framework reports them.
+
+Joins are made per source (``agl.source``; OpenInference spans form their own source), so when an agl
+adapter and an OpenInference instrumentor both describe a call, both join the same gateway span and it
+still yields one transition (the agl adapter's span names the agent). A framework LLM call that cannot
+be joined is reported with the reason, never trained on with guessed tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from . import semconv
 from .records import Span, Transition
+from .spantree import LLM, SpanTree, is_gateway_llm, kind_of, source_of, usage
 
 __all__ = ["Problem", "TransitionResult", "spans_to_transitions", "episode_rewards"]
 
@@ -28,12 +39,16 @@ class Problem:
     rollout_id: str
     reason: str
     span_id: str | None = None
+    #: Specifics for a person (counts, token numbers); ``reason`` is the stable part to group by.
+    detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class TransitionResult:
     transitions: tuple[Transition, ...]
     problems: tuple[Problem, ...]
+    #: ``{framework LLM span id: gateway span id}`` of every join made (from every source).
+    joins: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def reasons(self) -> dict[str, int]:
         """How many problems of each reason."""
@@ -49,18 +64,11 @@ NO_LLM_CALL = "rollout made no LLM call through the gateway"
 NOT_JOINED = "LLM call has no gateway span with token ids (called the model without the gateway?)"
 NOT_TRAINABLE = "LLM call was served by a backend that is not trained"
 CALL_FAILED = "LLM call failed"
-
-
-def _is_gateway_llm(span: Span) -> bool:
-    return semconv.RESPONSE_TOKEN_IDS in span.attributes and semconv.PROMPT_TOKEN_IDS in span.attributes
-
-
-def _is_framework_llm(span: Span) -> bool:
-    if span.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY:
-        return False
-    op = span.attributes.get(semconv.GEN_AI_OPERATION_NAME)
-    kind = span.attributes.get(semconv.OPENINFERENCE_SPAN_KIND)
-    return op in (semconv.OP_CHAT, semconv.OP_TEXT_COMPLETION) or kind == semconv.OPENINFERENCE_KIND_LLM
+COUNT_MISMATCH = (
+    "LLM call carries no completion id or trace context, and the rollout's framework and gateway calls differ"
+    " in number, so it cannot be matched by order"
+)
+USAGE_MISMATCH = "LLM call matched a gateway call by order, but their token counts disagree"
 
 
 def episode_rewards(spans: Iterable[Span]) -> dict[str, float]:
@@ -80,19 +88,6 @@ def episode_rewards(spans: Iterable[Span]) -> dict[str, float]:
     return {rid: v[2] for rid, v in latest.items()}
 
 
-def _agent_name(span: Span, by_id: Mapping[str, Span]) -> str | None:
-    """The nearest ``gen_ai.agent.name`` on the span or its ancestors."""
-    seen = 0
-    current: Span | None = span
-    while current is not None and seen < 256:
-        name = current.attributes.get(semconv.GEN_AI_AGENT_NAME)
-        if isinstance(name, str) and name:
-            return name
-        current = by_id.get(current.parent_span_id) if current.parent_span_id else None
-        seen += 1
-    return None
-
-
 def spans_to_transitions(spans: Iterable[Span]) -> TransitionResult:
     """Turn the spans of any number of rollouts into transitions (episode reward on every call).
 
@@ -107,37 +102,84 @@ def spans_to_transitions(spans: Iterable[Span]) -> TransitionResult:
     rewards = episode_rewards(s for group in by_rollout.values() for s in group)
     transitions: list[Transition] = []
     problems: list[Problem] = []
+    joins: dict[str, str] = {}
     for rollout_id, group in by_rollout.items():
         group.sort(key=lambda s: (s.start_ns, s.seq or 0))
-        made, found = _rollout_transitions(rollout_id, group, rewards.get(rollout_id))
+        made, found = _rollout_transitions(rollout_id, group, rewards.get(rollout_id), joins)
         transitions.extend(made)
         problems.extend(found)
-    return TransitionResult(tuple(transitions), tuple(problems))
+    return TransitionResult(tuple(transitions), tuple(problems), joins)
+
+
+
+
+def _join_source(
+    rollout_id: str, calls: Sequence[Span], gateway: Sequence[Span]
+) -> tuple[dict[str, Span], list[Problem]]:
+    """Join one source's framework LLM spans to gateway spans: ``{gateway span id: framework span}``."""
+    joined: dict[str, Span] = {}
+    by_response_id = {
+        s.attributes[semconv.GEN_AI_RESPONSE_ID]: s for s in calls if semconv.GEN_AI_RESPONSE_ID in s.attributes
+    }
+    by_span_id = {s.span_id: s for s in calls}
+    for g in gateway:
+        partner = by_response_id.get(g.attributes.get(semconv.GEN_AI_RESPONSE_ID))
+        if partner is None and g.parent_span_id is not None:
+            partner = by_span_id.get(g.parent_span_id)
+        if partner is not None:
+            joined[g.span_id] = partner
+    done = {p.span_id for p in joined.values()}
+    problems: list[Problem] = []
+    pending: list[Span] = []
+    for call in calls:
+        if call.span_id in done or call.is_error:
+            continue
+        if semconv.GEN_AI_RESPONSE_ID in call.attributes:
+            # It told us which completion it got, and the gateway served no such completion.
+            problems.append(Problem(rollout_id, NOT_JOINED, call.span_id))
+        else:
+            pending.append(call)
+    if not pending:
+        return joined, problems
+    free = [g for g in gateway if g.span_id not in joined]
+    if len(free) != len(pending):
+        detail = f"{len(pending)} unmatched framework calls, {len(free)} unmatched gateway calls"
+        problems.extend(Problem(rollout_id, COUNT_MISMATCH, c.span_id, detail) for c in pending)
+        return joined, problems
+    for call, g in zip(pending, free):
+        mismatch = [
+            f"{what} {mine} vs {theirs} at the gateway"
+            for what, mine, theirs in zip(("input tokens", "output tokens"), usage(call), usage(g))
+            if mine is not None and theirs is not None and mine != theirs
+        ]
+        if mismatch:
+            problems.append(Problem(rollout_id, USAGE_MISMATCH, call.span_id, "; ".join(mismatch)))
+        else:
+            joined[g.span_id] = call
+    return joined, problems
 
 
 def _rollout_transitions(
-    rollout_id: str, spans: Sequence[Span], reward: float | None
+    rollout_id: str, spans: Sequence[Span], reward: float | None, joins: dict[str, str]
 ) -> tuple[list[Transition], list[Problem]]:
-    by_id = {s.span_id: s for s in spans}
-    gateway = [s for s in spans if _is_gateway_llm(s)]
-    framework = [s for s in spans if _is_framework_llm(s) and not _is_gateway_llm(s)]
+    tree = SpanTree(spans)
+    gateway = [s for s in tree.spans if is_gateway_llm(s)]
+    by_source: dict[str, list[Span]] = defaultdict(list)
+    for span in tree.spans:
+        if kind_of(span) == LLM:
+            by_source[source_of(span)].append(span)
     problems: list[Problem] = []
     task_id = next((str(s.attributes[semconv.TASK_ID]) for s in spans if semconv.TASK_ID in s.attributes), None)
     attempt_id = next((s.attempt_id for s in spans if s.attempt_id), None)
 
-    # Join framework spans to gateway spans: by completion id, else by parentage.
-    by_response_id = {s.attributes.get(semconv.GEN_AI_RESPONSE_ID): s for s in framework}
-    joined: dict[str, Span] = {}
-    for g in gateway:
-        partner = by_response_id.get(g.attributes.get(semconv.GEN_AI_RESPONSE_ID))
-        if partner is None and g.parent_span_id in by_id and by_id[g.parent_span_id] in framework:
-            partner = by_id[g.parent_span_id]
-        if partner is not None:
-            joined[g.span_id] = partner
-    joined_ids = {p.span_id for p in joined.values()}
-    for f in framework:
-        if f.span_id not in joined_ids and not f.is_error:
-            problems.append(Problem(rollout_id, NOT_JOINED, f.span_id))
+    # An agl adapter's span is the preferred partner of a gateway call; OpenInference's comes next.
+    partners: dict[str, Span] = {}
+    for source in sorted(by_source, key=lambda name: (name == semconv.SOURCE_OPENINFERENCE, name)):
+        joined, found = _join_source(rollout_id, by_source[source], gateway)
+        problems.extend(found)
+        for gateway_id, partner in joined.items():
+            partners.setdefault(gateway_id, partner)
+            joins[partner.span_id] = gateway_id
 
     if not gateway:
         problems.append(Problem(rollout_id, NO_LLM_CALL))
@@ -154,7 +196,7 @@ def _rollout_transitions(
         if g.attributes.get(semconv.TRAINABLE) is False:
             problems.append(Problem(rollout_id, NOT_TRAINABLE, g.span_id))
             continue
-        partner = joined.get(g.span_id)
+        partner = partners.get(g.span_id)
         logprobs = g.attributes.get(semconv.RESPONSE_LOGPROBS)
         version = g.attributes.get(semconv.POLICY_VERSION)
         transitions.append(
@@ -167,7 +209,7 @@ def _rollout_transitions(
                 response_ids=tuple(int(t) for t in g.attributes[semconv.RESPONSE_TOKEN_IDS]),
                 response_logprobs=tuple(float(x) for x in logprobs) if logprobs is not None else None,
                 reward=reward,
-                agent_name=_agent_name(partner, by_id) if partner is not None else _agent_name(g, by_id),
+                agent_name=tree.agent_name(partner if partner is not None else g),
                 policy_version=int(version) if isinstance(version, int) else None,
                 span_id=g.span_id,
             )

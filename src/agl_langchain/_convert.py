@@ -6,6 +6,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agl_core import semconv
+
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
 
 
@@ -84,6 +86,22 @@ def usage(response: Any) -> tuple[int | None, int | None]:
                 meta = getattr(getattr(generation, "message", None), "usage_metadata", None) or {}
                 prompt, completion = meta.get("input_tokens"), meta.get("output_tokens")
     return prompt, completion
+
+
+def end_attributes(response: Any, *, capture_content: bool) -> dict[str, Any]:
+    """Completion id, usage and (optionally) output messages of an ``LLMResult``."""
+    attrs: dict[str, Any] = {}
+    completion_id = response_id(response)
+    if completion_id:
+        attrs[semconv.GEN_AI_RESPONSE_ID] = completion_id
+    prompt_tokens, completion_tokens = usage(response)
+    if prompt_tokens is not None:
+        attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = int(prompt_tokens)
+    if completion_tokens is not None:
+        attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = int(completion_tokens)
+    if capture_content:
+        attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = output_json(response)
+    return attrs
 
 
 def output_json(response: Any) -> str:

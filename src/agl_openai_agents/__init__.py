@@ -1,3 +1,23 @@
-"""OpenAI Agents SDK adapter (trace processor). Not implemented in this version."""
+"""OpenAI Agents SDK adapter: ``agl_openai_agents.instrument()`` and every agent run is traced.
 
-__all__: list[str] = []
+``instrument()`` adds a trace processor to the SDK (keeping the processors already there unless
+``replace_processors=True``); ``uninstrument()`` takes it out again. The SDK is imported only when
+one of these is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._processor import AglTracingProcessor, instrument, uninstrument
+
+__all__ = ["AglTracingProcessor", "instrument", "uninstrument"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import _processor
+
+        return getattr(_processor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,237 @@
+"""Benchmark: the time each framework adapter adds per LLM call.
+
+For each framework, the same small agent (one LLM call per run) runs against an in-process backend that
+answers instantly (an ``httpx.MockTransport`` behind the framework's own OpenAI client), once bare and
+once with the agl adapter on, inside a rollout. Spans go through an OpenTelemetry SDK tracer provider
+with a batch processor (flushed between blocks) and an exporter that drops them. Time is the CPU time of the agent's thread
+(``time.thread_time``): what the agent pays, and robust to other processes on a busy machine. Bare and
+instrumented blocks alternate; the overhead is the median over block pairs of the difference in mean
+time per call. Each framework is measured in a process of its own.
+
+Reference (DESIGN.md, same machine kind): Agent Lightning 0.3.0's tracer adds about 1.25 ms per call.
+Target: under 0.25 ms per call for every adapter.
+
+    python bench/tracer_overhead.py [--blocks 60] [--calls 20] [--frameworks langchain,openai_agents,autogen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from agl_core.tracing import RolloutSpanProcessor, rollout_scope
+
+REFERENCE_MS = 1.25
+TARGET_MS = 0.25
+FRAMEWORKS = ("langchain", "openai_agents", "autogen")
+
+_COMPLETION = {
+    "id": "chatcmpl-bench",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop",
+                 "logprobs": None}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14},
+}
+
+
+def _answer(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json=_COMPLETION)
+
+
+class _Drop(SpanExporter):
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+# Each maker returns (run n calls, switch the adapter on/off).
+Runner = Callable[[int], None]
+
+
+def _async_runner(call: Callable[[], Any]) -> Runner:
+    """Run ``n`` awaits of ``call()`` in one event loop."""
+
+    def run(n: int) -> None:
+        async def calls() -> None:
+            for _ in range(n):
+                await call()
+
+        asyncio.run(calls())
+
+    return run
+
+
+def _switch(adapter: Any, provider: TracerProvider) -> Callable[[bool], None]:
+    """Turn an adapter with ``instrument()`` / ``uninstrument()`` on or off."""
+
+    def switch(on: bool) -> None:
+        if on:
+            adapter.instrument(tracer_provider=provider)
+        else:
+            adapter.uninstrument()
+
+    return switch
+
+
+def _langchain(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]]:
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_openai import ChatOpenAI
+
+    from agl_langchain import AglCallbackHandler
+
+    llm = ChatOpenAI(model="m", api_key="x", base_url="http://backend/v1", max_retries=0,
+                     http_client=httpx.Client(transport=httpx.MockTransport(_answer)))
+    chain = ChatPromptTemplate.from_messages([("user", "Capital of {country}?")]) | llm | StrOutputParser()
+    handler = AglCallbackHandler(tracer_provider=provider)
+    config: dict[str, Any] = {"callbacks": []}
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            chain.invoke({"country": "France"}, config=config)
+
+    def switch(on: bool) -> None:
+        config["callbacks"] = [handler] if on else []
+
+    return run, switch
+
+
+def _openai_agents(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]]:
+    from agents import Agent, OpenAIChatCompletionsModel, Runner
+    from openai import AsyncOpenAI
+
+    import agl_openai_agents
+
+    client = AsyncOpenAI(base_url="http://backend/v1", api_key="x", max_retries=0,
+                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)))
+    agent = Agent(name="geo", instructions="Answer briefly.", model=OpenAIChatCompletionsModel(model="m", openai_client=client))
+
+    async def call() -> None:
+        await Runner.run(agent, "Capital of France?")
+
+    return _async_runner(call), _switch(agl_openai_agents, provider)
+
+
+def _autogen(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]]:
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_core import CancellationToken
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    import agl_autogen
+
+    info = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown", "structured_output": False}
+    client = OpenAIChatCompletionClient(model="m", base_url="http://backend/v1", api_key="x", model_info=info, max_retries=0,
+                                        http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)))
+    agent = AssistantAgent("geo", client, system_message="Answer briefly.")
+
+    async def call() -> None:
+        await agent.run(task="Capital of France?")
+        await agent.on_reset(CancellationToken())
+
+    return _async_runner(call), _switch(agl_autogen, provider)
+
+
+MAKERS = {"langchain": _langchain, "openai_agents": _openai_agents, "autogen": _autogen}
+
+
+def measure(framework: str, blocks: int, calls: int) -> dict[str, float]:
+    exporter = _Drop()
+    provider = TracerProvider()
+    provider.add_span_processor(RolloutSpanProcessor())
+    # Export happens between blocks (force_flush, untimed), never during one: the figure is the adapter's
+    # cost on the agent's thread, not the exporter's.
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16, schedule_delay_millis=60_000))
+    run, switch = MAKERS[framework](provider)
+    bare: list[float] = []
+    traced: list[float] = []
+    with rollout_scope(f"bench-{framework}", tracer_provider=provider):
+        run(calls)  # warm up both paths
+        switch(True)
+        run(calls)
+        switch(False)
+        for block in range(blocks):
+            # alternate which variant goes first, so drift on a busy machine hits both alike
+            for on in ((False, True) if block % 2 == 0 else (True, False)):
+                switch(on)
+                provider.force_flush()
+                gc.collect()
+                start = time.thread_time()
+                run(calls)
+                elapsed_ms = (time.thread_time() - start) * 1000 / calls
+                (traced if on else bare).append(elapsed_ms)
+                switch(False)
+        switch(True)
+        provider.force_flush()
+        spans_before = exporter.spans
+        run(calls)
+        provider.force_flush()
+        spans_per_call = (exporter.spans - spans_before) / calls
+        switch(False)
+    provider.shutdown()
+    diffs = [t - b for t, b in zip(traced, bare)]
+    return {
+        "bare_ms": statistics.median(bare),
+        "traced_ms": statistics.median(traced),
+        "overhead_ms": statistics.median(diffs),
+        "spans_per_call": spans_per_call,
+    }
+
+
+def _measure_in_subprocess(framework: str, blocks: int, calls: int) -> dict[str, float]:
+    """Each framework in a process of its own: only its own imports on the heap, nothing left over."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", framework, "--blocks", str(blocks), "--calls", str(calls)],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=60)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--one", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        logging.getLogger("openai.agents").setLevel(logging.ERROR)  # "OPENAI_API_KEY is not set" from its exporter
+        print(json.dumps(measure(args.one, args.blocks, args.calls)))
+        return 0
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    results = {f: _measure_in_subprocess(f, args.blocks, args.calls) for f in frameworks}
+    print(f"{'adapter':<15} {'bare ms/call':>13} {'traced ms/call':>15} {'added ms/call':>14} {'spans/call':>11}")
+    for name, r in results.items():
+        print(f"{name:<15} {r['bare_ms']:>13.3f} {r['traced_ms']:>15.3f} {r['overhead_ms']:>14.3f} {r['spans_per_call']:>11.1f}")
+    ok = all(r["overhead_ms"] < TARGET_MS for r in results.values())
+    worst = max(r["overhead_ms"] for r in results.values())
+    figures = ", ".join(f"{name} {r['overhead_ms']:+.3f} ms" for name, r in results.items())
+    print(
+        f"tracer overhead: {figures} per LLM call (worst {worst:.3f} ms, reference {REFERENCE_MS} ms, "
+        f"{REFERENCE_MS / max(worst, 1e-9):.1f}x less), target < {TARGET_MS}: {'ok' if ok else 'missed'}"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""``instrument()`` / ``uninstrument()`` for AutoGen AgentChat.
+
+AgentChat has no callback API. What it does have is its own telemetry: every agent invocation runs
+inside ``trace_invoke_agent_span`` and every tool call inside ``trace_tool_span`` (autogen-core's GenAI
+span helpers). Those are the hook points used here: agl wraps them where AgentChat calls them, so an agl
+span (with the rollout identity, through agl's tracer provider) encloses AutoGen's own span, which is
+left as it was. Two places have no such helper and are wrapped directly: a team's ``run_stream`` (the
+team as an agent step) and the OpenAI-compatible model client's ``create`` / ``create_stream`` (the LLM
+calls). ``uninstrument()`` puts every original back.
+
+The model client does not expose the completion id, and AgentChat gives no way to add a header to its
+requests, so its LLM spans are joined to gateway spans by order within the rollout, checked against the
+token counts the client reports (see :mod:`agl_core.transitions`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import logging
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from agl_core import semconv
+from agl_core._hooks import HookErrors
+from agl_core.tracing import context_rollout_attributes, get_tracer, mark_span_error
+
+from . import _convert
+
+__all__ = ["instrument", "uninstrument"]
+
+logger = logging.getLogger(__name__)
+
+#: The agent whose turn is running in this context (for LLM and tool spans).
+_current_agent: ContextVar[str | None] = ContextVar("agl_autogen_agent", default=None)
+
+# Call sites of autogen-core's telemetry helpers that get agl's wrapper (modules under these prefixes).
+_CALL_SITE_PREFIXES = ("autogen_agentchat.", "autogen_core.tools.")
+_CALL_SITE_MODULES = (
+    "autogen_agentchat.agents._base_chat_agent",
+    "autogen_agentchat.teams._group_chat._chat_agent_container",
+    "autogen_core.tools._base",
+)
+
+
+def _bound(method: Any, instance: Any) -> Any:
+    """``method`` bound to ``instance`` the way attribute access would (another instrumentor's wrapper,
+    such as OpenInference's, needs to see the instance)."""
+    return method.__get__(instance, type(instance))
+
+
+@dataclasses.dataclass
+class _Tracing:
+    tracer: trace.Tracer
+    capture_content: bool
+    hooks: HookErrors
+    #: False after ``uninstrument()`` when a wrapper could not be taken out (see :func:`uninstrument`).
+    active: bool = True
+
+    def start(self, name: str, attrs: dict[str, Any], kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
+        attrs = {**attrs, **context_rollout_attributes(), semconv.SOURCE: semconv.SOURCE_AUTOGEN}
+        return self.tracer.start_span(name, kind=kind, attributes=attrs)
+
+    @contextlib.contextmanager
+    def step(
+        self, hook: str, name: str, attrs: Callable[[], dict[str, Any]], *, agent: str | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+    ) -> Iterator[trace.Span | None]:
+        """Run the block under a new span (current for the block), as ``agent``'s turn when given.
+
+        Errors of the block are recorded on the span (ERROR status) and re-raised untouched; agl's own errors are
+        reported (once) and the block runs on without the span.
+        """
+        if not self.active:
+            yield None
+            return
+        span = self.hooks.call(hook, lambda: self.start(name, attrs(), kind))
+        token = otel_context.attach(trace.set_span_in_context(span)) if span is not None else None
+        agent_token = _current_agent.set(agent) if agent else None
+        try:
+            yield span
+        except Exception as exc:
+            if span is not None:
+                self.hooks.call(hook, mark_span_error, span, exc)
+            raise
+        finally:  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
+            with contextlib.suppress(ValueError):  # ended in another context (an abandoned generator)
+                if agent_token is not None:
+                    _current_agent.reset(agent_token)
+            if token is not None:
+                otel_context.detach(token)
+            if span is not None:
+                span.end()
+
+    # --- agent invocations and tool calls (wrapping autogen-core's span helpers) --------------------
+    def wrap_helper(self, original: Callable[..., Any], *, operation: str, name_key: str,
+                    attributes: Callable[[str, dict[str, Any]], dict[str, Any]], is_agent: bool) -> Callable[..., Any]:
+        """A replacement for ``trace_invoke_agent_span`` / ``trace_tool_span``: agl's span around the
+        original's (called with the same arguments)."""
+
+        @contextlib.contextmanager
+        @functools.wraps(original)
+        def helper(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            name = str(kwargs.get(name_key, args[0] if args else operation))
+            with self.step(operation, f"{operation} {name}", lambda: attributes(name, kwargs),
+                           agent=name if is_agent else None):
+                with original(*args, **kwargs) as inner:
+                    yield inner
+
+        return helper
+
+    def wrap_agent_helper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return self.wrap_helper(
+            original, operation=semconv.OP_INVOKE_AGENT, name_key="agent_name", is_agent=True,
+            attributes=lambda name, kw: _convert.agent_attributes(name, kw.get("agent_id"), kw.get("agent_description")),
+        )
+
+    def wrap_tool_helper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return self.wrap_helper(
+            original, operation=semconv.OP_EXECUTE_TOOL, name_key="tool_name", is_agent=False,
+            attributes=lambda name, kw: _convert.tool_attributes(name, kw.get("tool_call_id"), _current_agent.get()),
+        )
+
+    # --- teams ---------------------------------------------------------------------------------------
+    def wrap_run_stream(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        async def run_stream(team: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            name = str(getattr(team, "name", None) or type(team).__name__)
+
+            def attrs() -> dict[str, Any]:
+                return _convert.agent_attributes(name, None, None)
+
+            # The team's runtime starts inside the first step of the stream, so it inherits this span
+            # and the rollout context; its members' turns nest under it.
+            with self.step("run_stream", f"{semconv.OP_INVOKE_AGENT} {name}", attrs, agent=name):
+                async for item in _bound(original, team)(*args, **kwargs):
+                    yield item
+
+        return run_stream
+
+    # --- model client calls --------------------------------------------------------------------------
+    def _llm_step(self, hook: str, client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The model name is only kept in the client's create arguments (a private attribute).
+        model = (getattr(client, "_create_args", None) or {}).get("model")
+        messages = kwargs.get("messages", args[0] if args else None)
+
+        def attrs() -> dict[str, Any]:
+            return _convert.llm_start_attributes(model, messages, _current_agent.get(),
+                                                 capture_content=self.capture_content)
+
+        name = f"{semconv.OP_CHAT} {model}" if model else semconv.OP_CHAT
+        return self.step(hook, name, attrs, kind=SpanKind.CLIENT)
+
+    def _end_llm(self, hook: str, span: trace.Span | None, result: Any) -> None:
+        if span is not None:
+            self.hooks.call(hook, lambda: span.set_attributes(
+                _convert.llm_end_attributes(result, capture_content=self.capture_content)))
+
+    def wrap_create(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        async def create(client: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._llm_step("create", client, args, kwargs) as span:
+                result = await _bound(original, client)(*args, **kwargs)
+                self._end_llm("create", span, result)
+            return result
+
+        return create
+
+    def wrap_create_stream(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        async def create_stream(client: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            with self._llm_step("create_stream", client, args, kwargs) as span:
+                async for item in _bound(original, client)(*args, **kwargs):
+                    if not isinstance(item, str):  # the CreateResult that ends the stream
+                        self._end_llm("create_stream", span, item)
+                    yield item
+
+        return create_stream
+
+
+# --- patching ----------------------------------------------------------------------------------------
+_Patch = tuple[Any, str, Any, Any]  # (owner, attribute, original, agl's wrapper)
+
+
+@dataclasses.dataclass
+class _Installed:
+    tracing: _Tracing
+    #: Every patched binding, in patch order.
+    patches: list[_Patch]
+
+
+_installed: _Installed | None = None
+_install_lock = threading.Lock()
+
+
+def _patch(patches: list[_Patch], owner: Any, attribute: str, wrapper: Callable[..., Any]) -> None:
+    original = owner.__dict__[attribute]
+    setattr(owner, attribute, wrapper)
+    patches.append((owner, attribute, original, wrapper))
+
+
+def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
+    """Every module that AgentChat calls ``helper`` from (each holds its own reference to it)."""
+    for name in _CALL_SITE_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    sites = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(_CALL_SITE_PREFIXES):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if value is helper:
+                sites.append((module, attribute))
+    return sites
+
+
+def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False) -> None:
+    """Record AutoGen AgentChat agents, teams, tool calls and model-client calls as OpenTelemetry spans.
+
+    Agent turns (alone or in a round-robin, selector or swarm team) become ``invoke_agent`` spans named
+    after the agent, a team's run an ``invoke_agent`` span named after the team (the selector's model
+    calls belong to it), tool calls ``execute_tool`` spans with the call id and error status, and the
+    OpenAI-compatible model client's calls ``chat`` spans with usage and, unless
+    ``capture_content=False``, the messages. Calling it again while instrumented changes nothing.
+    """
+    global _installed
+    from autogen_agentchat.teams import BaseGroupChat
+    from autogen_core._telemetry import trace_invoke_agent_span, trace_tool_span
+
+    with _install_lock:
+        if _installed is not None:
+            return
+        tracing = _Tracing(get_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
+        patches: list[_Patch] = []
+        try:
+            for helper, wrap in ((trace_invoke_agent_span, tracing.wrap_agent_helper),
+                                 (trace_tool_span, tracing.wrap_tool_helper)):
+                wrapper = wrap(helper)
+                for module, attribute in _helper_call_sites(helper):
+                    _patch(patches, module, attribute, wrapper)
+            _patch(patches, BaseGroupChat, "run_stream", tracing.wrap_run_stream(BaseGroupChat.__dict__["run_stream"]))
+            try:
+                from autogen_ext.models.openai import BaseOpenAIChatCompletionClient as Client
+            except ImportError:  # autogen-ext[openai] not installed: no OpenAI model client to trace
+                Client = None  # noqa: N806
+            if Client is not None:
+                _patch(patches, Client, "create", tracing.wrap_create(Client.__dict__["create"]))
+                _patch(patches, Client, "create_stream", tracing.wrap_create_stream(Client.__dict__["create_stream"]))
+        except BaseException:
+            _restore(patches)
+            raise
+        _installed = _Installed(tracing, patches)
+
+
+def _restore(patches: list[_Patch]) -> bool:
+    """Put the originals back where agl's wrapper is still in place; False if one was wrapped again."""
+    clean = True
+    for owner, attribute, original, wrapper in reversed(patches):
+        if owner.__dict__.get(attribute) is wrapper:
+            setattr(owner, attribute, original)
+        else:
+            clean = False
+    return clean
+
+
+def uninstrument() -> None:
+    """Put back every original agl replaced; spans already open finish normally.
+
+    Where another instrumentor wrapped a method after agl did, taking agl's wrapper out would take
+    theirs out too: agl's wrapper stays there, switched off. Uninstrument in the reverse order of
+    instrumenting to get the exact originals back.
+    """
+    global _installed
+    with _install_lock:
+        if _installed is not None:
+            if not _restore(_installed.patches):
+                _installed.tracing.active = False
+                logger.info("agl: AutoGen was instrumented again after agl; agl's wrappers stay, switched off")
+            _installed = None

@@ -1,0 +1,76 @@
+"""Human-readable account of one rollout: its span tree, its transitions, and why any LLM call produced
+no transition. Pure: spans in, text out (``agl inspect`` prints it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from . import semconv
+from .records import Span
+from .spantree import AGENT, GATEWAY, LLM, TOOL, SpanTree, kind_of, own_agent_name, source_of, tool_name
+from .transitions import spans_to_transitions
+
+__all__ = ["format_rollout"]
+
+
+def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem_of: dict[str, str]) -> str:
+    kind = kind_of(span)
+    source = source_of(span)
+    tags = [kind] if kind not in ("other",) else []
+    if source and source != kind:
+        tags.append(source)
+    if kind == AGENT and own_agent_name(span):
+        tags.append(f"agent={own_agent_name(span)}")
+    elif kind in (LLM, TOOL, GATEWAY) and tree.agent_name(span):
+        tags.append(f"agent={tree.agent_name(span)}")
+    if kind == TOOL and tool_name(span) and tool_name(span) not in span.name:
+        tags.append(f"tool={tool_name(span)}")
+    if kind == GATEWAY and semconv.PROMPT_TOKEN_IDS in span.attributes:
+        attrs = span.attributes
+        tags.append(f"{len(attrs[semconv.PROMPT_TOKEN_IDS])}+{len(attrs[semconv.RESPONSE_TOKEN_IDS])} tokens")
+    if span.name == semconv.SPAN_REWARD:
+        tags.append(f"{span.attributes.get(semconv.REWARD_NAME, 'episode')}={span.attributes.get(semconv.REWARD_VALUE)}")
+    if span.is_error:
+        tags.append(f"ERROR {span.status_message}".rstrip())
+    if span.span_id in transition_of:
+        tags.append(f"-> transition {transition_of[span.span_id]}")
+    if span.span_id in problem_of:
+        tags.append(f"-> no transition: {problem_of[span.span_id]}")
+    return span.name + ("  [" + ", ".join(tags) + "]" if tags else "")
+
+
+def format_rollout(rollout_id: str, spans: Sequence[Span]) -> str:
+    """The report of ``rollout_id`` from its spans (as the store returns them)."""
+    spans = [s for s in spans if s.rollout_id == rollout_id]
+    if not spans:
+        return f"rollout {rollout_id}: no spans"
+    tree = SpanTree(spans)
+    result = spans_to_transitions(spans)
+    transition_of = {t.span_id: t.call_index for t in result.transitions if t.span_id}
+    transition_of.update({f: transition_of[g] for f, g in result.joins.items() if g in transition_of})
+    problem_of = {p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id}
+    llm_calls = sum(1 for s in spans if kind_of(s) == GATEWAY and semconv.PROMPT_TOKEN_IDS in s.attributes)
+    lines = [
+        f"rollout {rollout_id}: {len(spans)} spans, {llm_calls} LLM calls through the gateway, "
+        f"{len(result.transitions)} transitions",
+        "",
+        "span tree",
+    ]
+    lines += ["  " + "  " * depth + _describe(span, tree, transition_of, problem_of) for depth, span in tree.walk()]
+    lines += ["", "transitions"]
+    if result.transitions:
+        lines.append(f"  {'#':>3}  {'agent':<20} {'prompt':>7} {'response':>9} {'reward':>8} {'policy':>7}  gateway span")
+        for t in result.transitions:
+            lines.append(
+                f"  {t.call_index:>3}  {(t.agent_name or '-'):<20} {len(t.prompt_ids):>7} {len(t.response_ids):>9} "
+                f"{t.reward:>8.3g} {('-' if t.policy_version is None else t.policy_version):>7}  {t.span_id}"
+            )
+    else:
+        lines.append("  none")
+    lines += ["", "problems"]
+    if not result.problems:
+        lines.append("  none")
+    for p in result.problems:
+        where = f"span {p.span_id} ({tree.by_id[p.span_id].name})" if p.span_id in tree.by_id else "rollout"
+        lines.append(f"  {where}: {p.reason}" + (f" ({p.detail})" if p.detail else ""))
+    return "\n".join(lines)
