@@ -59,11 +59,18 @@ def _assert_weather_dialogue(gw, rollout_id, attempt_id=None):
     return first, second
 
 
-def test_openai_agents_sdk_chat_completions_model(gw):
+@pytest.fixture
+def agents_sdk_untraced():
+    """The Agents SDK with its tracing off for this test only (the setting is process-wide)."""
     agents = pytest.importorskip("agents")
-    from openai import AsyncOpenAI
-
     agents.set_tracing_disabled(True)
+    yield agents
+    agents.set_tracing_disabled(False)
+
+
+def test_openai_agents_sdk_chat_completions_model(gw, agents_sdk_untraced):
+    agents = agents_sdk_untraced
+    from openai import AsyncOpenAI
 
     @agents.function_tool
     def get_weather(city: str) -> str:
