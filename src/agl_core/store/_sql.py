@@ -25,6 +25,74 @@ _Q, _R = RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value
 _SPAN_COLUMNS = "trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id, scope_key, body"
 
 
+#: The tables of every SQL backend; each fills in its column types (``schema(**types)``).
+_SCHEMA_TEMPLATE = """
+CREATE TABLE IF NOT EXISTS spans (
+    seq {serial},
+    trace_id {blob} NOT NULL,
+    span_id {blob} NOT NULL,
+    parent_span_id {blob},
+    name TEXT NOT NULL,
+    start_ns {bigint} NOT NULL,
+    end_ns {bigint} NOT NULL,
+    status_code INTEGER NOT NULL,
+    rollout_id TEXT,
+    attempt_id TEXT,
+    scope_key {blob} NOT NULL,
+    body {blob} NOT NULL,
+    UNIQUE (trace_id, span_id)
+);
+CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, seq);
+CREATE INDEX IF NOT EXISTS spans_by_attempt ON spans (attempt_id) WHERE attempt_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS spans_by_start ON spans (start_ns);
+CREATE TABLE IF NOT EXISTS span_scopes (
+    scope_key {blob} PRIMARY KEY,
+    resource {blob} NOT NULL,
+    scope {blob} NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rollouts (
+    seq {serial},
+    rollout_id TEXT NOT NULL UNIQUE,
+    task_id TEXT NOT NULL,
+    input TEXT NOT NULL,
+    group_id TEXT,
+    status TEXT NOT NULL,
+    created_at {real} NOT NULL,
+    reward {real},
+    metadata TEXT NOT NULL,
+    max_attempts INTEGER NOT NULL,
+    consumed INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts (status, seq);
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt_id TEXT PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    worker_id TEXT,
+    started_at {real},
+    heartbeat_at {real},
+    lease_expires_at {real},
+    ended_at {real},
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS attempts_by_rollout ON attempts (rollout_id, number);
+CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts (status, lease_expires_at);
+CREATE TABLE IF NOT EXISTS resources (
+    name TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    value TEXT NOT NULL,
+    created_at {real} NOT NULL,
+    PRIMARY KEY (name, version)
+);
+"""
+
+
+def schema(*, serial: str, blob: str, real: str, bigint: str) -> str:
+    """The DDL for a backend whose auto-increment key, byte, float and 64-bit integer types are given."""
+    return _SCHEMA_TEMPLATE.format(serial=serial, blob=blob, real=real, bigint=bigint)
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 

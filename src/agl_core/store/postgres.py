@@ -11,70 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._otlp import SpanRow
-from ._sql import _SPAN_COLUMNS, SqlStore
+from ._sql import _SPAN_COLUMNS, SqlStore, schema
 
 __all__ = ["PostgresStore"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spans (
-    seq BIGSERIAL PRIMARY KEY,
-    trace_id BYTEA NOT NULL,
-    span_id BYTEA NOT NULL,
-    parent_span_id BYTEA,
-    name TEXT NOT NULL,
-    start_ns BIGINT NOT NULL,
-    end_ns BIGINT NOT NULL,
-    status_code INTEGER NOT NULL,
-    rollout_id TEXT,
-    attempt_id TEXT,
-    scope_key BYTEA NOT NULL,
-    body BYTEA NOT NULL,
-    UNIQUE (trace_id, span_id)
-);
-CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, seq);
-CREATE INDEX IF NOT EXISTS spans_by_attempt ON spans (attempt_id) WHERE attempt_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS spans_by_start ON spans (start_ns);
-CREATE TABLE IF NOT EXISTS span_scopes (
-    scope_key BYTEA PRIMARY KEY,
-    resource BYTEA NOT NULL,
-    scope BYTEA NOT NULL
-);
-CREATE TABLE IF NOT EXISTS rollouts (
-    seq BIGSERIAL PRIMARY KEY,
-    rollout_id TEXT NOT NULL UNIQUE,
-    task_id TEXT NOT NULL,
-    input TEXT NOT NULL,
-    group_id TEXT,
-    status TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    reward DOUBLE PRECISION,
-    metadata TEXT NOT NULL,
-    max_attempts INTEGER NOT NULL,
-    consumed INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts (status, seq);
-CREATE TABLE IF NOT EXISTS attempts (
-    attempt_id TEXT PRIMARY KEY,
-    rollout_id TEXT NOT NULL,
-    number INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    worker_id TEXT,
-    started_at DOUBLE PRECISION,
-    heartbeat_at DOUBLE PRECISION,
-    lease_expires_at DOUBLE PRECISION,
-    ended_at DOUBLE PRECISION,
-    error TEXT
-);
-CREATE INDEX IF NOT EXISTS attempts_by_rollout ON attempts (rollout_id, number);
-CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts (status, lease_expires_at);
-CREATE TABLE IF NOT EXISTS resources (
-    name TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    value TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    PRIMARY KEY (name, version)
-);
-"""
+_SCHEMA = schema(serial="BIGSERIAL PRIMARY KEY", blob="BYTEA", real="DOUBLE PRECISION", bigint="BIGINT")
 
 
 def _no_nul(value: Any) -> Any:

@@ -13,70 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ._otlp import SpanRow
-from ._sql import _SPAN_COLUMNS, SqlStore
+from ._sql import _SPAN_COLUMNS, SqlStore, schema
 
 __all__ = ["SqliteStore"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spans (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    trace_id BLOB NOT NULL,
-    span_id BLOB NOT NULL,
-    parent_span_id BLOB,
-    name TEXT NOT NULL,
-    start_ns INTEGER NOT NULL,
-    end_ns INTEGER NOT NULL,
-    status_code INTEGER NOT NULL,
-    rollout_id TEXT,
-    attempt_id TEXT,
-    scope_key BLOB NOT NULL,
-    body BLOB NOT NULL,
-    UNIQUE (trace_id, span_id)
-);
-CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, seq);
-CREATE INDEX IF NOT EXISTS spans_by_attempt ON spans (attempt_id) WHERE attempt_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS spans_by_start ON spans (start_ns);
-CREATE TABLE IF NOT EXISTS span_scopes (
-    scope_key BLOB PRIMARY KEY,
-    resource BLOB NOT NULL,
-    scope BLOB NOT NULL
-);
-CREATE TABLE IF NOT EXISTS rollouts (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    rollout_id TEXT NOT NULL UNIQUE,
-    task_id TEXT NOT NULL,
-    input TEXT NOT NULL,
-    group_id TEXT,
-    status TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    reward REAL,
-    metadata TEXT NOT NULL,
-    max_attempts INTEGER NOT NULL,
-    consumed INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts (status, seq);
-CREATE TABLE IF NOT EXISTS attempts (
-    attempt_id TEXT PRIMARY KEY,
-    rollout_id TEXT NOT NULL,
-    number INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    worker_id TEXT,
-    started_at REAL,
-    heartbeat_at REAL,
-    lease_expires_at REAL,
-    ended_at REAL,
-    error TEXT
-);
-CREATE INDEX IF NOT EXISTS attempts_by_rollout ON attempts (rollout_id, number);
-CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts (status, lease_expires_at);
-CREATE TABLE IF NOT EXISTS resources (
-    name TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    value TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    PRIMARY KEY (name, version)
-);
-"""
+_SCHEMA = schema(serial="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB", real="REAL", bigint="INTEGER")
 
 
 class SqliteStore(SqlStore):
