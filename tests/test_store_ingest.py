@@ -441,3 +441,33 @@ def test_parse_workers_decode_in_another_process_with_the_same_result():
             pipeline.parse_async(b"\xff" * 20_000).result(60)
     finally:
         pipeline.close()
+
+
+def test_grpc_requires_the_bearer_token_when_configured(store):
+    import grpc
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+    svc = StoreService(store, token="s3cret")
+    port = svc.start_grpc("127.0.0.1", 0)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+        body = make_request("ro-auth", 2).SerializeToString()
+        with pytest.raises(grpc.RpcError) as info:
+            export(body, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            export(b"\xff\xff", metadata=[("authorization", "Bearer s3cret")], timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        export(body, metadata=[("authorization", "Bearer s3cret")], timeout=10)
+        channel.close()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(
+            GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True, headers={"authorization": "Bearer s3cret"})))
+        with rollout_scope("ro-auth-sdk", tracer_provider=provider):
+            pass
+        provider.shutdown()
+        assert len(store.query_spans(rollout_ids=["ro-auth"])) == 2
+        assert len(store.query_spans(rollout_ids=["ro-auth-sdk"])) == 1
+    finally:
+        svc.close()
