@@ -228,8 +228,6 @@ def test_backpressure_answers_retry_later_and_recovers(store):
 
     store.add_span_rows = slow_add  # a stalled disk
     pipeline = IngestPipeline(store, max_pending_spans=100)
-    svc = StoreService(store)
-    svc.pipeline = pipeline
     from agl_core.store.server import create_store_app
 
     with BackgroundServer(create_store_app(store, pipeline=pipeline)) as server:

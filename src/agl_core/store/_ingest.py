@@ -68,7 +68,6 @@ class IngestPipeline:
         self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self.accepted_spans = 0
         self.refused_requests = 0
 
     @property
@@ -148,7 +147,6 @@ class IngestPipeline:
             for _, done in items:
                 done.set_exception(exc)
         else:
-            self.accepted_spans += len(rows)
             for batch, done in items:
                 done.set_result(len(batch.rows))
         finally:

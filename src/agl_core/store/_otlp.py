@@ -56,8 +56,6 @@ SpanRow = tuple
 ``(trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id,
 scope_key, body)``; ids are bytes, ``body`` is the span's own protobuf encoding."""
 
-ROW_TRACE_ID, ROW_SPAN_ID, ROW_ROLLOUT_ID, ROW_BODY = 0, 1, 7, 10
-
 
 @dataclasses.dataclass(frozen=True)
 class ParsedBatch:
