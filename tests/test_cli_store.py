@@ -77,3 +77,23 @@ def test_store_stats_reports_unreachable_store():
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 1 and "cannot reach the store" in done.stderr
+
+
+def test_inspect_reads_an_embedded_stores_sqlite_file(tmp_path, capsys):
+    from agl_core import semconv
+    from agl_core.cli import main
+    from agl_core.store import SqliteStore
+
+    from .conftest import make_span
+
+    ids = {semconv.ROLLOUT_ID: "ro-file", semconv.ATTEMPT_ID: "at-1"}
+    store = SqliteStore(tmp_path / "store.sqlite")
+    try:
+        store.add_spans([make_span(semconv.SPAN_ROLLOUT, ids), make_span(semconv.SPAN_REWARD, {**ids, semconv.REWARD_VALUE: 1.0})])
+    finally:
+        store.close()
+    assert main(["inspect", "ro-file", "--store", str(tmp_path / "store.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert "agl.rollout" in out and "rollout made no LLM call through the gateway" in out
+    assert main(["inspect", "ro-file", "--store", str(tmp_path / "nope.sqlite")]) == 1
+    assert "neither a store URL" in capsys.readouterr().err

@@ -31,7 +31,7 @@ def _write(folder: Path, text: str) -> Path:
 
 def test_valid_config_resolves_paths_and_defaults(folder):
     config = load_config(_write(folder, GOOD))
-    assert config.tasks == folder / "tasks.jsonl"
+    assert config.tasks.train == folder / "tasks.jsonl" and config.tasks.val is None
     assert config.base_dir == folder.resolve()
     assert config.train.steps == 3 and config.train.threads == 1 and config.algorithm.name == "grpo"
 
@@ -87,3 +87,43 @@ def test_print_config_shows_defaults(folder):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert '"clip_eps": 0.2' in done.stdout and '"steps": 3' in done.stdout
+
+
+def test_tasks_with_a_validation_split(folder):
+    (folder / "val.jsonl").write_text('{"id": "v1"}\n')
+    config = load_config(_write(folder, GOOD.replace("tasks: tasks.jsonl", "tasks: {train: tasks.jsonl, val: val.jsonl}")))
+    assert config.tasks.train == folder / "tasks.jsonl" and config.tasks.val == folder / "val.jsonl"
+    config = load_config(_write(folder, GOOD.replace("tasks: tasks.jsonl", "tasks: {train: tasks.jsonl, val_fraction: 0.25}")))
+    assert config.tasks.val_fraction == 0.25
+
+
+@pytest.mark.parametrize(
+    "tasks, message",
+    [
+        ("{train: tasks.jsonl, val: nope.jsonl}", "'tasks.val': file"),
+        ("{train: tasks.jsonl, val: val.jsonl, val_fraction: 0.1}", "either 'val' (a file) or 'val_fraction'"),
+        ("{train: tasks.jsonl, val_fraction: 1.5}", "'tasks.val_fraction'"),
+        ("{val: val.jsonl}", "missing required key 'tasks.train'"),
+        ("tasks.csv", "must be a .jsonl or .parquet file"),
+    ],
+)
+def test_bad_task_settings_are_named(folder, tasks, message):
+    (folder / "val.jsonl").write_text('{"id": "v1"}\n')
+    (folder / "tasks.csv").write_text("id\n1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(folder, GOOD.replace("tasks: tasks.jsonl", f"tasks: {tasks}")))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("validation: {every_steps: -1}\n", "'validation.every_steps'"),
+        ("checkpoint: {keep: 0}\n", "'checkpoint.keep'"),
+        ("logging: {progress: fancy}\n", "'logging.progress'"),
+        ("logging: {tensorboard: maybe}\n", "'logging.tensorboard'"),
+    ],
+)
+def test_bad_run_settings_are_named(folder, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(folder, GOOD + extra))

@@ -7,8 +7,10 @@ from agl_core.transitions import (
     NOT_JOINED,
     NOT_TRAINABLE,
     USAGE_MISMATCH,
+    explain_untrained,
     spans_to_transitions,
 )
+from agl_core.transitions import FILTERED_AGENT, NO_TOKENS
 
 from .conftest import make_span
 
@@ -226,3 +228,22 @@ def test_openinference_langgraph_nodes_name_agents():
              _reward("ro-lg", root, 1.0)]
     result = spans_to_transitions(spans)
     assert result.problems == () and [t.agent_name for t in result.transitions] == ["solver", "planner"]
+
+
+def test_rollouts_that_train_nothing_are_explained():
+    ok = _two_agent_rollout("ro-ok", 1.0)
+    no_reward = _two_agent_rollout("ro-nr", None)
+    no_call = [_reward("ro-nc", None, 1.0)]
+    root = make_span(R.SPAN_ROLLOUT, _ids("ro-nj"))
+    not_joined = [root, make_span("chat m", {**_ids("ro-nj"), R.GEN_AI_OPERATION_NAME: R.OP_CHAT,
+                                             R.GEN_AI_RESPONSE_ID: "zz"}, parent=root), _reward("ro-nj", root, 1.0)]
+    empty = [_gateway("ro-empty", None, "c1", [1, 2], [], []), _reward("ro-empty", None, 1.0)]
+    result = spans_to_transitions(ok + no_reward + no_call + not_joined + empty)
+    ids = ["ro-ok", "ro-nr", "ro-nc", "ro-nj", "ro-empty", "ro-nospans"]
+
+    kept = [t for t in select_agents(result.transitions, ["writer"]) if t.prompt_ids and t.response_ids]
+    assert explain_untrained(ids, result, kept) == {
+        "ro-nr": NO_REWARD, "ro-nc": NO_LLM_CALL, "ro-nj": NO_LLM_CALL, "ro-empty": NO_TOKENS, "ro-nospans": NO_LLM_CALL,
+    }
+    only_checker = select_agents(result.transitions, ["nobody"])
+    assert explain_untrained(["ro-ok"], result, only_checker) == {"ro-ok": FILTERED_AGENT}

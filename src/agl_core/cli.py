@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_arguments(gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port)
     inspect = commands.add_parser("inspect", help="print a rollout's span tree, transitions and problems")
     inspect.add_argument("rollout_id", metavar="ROLLOUT_ID")
-    inspect.add_argument("--store", default=None, help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
+    inspect.add_argument("--store", default=None,
+                         help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
     inspect.add_argument("--token", default=None)
 
     train = commands.add_parser("train", help="train an agent from a YAML config")
@@ -73,7 +74,27 @@ def _parser() -> argparse.ArgumentParser:
         help="override one config key, e.g. --set train.steps=2 (repeatable)",
     )
     train.add_argument("--print-config", action="store_true", help="print the validated config and exit")
+    again = train.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in output_dir from its newest checkpoint")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start over, deleting the checkpoints, metrics and store of a run in output_dir")
     return parser
+
+
+def _spans_from_file(path: str, rollout_id: str) -> list:
+    """Spans of one rollout from a store's SQLite file (what an embedded store leaves behind)."""
+    from pathlib import Path
+
+    from .store import SqliteStore, StoreError
+
+    if not Path(path).is_file():
+        raise StoreError(f"{path} is neither a store URL (http://...) nor an existing SQLite file")
+    store = SqliteStore(path)
+    try:
+        return store.query_spans(rollout_ids=[rollout_id], limit=1_000_000)
+    finally:
+        store.close()
 
 
 def _store_serve(args: argparse.Namespace) -> int:
@@ -147,9 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .store import StoreClient, StoreError
 
         try:
-            with StoreClient(args.store, token=args.token) as client:
-                spans = client.all_spans([args.rollout_id])
-                url = client.url
+            if args.store and not args.store.startswith(("http://", "https://")):
+                spans, url = _spans_from_file(args.store, args.rollout_id), args.store
+            else:
+                with StoreClient(args.store, token=args.token) as client:
+                    spans = client.all_spans([args.rollout_id])
+                    url = client.url
         except StoreError as exc:
             print(f"agl inspect: {exc}", file=sys.stderr)
             return 1
@@ -168,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        return run_train(args.config, args.overrides, print_config=args.print_config)
+        return run_train(args.config, args.overrides, print_config=args.print_config,
+                         resume=args.resume, overwrite=args.overwrite)
     return 2
 
 

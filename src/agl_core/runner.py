@@ -121,7 +121,10 @@ class Runner:
             if claimed is None:
                 self._stop.wait(self.poll_s)
                 continue
-            self.run_one(*claimed)
+            try:
+                self.run_one(*claimed)
+            except StoreError as exc:  # e.g. the rollout was cancelled between the last heartbeat and the end
+                logger.warning("agl runner %s: cannot report rollout %s: %s", worker_id, claimed[0].rollout_id, exc)
 
     def run_one(self, rollout: Rollout, attempt: Attempt) -> Rollout:
         """Run the agent on one claimed rollout and report the outcome to the store."""

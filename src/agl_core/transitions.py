@@ -29,7 +29,7 @@ from . import semconv
 from .records import Span, Transition
 from .spantree import LLM, SpanTree, is_gateway_llm, kind_of, source_of, usage
 
-__all__ = ["Problem", "TransitionResult", "spans_to_transitions", "episode_rewards"]
+__all__ = ["Problem", "TransitionResult", "episode_rewards", "explain_untrained", "spans_to_transitions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,45 @@ COUNT_MISMATCH = (
     " in number, so it cannot be matched by order"
 )
 USAGE_MISMATCH = "LLM call matched a gateway call by order, but their token counts disagree"
+
+
+#: Reasons :func:`explain_untrained` adds for rollouts whose calls were made but not trained on.
+FILTERED_AGENT = "every LLM call of the rollout was by an agent not selected for training (algorithm.agents)"
+NO_TOKENS = "the rollout's LLM calls recorded no prompt or no response tokens"
+
+
+def explain_untrained(
+    rollout_ids: Iterable[str], result: TransitionResult, trained: Iterable[Transition]
+) -> dict[str, str]:
+    """Why each of ``rollout_ids`` that has no transition in ``trained`` contributed nothing.
+
+    ``result`` is what :func:`spans_to_transitions` made of the rollouts' spans and ``trained`` what was
+    left after agent selection and filtering. The reason is the rollout's own problem (no reward, no LLM
+    call) when it has one, then "agents filtered out" when it had transitions that were dropped, then
+    the first problem of its calls (not joined to the gateway, failed call, ...).
+    """
+    kept = {t.rollout_id for t in trained}
+    made: dict[str, list[Transition]] = defaultdict(list)
+    for t in result.transitions:
+        made[t.rollout_id].append(t)
+    rollout_level: dict[str, str] = {}
+    call_level: dict[str, str] = {}
+    for p in result.problems:
+        target = rollout_level if p.span_id is None else call_level
+        target.setdefault(p.rollout_id, p.reason)
+    out: dict[str, str] = {}
+    for rid in rollout_ids:
+        if rid in kept:
+            continue
+        if rid in rollout_level:
+            out[rid] = rollout_level[rid]
+        elif made[rid] and all(t.prompt_ids and t.response_ids for t in made[rid]):
+            out[rid] = FILTERED_AGENT
+        elif made[rid]:
+            out[rid] = NO_TOKENS
+        else:
+            out[rid] = call_level.get(rid, NO_LLM_CALL)
+    return out
 
 
 def episode_rewards(spans: Iterable[Span]) -> dict[str, float]:

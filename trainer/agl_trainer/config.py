@@ -79,6 +79,53 @@ class AlgorithmConfig(_Strict):
     agents: list[str] = []
 
 
+class TasksConfig(_Strict):
+    #: Training tasks: a JSONL file (one JSON object per line) or a Parquet file (one task per row);
+    #: an ``id`` field, when present, is the task id.
+    train: Path
+    #: Held-out tasks in the same formats, never trained on: the validation split.
+    val: Path | None = None
+    #: Instead of ``val``: hold out this fraction of ``train`` (chosen once by ``split_seed``).
+    val_fraction: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
+    split_seed: int = 0
+
+    @pydantic.model_validator(mode="after")
+    def _one_val_source(self) -> TasksConfig:
+        if self.val is not None and self.val_fraction is not None:
+            raise ValueError("give either 'val' (a file) or 'val_fraction', not both")
+        return self
+
+
+class ValidationConfig(_Strict):
+    #: Also evaluate on the validation split every N training steps (0: only before and after training).
+    every_steps: int = pydantic.Field(0, ge=0)
+    #: Evaluate before the first step and after the last: the run's before/after held-out score.
+    before: bool = True
+    after: bool = True
+    #: Rollouts per validation task; a task's score is their mean.
+    rollouts_per_task: int = pydantic.Field(1, ge=1, le=64)
+    #: Evaluate on the first N validation tasks only (the same ones every time); null: all of them.
+    max_tasks: int | None = pydantic.Field(None, ge=1)
+
+
+class CheckpointConfig(_Strict):
+    #: Save a checkpoint (adapter or weights, optimizer, step, RNG, data position) every N steps, and
+    #: always after the last step; 0 saves only after the last step.
+    every_steps: int = pydantic.Field(1, ge=0)
+    #: How many of the newest checkpoints to keep.
+    keep: int = pydantic.Field(2, ge=1)
+
+
+class LoggingConfig(_Strict):
+    #: ``rich``: a live progress display; ``plain``: one line per step; ``auto``: rich on a terminal.
+    progress: Literal["auto", "rich", "plain"] = "auto"
+    #: Write TensorBoard scalars under ``output_dir/tensorboard``: ``auto`` does when tensorboard is
+    #: installed, ``true`` requires it.
+    tensorboard: Literal["auto", True, False] = "auto"
+    #: Redraw ``output_dir/reward_curve.png`` (train and validation reward by step) after every step.
+    plot: bool = True
+
+
 class TrainConfig(_Strict):
     steps: int = pydantic.Field(4, ge=1)
     tasks_per_step: int = pydantic.Field(4, ge=1)
@@ -91,8 +138,9 @@ class TrainConfig(_Strict):
 class TrainerConfig(_Strict):
     #: The agent, as ``module:function``; modules are looked up next to the config file first.
     agent: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    #: JSONL task file, relative to the config file.
-    tasks: Path
+    #: The task dataset, relative to the config file: a JSONL or Parquet file of training tasks, or
+    #: ``{train: ..., val: ...}`` / ``{train: ..., val_fraction: 0.2}`` with a validation split.
+    tasks: TasksConfig
     #: Where the store file, metrics and checkpoints go, relative to the working directory.
     output_dir: Path = Path("runs/agl")
     model: ModelConfig = ModelConfig()
@@ -101,8 +149,18 @@ class TrainerConfig(_Strict):
     runner: RunnerConfig = RunnerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
+    validation: ValidationConfig = ValidationConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
     #: Directory of the config file (set by :func:`load_config`); the agent module is imported from here.
     base_dir: Path = Path(".")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _tasks_shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("tasks"), (str, Path)):
+            return {**data, "tasks": {"train": data["tasks"]}}
+        return data
 
 
 def _fields_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -174,10 +232,19 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         config = TrainerConfig.model_validate({**data, "base_dir": base_dir})
     except pydantic.ValidationError as exc:
         raise ConfigError(_describe(exc.errors(), str(path))) from None
-    tasks = config.tasks if config.tasks.is_absolute() else base_dir / config.tasks
-    if not tasks.is_file():
-        raise ConfigError(f"{path}: 'tasks': file {tasks} does not exist")
-    update: dict[str, Any] = {"tasks": tasks}
+    resolved: dict[str, Any] = {}
+    for key in ("train", "val"):
+        value = getattr(config.tasks, key)
+        if value is None:
+            continue
+        file = value if value.is_absolute() else base_dir / value
+        where = f"tasks.{key}" if isinstance(data.get("tasks"), dict) else "tasks"
+        if not file.is_file():
+            raise ConfigError(f"{path}: '{where}': file {file} does not exist")
+        if file.suffix.lower() not in (".jsonl", ".parquet"):
+            raise ConfigError(f"{path}: '{where}': {file.name} must be a .jsonl or .parquet file")
+        resolved[key] = file
+    update: dict[str, Any] = {"tasks": config.tasks.model_copy(update=resolved)}
     source = config.model.source
     if source not in ("smollm2", "tiny"):
         model_dir = Path(source) if Path(source).is_absolute() else base_dir / source

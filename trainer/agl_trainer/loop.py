@@ -1,32 +1,55 @@
-"""The training loop: rollouts through the store and the gateway, transitions, LightningRL updates."""
+"""The training loop: rollouts through the store and the gateway, transitions, LightningRL updates.
+
+:func:`train` runs a whole job: it starts (or connects to) the store, serves the policy through the
+gateway, starts the runner's workers and then, step by step, samples tasks, waits for their rollouts,
+turns spans into transitions, assigns credit, computes group advantages, updates the policy and
+publishes it. It evaluates on the validation split before, during and after training, saves
+checkpoints it can resume from after a crash, and keeps ``metrics.jsonl``, a reward-curve PNG and
+(when installed) TensorBoard scalars in ``output_dir``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import random
+import math
+import shutil
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from agl_core._serve import BackgroundServer
 from agl_core.credit import assign_credit, select_agents
 from agl_core.gateway import create_gateway_app
-from agl_core.records import RolloutStatus, Task
+from agl_core.records import Rollout, RolloutStatus, Task
 from agl_core.runner import LLM_RESOURCE, Runner, load_agent
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
 from agl_core.tracing import make_otlp_exporter, setup_tracing
-from agl_core.transitions import spans_to_transitions
+from agl_core.transitions import episode_rewards, explain_untrained, spans_to_transitions
 
 from .algo import compute_advantages
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
+from .data import TaskSampler, load_splits
+from .reporting import Display, Scalars, mean_se, plot_reward_curve
 
-__all__ = ["StepMetrics", "load_tasks", "train"]
+__all__ = ["EvalResult", "RunExistsError", "RunResult", "StepMetrics", "train"]
 
 logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "reward_curve.png"
+INFLIGHT_FILE = "inflight.json"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+class RunExistsError(ValueError):
+    """``output_dir`` already holds a run and neither ``--resume`` nor ``--overwrite`` was given."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,32 +65,45 @@ class StepMetrics:
     loss: float | None
     grad_norm: float | None
     tokens: int
+    tokens_per_s: float
     groups_skipped: int
     problems: dict[str, int]
+    #: Rollouts that finished but gave no trained transition, counted by reason.
+    untrained: dict[str, int]
+    tasks: list[str]
     seconds: float
 
 
-def load_tasks(path: Path) -> list[Task]:
-    """Tasks from a JSONL file: one JSON object per line; ``id`` (if present) is the task id."""
-    tasks = []
-    seen: set[str] = set()
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not valid JSON: {exc}") from None
-        if not isinstance(item, dict):
-            raise ValueError(f"{path}:{number}: each line must be a JSON object, got {type(item).__name__}")
-        task_id = str(item.get("id", f"line-{number}"))
-        if task_id in seen:
-            raise ValueError(f"{path}:{number}: duplicate task id {task_id!r}")
-        seen.add(task_id)
-        tasks.append(Task(task_id, item))
-    if not tasks:
-        raise ValueError(f"{path}: no tasks")
-    return tasks
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Score on the validation split: the mean over tasks of each task's mean reward (a failed or late
+    rollout scores 0), its standard error, and the number of tasks."""
+
+    step: int
+    mean: float
+    se: float
+    n: int
+    rollouts_failed: int
+    task_scores: dict[str, float]
+
+    def describe(self) -> str:
+        failed = f", {self.rollouts_failed} rollouts failed" if self.rollouts_failed else ""
+        return f"{self.mean:.3f} ± {self.se:.3f} (SE, n={self.n} tasks{failed})"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    history: list[StepMetrics]
+    before: EvalResult | None
+    after: EvalResult | None
+    plot: Path | None
+    checkpoint: Path | None
+
+    def __len__(self) -> int:  # the number of steps this call ran
+        return len(self.history)
+
+    def __getitem__(self, index: int) -> StepMetrics:
+        return self.history[index]
 
 
 def _tracer_provider(store_url: str, service: str) -> Any:
@@ -90,52 +126,59 @@ def _format(m: StepMetrics, total_steps: int) -> str:
     return (
         f"step {m.step}/{total_steps}  rollouts={m.rollouts}{extra}  transitions={m.transitions}"
         f" (trained {m.trained_transitions})  mean_reward={reward}  loss={loss}  tokens={m.tokens}"
-        f"  policy=v{m.policy_version}  {m.seconds:.1f}s"
+        f" ({m.tokens_per_s:,.0f}/s)  policy=v{m.policy_version}  {m.seconds:.1f}s"
     )
 
 
-def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list[StepMetrics]:
-    """Run the whole training job described by ``config``; returns one :class:`StepMetrics` per step.
+def _paired_difference(before: EvalResult, after: EvalResult) -> tuple[float, float, int]:
+    """Mean and SE of the per-task difference after - before, over the tasks both evaluated."""
+    common = sorted(set(before.task_scores) & set(after.task_scores))
+    diffs = [after.task_scores[t] - before.task_scores[t] for t in common]
+    mean, se = mean_se(diffs)
+    return mean, se, len(common)
 
-    Starts (unless ``store.url`` is given) the embedded store, then the gateway in front of the policy,
-    then the runner's workers, and trains for ``train.steps`` steps. Everything it started is stopped on
-    return, also on error.
-    """
-    import warnings
 
-    import torch
+class _Run:
+    """One training job's state and services; :func:`train` drives it."""
 
-    from .hf_backend import HFBackend
-    from .model import load_policy
-    from .update import update_step
+    def __init__(self, config: TrainerConfig, display: Display, stack: ExitStack) -> None:
+        self.config = config
+        self.display = display
+        self.stack = stack
+        self.out = config.output_dir
+        self.metrics_path = self.out / METRICS_FILE
+        self.plot_path = self.out / PLOT_FILE
+        self.train_curve: list[tuple[int, float]] = []
+        self.val_curve: list[tuple[int, float, float]] = []
+        self.history: list[StepMetrics] = []
+        self.before: EvalResult | None = None
+        self.plot: Path | None = None
+        self.scalars = Scalars(self.out / "tensorboard", config.logging.tensorboard)
+        stack.callback(self.scalars.close)
 
-    torch.set_num_threads(config.train.threads)
-    # peft asks transformers a deprecated question on every wrap; not actionable for a user.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    torch.manual_seed(config.train.seed)
-    rng = random.Random(config.train.seed)
-    agent = load_agent(config.agent, search_paths=(config.base_dir,))
-    tasks = load_tasks(config.tasks)
-    out_dir = config.output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_dir / "metrics.jsonl"
+    # --- services ---------------------------------------------------------------------------------
 
-    started: list[Callable[[], None]] = []
-    try:
+    def start(self) -> None:
+        import torch
+
+        from .hf_backend import HFBackend
+        from .model import load_policy
+
+        config, stack = self.config, self.stack
         if config.store.url:
-            store_url = config.store.url
+            self.store_url = config.store.url
         else:
-            store = SqliteStore(out_dir / config.store.path)
-            started.append(store.close)
-            store_server = BackgroundServer(create_store_app(store)).start()
-            started.append(store_server.stop)
-            store_url = store_server.url
-        echo(f"store: {store_url} ({'remote' if config.store.url else out_dir / config.store.path})")
-        client = StoreClient(store_url)
-        started.append(client.close)
+            store = SqliteStore(self.out / config.store.path)
+            stack.callback(store.close)
+            server = BackgroundServer(create_store_app(store)).start()
+            stack.callback(server.stop)
+            self.store_url = server.url
+        self.display.line(f"store: {self.store_url} ({'remote' if config.store.url else self.out / config.store.path})")
+        self.client = StoreClient(self.store_url)
+        stack.callback(self.client.close)
 
         t0 = time.monotonic()
-        model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
+        model, self.tokenizer = load_policy(config.model.source, seed=config.model.seed)
         if config.model.lora is not None:
             from peft import LoraConfig, get_peft_model
 
@@ -145,131 +188,394 @@ def train(config: TrainerConfig, *, echo: Callable[[str], None] = print) -> list
                 LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM"),
             )
+        self.model = model
         trainable = [p for p in model.parameters() if p.requires_grad]
-        echo(
+        self.display.line(
             f"model: {config.model.source} loaded in {time.monotonic() - t0:.1f}s,"
             f" {sum(p.numel() for p in trainable):,} trainable parameters"
         )
-        optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
-        reference = None
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
+        self.reference = None
         if config.algorithm.kl_coef > 0:
             if config.model.lora is None:
                 raise ValueError("algorithm.kl_coef > 0 needs model.lora (the base model is the reference)")
             from .update import reference_logprobs_fn
 
-            reference = reference_logprobs_fn(model, tokenizer.pad_token_id or 0)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            self.reference = reference_logprobs_fn(model, self.tokenizer.pad_token_id or 0)
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-        backend = HFBackend(
-            model, tokenizer, model_name=config.model.served_name,
-            default_max_tokens=config.gateway.default_max_tokens,
+        self.backend = HFBackend(
+            model, tok, model_name=config.model.served_name, default_max_tokens=config.gateway.default_max_tokens,
         )
-        started.append(backend.close)
-        gateway_provider = _tracer_provider(store_url, "agl-gateway")
-        started.append(gateway_provider.shutdown)
-        gateway = BackgroundServer(
-            create_gateway_app(backend, tracer_provider=gateway_provider), config.gateway.host, config.gateway.port
+        stack.callback(self.backend.close)
+        self.gateway_provider = _tracer_provider(self.store_url, "agl-gateway")
+        stack.callback(self.gateway_provider.shutdown)
+        self.gateway = BackgroundServer(
+            create_gateway_app(self.backend, tracer_provider=self.gateway_provider),
+            config.gateway.host, config.gateway.port,
         ).start()
-        started.append(gateway.stop)
-        echo(f"gateway: {gateway.url}/v1 serving {config.model.served_name!r}")
+        stack.callback(self.gateway.stop)
+        self.display.line(f"gateway: {self.gateway.url}/v1 serving {config.model.served_name!r}")
 
+    def start_runners(self) -> None:
         # The agent's own spans (its framework callback, rewards) go through the global provider, which is
         # what an adapter uses by default.
-        agent_provider = setup_tracing(store_url, service_name="agl-agent")
-        started.append(agent_provider.force_flush)
+        agent = load_agent(self.config.agent, search_paths=(self.config.base_dir,))
+        self.agent_provider = setup_tracing(self.store_url, service_name="agl-agent")
+        self.stack.callback(self.agent_provider.force_flush)
+        self.publish()
+        runner = Runner(agent, self.client, self.agent_provider, workers=self.config.runner.workers).start()
+        self.stack.callback(runner.stop)
 
-        def publish() -> None:
-            client.put_resource(
-                LLM_RESOURCE,
-                {"base_url": gateway.url, "model": config.model.served_name, "policy_version": backend.policy_version},
-            )
+    def publish(self) -> None:
+        self.client.put_resource(
+            LLM_RESOURCE,
+            {"base_url": self.gateway.url, "model": self.config.model.served_name,
+             "policy_version": self.backend.policy_version},
+        )
 
-        publish()
-        runner = Runner(agent, client, agent_provider, workers=config.runner.workers).start()
-        started.append(runner.stop)
+    # --- rollouts ---------------------------------------------------------------------------------
 
-        history: list[StepMetrics] = []
-        steps = config.train.steps
-        for step in range(1, steps + 1):
-            step_start = time.monotonic()
-            chosen = rng.sample(tasks, min(config.train.tasks_per_step, len(tasks)))
-            requests = [
-                {
-                    "task_id": task.task_id,
-                    "input": task.input,
-                    "group_id": f"step{step}:{task.task_id}",
-                    "metadata": {"step": step},
-                    "max_attempts": config.runner.max_attempts,
-                }
-                for task in chosen
-                for _ in range(config.train.rollouts_per_task)
-            ]
-            queued = client.enqueue_rollouts(requests)
-            ids = [r.rollout_id for r in queued]
-            finished = client.wait_for_rollouts(ids, timeout_s=config.runner.step_timeout_s)
-            gateway_provider.force_flush()
-            done = [r for r in finished if r.status == RolloutStatus.SUCCEEDED]
-            failed = [r for r in finished if r.status.finished and r.status != RolloutStatus.SUCCEEDED]
-            late = [r for r in finished if not r.status.finished]
-            for r in failed[:3]:
-                last_error = (r.attempts[-1].error or "").strip().splitlines()[-1:] if r.attempts else []
-                echo(f"  rollout {r.rollout_id} {r.status.value}: {last_error[0] if last_error else ''}")
+    def run_rollouts(self, label: str, requests: list[dict[str, Any]]) -> tuple[list[Rollout], list[Rollout], list[Rollout]]:
+        """Enqueue, wait until done or the step deadline, cancel the late ones; (succeeded, failed, late)."""
+        queued = self.client.enqueue_rollouts(requests)
+        ids = [r.rollout_id for r in queued]
+        # a run killed while these are in flight cancels them when resumed
+        (self.out / INFLIGHT_FILE).write_text(json.dumps({"rollout_ids": ids}))
+        deadline = time.monotonic() + self.config.runner.step_timeout_s
+        while True:
+            rollouts = self.client.get_rollouts(ids)
+            ok = sum(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
+            bad = sum(r.status.finished and r.status != RolloutStatus.SUCCEEDED for r in rollouts)
+            self.display.rollouts(label, ok, bad, len(ids))
+            if ok + bad == len(ids) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+        late = [r for r in rollouts if not r.status.finished]
+        if late:
+            self.client.cancel_rollouts([r.rollout_id for r in late])
+        # the runner flushes the agent's spans before completing; the gateway's are batched
+        self.gateway_provider.force_flush()
+        (self.out / INFLIGHT_FILE).unlink(missing_ok=True)
+        done = [r for r in rollouts if r.status == RolloutStatus.SUCCEEDED]
+        failed = [r for r in rollouts if r.status.finished and r.status != RolloutStatus.SUCCEEDED]
+        for r in failed[:3]:
+            last_error = (r.attempts[-1].error or "").strip().splitlines()[-1:] if r.attempts else []
+            self.display.line(f"  rollout {r.rollout_id} {r.status.value}: {last_error[0] if last_error else ''}")
+        if len(failed) > 3:
+            self.display.line(f"  ... and {len(failed) - 3} more failed rollouts (agl inspect ROLLOUT_ID)")
+        if late:
+            self.display.line(
+                f"  {len(late)} rollouts were not done after runner.step_timeout_s={self.config.runner.step_timeout_s:g}s"
+                " and were cancelled"
+            )
+        return done, failed, late
 
-            result = spans_to_transitions(client.all_spans([r.rollout_id for r in done]))
-            transitions = assign_credit(
-                select_agents(result.transitions, config.algorithm.agents),
-                config.algorithm.credit,
-                gamma=config.algorithm.gamma,
+    def cancel_inflight(self) -> None:
+        path = self.out / INFLIGHT_FILE
+        if path.is_file():
+            ids = json.loads(path.read_text()).get("rollout_ids", [])
+            if ids:
+                self.client.cancel_rollouts(ids)
+                self.display.line(f"cancelled {len(ids)} rollouts left over from the interrupted step")
+            path.unlink()
+
+    # --- validation -------------------------------------------------------------------------------
+
+    def evaluate(self, step: int, tasks: Sequence[Task]) -> EvalResult:
+        v = self.config.validation
+        chosen = list(tasks[: v.max_tasks] if v.max_tasks else tasks)
+        requests = [
+            {"task_id": t.task_id, "input": t.input, "group_id": f"val{step}:{t.task_id}",
+             "metadata": {"split": "val", "step": step}, "max_attempts": self.config.runner.max_attempts}
+            for t in chosen for _ in range(v.rollouts_per_task)
+        ]
+        done, failed, late = self.run_rollouts(f"validation @ step {step}", requests)
+        rewards = _rewards(done, self.client.all_spans)
+        per_task: dict[str, list[float]] = {t.task_id: [] for t in chosen}
+        for r in done:
+            per_task[r.task_id or ""].append(rewards.get(r.rollout_id, 0.0))
+        for r in [*failed, *late]:
+            per_task[r.task_id or ""].append(0.0)
+        scores = {tid: sum(v) / len(v) for tid, v in per_task.items() if v}
+        mean, se = mean_se(list(scores.values()))
+        self.client.mark_consumed([r.rollout_id for r in [*done, *failed]])
+        return EvalResult(step, mean, se, len(scores), len(failed) + len(late), scores)
+
+    def record_eval(self, result: EvalResult, label: str) -> None:
+        self.val_curve.append((result.step, result.mean, result.se))
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps({"kind": "val", "time": time.time(), **dataclasses.asdict(result)}) + "\n")
+        self.scalars.add(result.step, {"val/mean_reward": result.mean, "val/se": result.se})
+        self.display.line(f"validation ({label}, step {result.step}): {result.describe()}")
+
+    # --- one training step ------------------------------------------------------------------------
+
+    def train_step(self, step: int, tasks: list[Task]) -> StepMetrics:
+        from .update import update_step
+
+        config = self.config
+        step_start = time.monotonic()
+        requests = [
+            {"task_id": t.task_id, "input": t.input, "group_id": f"step{step}:{t.task_id}",
+             "metadata": {"split": "train", "step": step}, "max_attempts": config.runner.max_attempts}
+            for t in tasks for _ in range(config.train.rollouts_per_task)
+        ]
+        done, failed, late = self.run_rollouts(f"rollouts of step {step}", requests)
+        spans = self.client.all_spans([r.rollout_id for r in done])
+        result = spans_to_transitions(spans)
+        transitions = assign_credit(
+            select_agents(result.transitions, config.algorithm.agents), config.algorithm.credit,
+            gamma=config.algorithm.gamma,
+        )
+        transitions = [t for t in transitions if t.prompt_ids and t.response_ids]
+        untrained = explain_untrained([r.rollout_id for r in done], result, transitions)
+        samples, report = compute_advantages(
+            transitions, {r.rollout_id: r.group_id or r.rollout_id for r in done}, config.algorithm.name
+        )
+        rewards = list(_rewards(done, lambda ids: spans).values())
+        stats, update_s = None, 0.0
+        if samples:
+            t0 = time.monotonic()
+            with self.backend.lock:
+                stats = update_step(
+                    self.model, self.optimizer, samples,
+                    clip_eps=config.algorithm.clip_eps, pad_id=self.pad_id,
+                    max_grad_norm=config.algorithm.max_grad_norm,
+                    micro_batch_tokens=config.algorithm.micro_batch_tokens,
+                    kl_coef=config.algorithm.kl_coef, reference=self.reference,
+                )
+                self.backend.policy_version += 1
+            update_s = time.monotonic() - t0
+            self.publish()
+        # lets `agl store serve --retention consumed` drop spans that training has used
+        self.client.mark_consumed([r.rollout_id for r in [*done, *failed]])
+        metrics = StepMetrics(
+            step=step,
+            policy_version=self.backend.policy_version,
+            rollouts=len(done),
+            rollouts_failed=len(failed),
+            rollouts_late=len(late),
+            transitions=len(result.transitions),
+            trained_transitions=len(samples),
+            mean_reward=sum(rewards) / len(rewards) if rewards else None,
+            loss=stats.loss if stats else None,
+            grad_norm=stats.grad_norm if stats else None,
+            tokens=stats.tokens if stats else 0,
+            tokens_per_s=(stats.tokens / update_s) if stats and update_s > 0 else 0.0,
+            groups_skipped=report.skipped_no_variance + report.skipped_singleton,
+            problems=result.reasons(),
+            untrained=dict(Counter(untrained.values())),
+            tasks=[t.task_id for t in tasks],
+            seconds=time.monotonic() - step_start,
+        )
+        self.display.line(_format(metrics, config.train.steps))
+        if report.skipped_no_variance:
+            self.display.line(
+                f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal), skipped"
             )
-            transitions = [t for t in transitions if t.prompt_ids and t.response_ids]
-            samples, report = compute_advantages(
-                transitions, {r.rollout_id: r.group_id or r.rollout_id for r in done}, config.algorithm.name
+        if untrained:
+            where = "" if config.store.url else f" --store {self.out / config.store.path}"
+            self.display.line(
+                f"  {len(untrained)} rollouts gave no training data (see: agl inspect {next(iter(untrained))}{where}):"
             )
-            rewards = [r.reward for r in done if r.reward is not None]
-            stats = None
-            if samples:
-                with backend.lock:
-                    stats = update_step(
-                        model, optimizer, samples,
-                        clip_eps=config.algorithm.clip_eps, pad_id=pad_id,
-                        max_grad_norm=config.algorithm.max_grad_norm,
-                        micro_batch_tokens=config.algorithm.micro_batch_tokens,
-                        kl_coef=config.algorithm.kl_coef, reference=reference,
-                    )
-                    backend.policy_version += 1
-                publish()
-            # lets `agl store serve --retention consumed` drop spans that training has used
-            client.mark_consumed([r.rollout_id for r in finished if r.status.finished])
-            metrics = StepMetrics(
-                step=step,
-                policy_version=backend.policy_version,
-                rollouts=len(done),
-                rollouts_failed=len(failed),
-                rollouts_late=len(late),
-                transitions=len(result.transitions),
-                trained_transitions=len(samples),
-                mean_reward=sum(rewards) / len(rewards) if rewards else None,
-                loss=stats.loss if stats else None,
-                grad_norm=stats.grad_norm if stats else None,
-                tokens=stats.tokens if stats else 0,
-                groups_skipped=report.skipped_no_variance + report.skipped_singleton,
-                problems=result.reasons(),
-                seconds=time.monotonic() - step_start,
-            )
-            history.append(metrics)
-            with metrics_path.open("a") as fh:
-                fh.write(json.dumps({"time": time.time(), **dataclasses.asdict(metrics)}) + "\n")
-            echo(_format(metrics, steps))
-            if report.skipped_no_variance:
-                echo(f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal), skipped")
-            for reason, count in result.reasons().items():
-                echo(f"  {count} x {reason}")
-        echo(f"done: metrics in {metrics_path}" + ("" if config.store.url else f", spans in {out_dir / config.store.path}"))
-        return history
-    finally:
-        for stop in reversed(started):
+            for reason, count in Counter(untrained.values()).most_common():
+                self.display.line(f"    {count} x {reason}")
+        return metrics
+
+    def record_step(self, metrics: StepMetrics) -> None:
+        self.history.append(metrics)
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps({"kind": "train", "time": time.time(), **dataclasses.asdict(metrics)}) + "\n")
+        if metrics.mean_reward is not None:
+            self.train_curve.append((metrics.step, metrics.mean_reward))
+        self.scalars.add(metrics.step, {
+            "train/mean_reward": metrics.mean_reward, "train/loss": metrics.loss, "train/grad_norm": metrics.grad_norm,
+            "train/tokens_per_s": metrics.tokens_per_s, "train/rollouts_failed": float(metrics.rollouts_failed),
+            "train/policy_version": float(metrics.policy_version),
+        })
+
+    def redraw(self) -> None:
+        if self.config.logging.plot:
+            self.plot = plot_reward_curve(self.plot_path, self.train_curve, self.val_curve,
+                                          title=f"{self.config.agent} ({self.config.algorithm.name})")
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def save(self, step: int, sampler: TaskSampler) -> Path:
+        state = {
+            "policy_version": self.backend.policy_version,
+            "sampler": sampler.state_dict(),
+            "before": dataclasses.asdict(self.before) if self.before else None,
+            "config": self.config.model_dump(mode="json"),
+        }
+        return save_checkpoint(self.out / CHECKPOINTS_DIR, step, model=self.model, optimizer=self.optimizer,
+                               state=state, keep=self.config.checkpoint.keep)
+
+    def restore(self, path: Path, sampler: TaskSampler) -> int:
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        step = int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+        self.backend.policy_version = int(state["policy_version"])
+        if state.get("before"):
+            self.before = EvalResult(**state["before"])
+        changed = _config_changes(state.get("config") or {}, self.config.model_dump(mode="json"))
+        if changed:
+            self.display.line("note: config differs from the checkpoint's in: " + ", ".join(changed))
+        self._replay_metrics(step)
+        return step
+
+    def _replay_metrics(self, step: int) -> None:
+        """Keep the metrics up to the checkpoint's step (later lines belong to steps that will run again)
+        and rebuild the curves from them."""
+        if not self.metrics_path.is_file():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
             try:
-                stop()
-            except Exception:  # shutting down: report, but keep stopping the rest
-                logger.exception("agl: error while shutting down")
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by the kill
+            if row.get("step", 0) > step:
+                continue
+            kept.append(line)
+            if row.get("kind") == "val":
+                self.val_curve.append((row["step"], row["mean"], row["se"]))
+            elif row.get("mean_reward") is not None:
+                self.train_curve.append((row["step"], row["mean_reward"]))
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(self.metrics_path)
 
+
+def _config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(_config_changes(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def _rewards(done: Sequence[Rollout], spans_of: Callable[[list[str]], Sequence[Any]]) -> dict[str, float]:
+    """Episode reward of each succeeded rollout: the value the runner recorded, or (for agents that call
+    ``emit_reward`` themselves) the one in its spans (``spans_of(rollout_ids)``)."""
+    out = {r.rollout_id: r.reward for r in done if r.reward is not None}
+    missing = [r.rollout_id for r in done if r.reward is None]
+    if missing:
+        from_spans = episode_rewards(spans_of(missing))
+        out.update({rid: v for rid, v in from_spans.items() if math.isfinite(v)})
+    return out
+
+
+def _prepare_output(out: Path, *, resume: bool, overwrite: bool, store_file: str | None) -> Path | None:
+    """Check ``out`` against the flags; returns the checkpoint to resume from."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite contradict each other; pass one of them")
+    checkpoint = latest_checkpoint(out / CHECKPOINTS_DIR)
+    has_run = (out / METRICS_FILE).is_file() or checkpoint is not None
+    if resume:
+        if checkpoint is None:
+            raise CheckpointError(
+                f"nothing to resume in {out}: it holds no checkpoint"
+                + (" (the run stopped before its first one)" if has_run else "")
+                + "; start the run without --resume (add --overwrite to replace what is there)"
+            )
+        return checkpoint
+    if has_run and not overwrite:
+        raise RunExistsError(
+            f"{out} already holds a training run; pass --resume to continue it, --overwrite to start over "
+            "(deleting its checkpoints, metrics and store), or choose another output_dir (--set output_dir=...)"
+        )
+    if overwrite:
+        for name in (METRICS_FILE, PLOT_FILE, INFLIGHT_FILE):
+            (out / name).unlink(missing_ok=True)
+        for name in (CHECKPOINTS_DIR, "tensorboard"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        if store_file:
+            for suffix in ("", "-wal", "-shm"):
+                (out / f"{store_file}{suffix}").unlink(missing_ok=True)
+    return None
+
+
+def train(
+    config: TrainerConfig, *, echo: Callable[[str], None] = print, resume: bool = False, overwrite: bool = False
+) -> RunResult:
+    """Run the training job ``config`` describes; see the module docstring.
+
+    ``resume`` continues the run in ``output_dir`` from its newest checkpoint (no step repeated or
+    skipped); ``overwrite`` replaces a run that is there. Without either, an existing run is an error.
+    Everything started is stopped on return, also on error.
+    """
+    import warnings
+
+    import torch
+
+    out = config.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = _prepare_output(out, resume=resume, overwrite=overwrite,
+                                 store_file=None if config.store.url else config.store.path)
+    torch.set_num_threads(config.train.threads)
+    # peft asks transformers a deprecated question on every wrap; not actionable for a user.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    torch.manual_seed(config.train.seed)
+    load_agent(config.agent, search_paths=(config.base_dir,))  # fail before starting anything
+    train_tasks, val_tasks = load_splits(config.tasks)
+    sampler = TaskSampler(train_tasks, seed=config.train.seed)
+    steps = config.train.steps
+    validating = bool(val_tasks) and (config.validation.before or config.validation.after or config.validation.every_steps)
+
+    with ExitStack() as stack, Display(config.logging.progress, steps, echo=echo) as display:
+        run = _Run(config, display, stack)
+        display.line(
+            f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
+            + ("" if val_tasks else " (no validation split: set tasks.val or tasks.val_fraction to measure held-out reward)")
+        )
+        run.start()
+        start_step = 1
+        if checkpoint is not None:
+            start_step = run.restore(checkpoint, sampler) + 1
+            display.line(f"resumed from {checkpoint} at step {start_step} (policy v{run.backend.policy_version})")
+        if checkpoint is not None:
+            run.cancel_inflight()  # before any worker can pick up the killed step's rollouts
+        run.start_runners()
+        if checkpoint is None and validating and config.validation.before:
+            run.before = run.evaluate(0, val_tasks)
+            run.record_eval(run.before, "before training")
+        last_saved: Path | None = checkpoint
+        for step in range(start_step, steps + 1):
+            display.start_step(step, step - 1)
+            metrics = run.train_step(step, sampler.sample(config.train.tasks_per_step))
+            run.record_step(metrics)
+            every = config.validation.every_steps
+            if validating and every and step % every == 0 and step != steps:
+                run.record_eval(run.evaluate(step, val_tasks), "during training")
+            every = config.checkpoint.every_steps
+            if step == steps or (every and step % every == 0):
+                last_saved = run.save(step, sampler)
+            run.redraw()
+            display.end_step(step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s)
+        after = None
+        if validating and config.validation.after:
+            after = run.evaluate(steps, val_tasks)
+            run.record_eval(after, "after training")
+            run.redraw()
+        if run.before is not None and after is not None:
+            diff, diff_se, n = _paired_difference(run.before, after)
+            display.line(
+                f"held-out reward: before {run.before.describe()} -> after {after.describe()}; "
+                f"change {diff:+.3f} ± {diff_se:.3f} (paired SE over {n} tasks)"
+            )
+        if last_saved is not None:
+            display.line(f"checkpoint: {last_saved}")
+        if run.plot is not None:
+            display.line(f"reward curve: {run.plot}")
+        if run.scalars.enabled:
+            display.line(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+        display.line(
+            f"done: metrics in {run.metrics_path}" + ("" if config.store.url else f", spans in {out / config.store.path}")
+        )
+        return RunResult(run.history, run.before, after, run.plot, last_saved)

@@ -1,0 +1,169 @@
+"""Checkpoints and ``agl train --resume``: a run killed with SIGKILL continues without repeating or
+skipping a step, and draws the same tasks an uninterrupted run draws."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agl_trainer.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from agl_trainer.model import load_policy
+
+AGENT = '''
+import time
+import openai
+
+def solve(task, llm):
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    out = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4)
+    time.sleep(0.05)
+    return float(len(out.choices[0].message.content or "") % 3) / 2
+'''
+
+CONFIG = """
+agent: agent:solve
+tasks: {train: tasks.jsonl, val_fraction: 0.2}
+model: {source: tiny, lora: {r: 4, alpha: 8}}
+gateway: {default_max_tokens: 4}
+train: {steps: 6, tasks_per_step: 2, rollouts_per_task: 3, seed: 7}
+validation: {max_tasks: 2}
+checkpoint: {every_steps: 1, keep: 2}
+logging: {plot: false, tensorboard: false}
+"""
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": f"t{i}", "q": f"say {i}"}) + "\n" for i in range(20)))
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    return tmp_path
+
+
+def _cmd(job: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "agl_core.cli", "train", str(job / "config.yaml"), "--set", f"output_dir={out}", *extra]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _lora_tensors(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = load_policy("tiny", seed=0)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+
+def test_lora_checkpoint_round_trip(tmp_path):
+    model = _lora_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    saved = _lora_tensors(model)
+    rng = torch.get_rng_state()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model=model, optimizer=optimizer, state={"policy_version": step}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
+    assert (latest_checkpoint(tmp_path) / "adapter" / "adapter_config.json").is_file()  # a PEFT adapter dir
+
+    fresh = _lora_model()
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    torch.rand(5)  # move the RNG on; loading must put it back
+    state = load_checkpoint(latest_checkpoint(tmp_path), model=fresh, optimizer=fresh_opt)
+    assert state == {"step": 3, "policy_version": 3}
+    for name, value in _lora_tensors(fresh).items():
+        assert torch.equal(value, saved[name]), name
+    assert fresh_opt.state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_checkpoint_kind_must_match_the_run(tmp_path):
+    model = _lora_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, state={})
+    full, _ = load_policy("tiny", seed=0)
+    with pytest.raises(CheckpointError, match="holds a LoRA adapter, but this run trains all weights"):
+        load_checkpoint(latest_checkpoint(tmp_path), model=full, optimizer=torch.optim.AdamW(full.parameters()))
+
+
+def test_a_half_written_checkpoint_is_ignored(tmp_path):
+    (tmp_path / ".tmp-step-000004").mkdir()
+    (tmp_path / "step-000005").mkdir()  # no state.json: the kill came before it was complete
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_existing_run_needs_resume_or_overwrite(job, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    done = subprocess.run(_cmd(job, out), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "already holds a training run; pass --resume" in done.stderr
+    done = subprocess.run(_cmd(job, out, "--resume"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nothing to resume" in done.stderr and "before its first one" in done.stderr
+    done = subprocess.run(_cmd(job, out, "--resume", "--overwrite"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "not allowed with argument" in done.stderr
+
+
+def test_resume_after_sigkill_continues_the_same_run(job, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    straight = tmp_path / "straight"
+    done = subprocess.run(_cmd(job, straight), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    expected_tasks = {r["step"]: r["tasks"] for r in _rows(straight) if r["kind"] == "train"}
+    assert sorted(expected_tasks) == [1, 2, 3, 4, 5, 6]
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(job, killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            newest = latest_checkpoint(killed / "checkpoints")
+            # kill while step 4's rollouts are in flight
+            if newest is not None and newest.name >= "step-000003" and (killed / "inflight.json").is_file():
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the run reached no fourth step in time")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    rows_at_kill = [r for r in _rows(killed) if r["kind"] == "train"]
+    assert 3 <= len(rows_at_kill) < 6
+
+    done = subprocess.run(_cmd(job, killed, "--resume"), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "resumed from" in done.stdout and "rollouts left over from the interrupted step" in done.stdout
+    rows = _rows(killed)
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]  # none repeated, none skipped
+    assert {r["step"]: r["tasks"] for r in train_rows} == expected_tasks  # the same data position
+    versions = [r["policy_version"] for r in train_rows]
+    assert versions == sorted(versions)  # the policy version continues from the checkpoint
+    val_rows = [r for r in rows if r["kind"] == "val"]
+    assert [r["step"] for r in val_rows][0] == 0 and val_rows[-1]["step"] == 6  # before once, after at the end
+    assert "held-out reward: before" in done.stdout
+
+    from agl_core.store import SqliteStore
+
+    store = SqliteStore(killed / "store.sqlite")
+    try:
+        stats = store.stats()
+    finally:
+        store.close()
+    assert stats.get("rollouts_queued", 0) == 0 and stats.get("rollouts_running", 0) == 0  # the killed step's work was cancelled

@@ -1,0 +1,106 @@
+"""Checkpoints: everything a killed run needs to continue as if it had not stopped.
+
+A checkpoint is a directory ``output_dir/checkpoints/step-NNNNNN`` holding the trained weights (a PEFT
+adapter directory under LoRA, loadable by PEFT and vLLM; otherwise ``model.safetensors``), the optimizer
+state, the torch RNG state and ``state.json`` (step, policy version, data position, the config). It is
+written under a temporary name and renamed when complete, so a SIGKILL while saving leaves the previous
+checkpoint as the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+
+_PREFIX = "step-"
+STATE_FILE = "state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or does not fit the run; the message says what to do."""
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    root: Path, step: int, *, model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int = 2
+) -> Path:
+    """Write the checkpoint of ``step`` and drop all but the ``keep`` newest; returns its directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:06d}"
+    tmp = root / f".tmp-{_PREFIX}{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    if _is_peft(model):
+        model.save_pretrained(tmp / "adapter")
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(torch.get_rng_state(), tmp / "rng.pt")
+    # state.json last: its presence marks the directory complete (see list_checkpoints)
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2, default=str))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, *, model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG from ``path`` into the given objects; returns ``state.json``."""
+    state = json.loads((path / STATE_FILE).read_text())
+    if _is_peft(model):
+        adapter = path / "adapter" / "adapter_model.safetensors"
+        if not adapter.is_file():
+            raise CheckpointError(
+                f"{path} holds full model weights, but this run trains a LoRA adapter; resume with the "
+                "checkpoint's model.lora setting"
+            )
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        result = set_peft_model_state_dict(model, load_file(str(adapter)))
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise CheckpointError(f"{path}: the adapter does not fit this model (unexpected keys {unexpected[:3]})")
+    else:
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            raise CheckpointError(
+                f"{path} holds a LoRA adapter, but this run trains all weights; resume with the checkpoint's "
+                "model.lora setting"
+            )
+        from safetensors.torch import load_model
+
+        load_model(model, str(weights))
+    try:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    except (ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: the optimizer state does not fit this model: {exc}") from None
+    torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return state

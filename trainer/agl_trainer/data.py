@@ -1,0 +1,167 @@
+"""Task datasets: JSONL or Parquet files, a validation split, and a resumable sampler over epochs."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agl_core.records import Task
+
+from .config import TasksConfig
+
+__all__ = ["DatasetError", "TaskSampler", "load_splits", "load_tasks"]
+
+
+class DatasetError(ValueError):
+    """A task file cannot be used; the message names the file and the row."""
+
+
+def _task(item: Any, where: str, row: int, seen: set[str]) -> Task:
+    if not isinstance(item, dict):
+        raise DatasetError(f"{where}: each task must be a JSON object, got {type(item).__name__}")
+    task_id = str(item["id"]) if item.get("id") is not None else f"row-{row}"
+    if task_id in seen:
+        raise DatasetError(f"{where}: duplicate task id {task_id!r}; task ids must be unique within a file")
+    seen.add(task_id)
+    return Task(task_id, item)
+
+
+def _read_jsonl(path: Path) -> list[Task]:
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}:{number}: not valid JSON: {exc}") from None
+            tasks.append(_task(item, f"{path}:{number}", number, seen))
+    return tasks
+
+
+def _read_parquet(path: Path) -> list[Task]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{path}: reading Parquet needs pyarrow: pip install 'agl[parquet]'") from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for a broken file
+        raise DatasetError(f"{path}: not a readable Parquet file: {exc}") from None
+    seen: set[str] = set()
+    return [_task(_plain(row), f"{path} row {i}", i, seen) for i, row in enumerate(rows, start=1)]
+
+
+def _plain(value: Any) -> Any:
+    """Parquet values as JSON-able Python (dates and decimals become strings): what an agent would get
+    from the same task in JSONL, and what the store can keep."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """Tasks from a ``.jsonl`` file (one JSON object per line) or a ``.parquet`` file (one per row)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"task file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        tasks = _read_jsonl(path)
+    elif suffix == ".parquet":
+        tasks = _read_parquet(path)
+    else:
+        raise DatasetError(f"{path}: task files must be .jsonl or .parquet")
+    if not tasks:
+        raise DatasetError(f"{path}: no tasks")
+    return tasks
+
+
+def load_splits(config: TasksConfig) -> tuple[list[Task], list[Task]]:
+    """The training and validation tasks the config names (validation empty when it names none)."""
+    train = load_tasks(config.train)
+    if config.val is not None:
+        val = load_tasks(config.val)
+        overlap = {t.task_id for t in train} & {t.task_id for t in val}
+        if overlap:
+            sample = ", ".join(sorted(overlap)[:3])
+            raise DatasetError(
+                f"{len(overlap)} task id(s) are in both {config.train} and {config.val} (e.g. {sample}); "
+                "validation tasks must be held out"
+            )
+        return train, val
+    if config.val_fraction is not None:
+        n_val = max(1, round(len(train) * config.val_fraction))
+        if n_val >= len(train):
+            raise DatasetError(
+                f"{config.train}: val_fraction {config.val_fraction} of {len(train)} tasks leaves none to train on"
+            )
+        order = list(range(len(train)))
+        random.Random(config.split_seed).shuffle(order)
+        held = set(order[:n_val])
+        return [t for i, t in enumerate(train) if i not in held], [t for i, t in enumerate(train) if i in held]
+    return train, []
+
+
+class TaskSampler:
+    """Draws training tasks epoch by epoch: each epoch visits every task once, in an order fixed by
+    ``seed`` and the epoch number. Its state (epoch, position) is two integers, so a resumed run draws
+    exactly the tasks the uninterrupted run would have."""
+
+    def __init__(self, tasks: Sequence[Task], seed: int = 0) -> None:
+        if not tasks:
+            raise ValueError("TaskSampler needs at least one task")
+        self.tasks = list(tasks)
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def sample(self, n: int) -> list[Task]:
+        """The next ``n`` tasks (distinct when ``n`` <= the number of tasks, crossing into the next epoch
+        when the current one runs out)."""
+        out: list[Task] = []
+        while len(out) < n:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._shuffled(self.epoch)
+            task = self.tasks[self._order[self.position]]
+            self.position += 1
+            if len(out) < len(self.tasks) and any(t.task_id == task.task_id for t in out):
+                continue  # an epoch boundary inside one draw: keep this step's tasks distinct
+            out.append(task)
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.tasks)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("size") != len(self.tasks) or state.get("seed") != self.seed:
+            raise ValueError(
+                f"the checkpoint's data position is for {state.get('size')} tasks with seed {state.get('seed')}, "
+                f"but the config gives {len(self.tasks)} tasks with seed {self.seed}; resume with the same "
+                "task file and train.seed"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._shuffled(self.epoch)
