@@ -58,6 +58,10 @@ def test_overrides_are_typed_and_validated(folder):
         (GOOD + "model: {source: ./no-model-here}\n", "'model.source'"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("agent: [unclosed\n", "not valid YAML"),
+        (GOOD + "algorithm: {rewards: {tool_errors: -1}}\n", "unknown key 'algorithm.rewards.tool_errors' (did you mean 'tool_error'?)"),
+        (GOOD + "algorithm: {rewards: {timeout: .nan}}\n", "'algorithm.rewards.timeout': Input should be a finite number"),
+        (GOOD + "algorithm: {credit: rewards}\n", "'algorithm.credit'"),
+        (GOOD + "algorithm: {credit: per_call, rewards: {explicit: false}}\n", "credit 'per_call' trains on intermediate rewards only"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_file(folder, text, message):
@@ -87,3 +91,15 @@ def test_print_config_shows_defaults(folder):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert '"clip_eps": 0.2' in done.stdout and '"steps": 3' in done.stdout
+
+
+def test_rewards_section_becomes_reward_weights(folder):
+    from agl_core.credit import RewardWeights
+
+    assert load_config(_write(folder, GOOD)).algorithm.reward_weights() == RewardWeights()
+    config = load_config(_write(folder, GOOD), [
+        "algorithm.credit=per_call", "algorithm.rewards.tool_error=-0.5", "algorithm.rewards.malformed_tool_call=-1",
+        "algorithm.rewards.timeout=-2", "algorithm.rewards.timeout_episode_reward=0", "algorithm.rewards.explicit=false",
+    ])
+    assert config.algorithm.credit == "per_call" and config.algorithm.rewards.timeout_episode_reward == 0.0
+    assert config.algorithm.reward_weights() == RewardWeights(False, -0.5, -1.0, -2.0)
