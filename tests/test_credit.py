@@ -314,6 +314,22 @@ def test_per_call_strategy_trains_on_explicit_rewards_only_by_default():
     assert _rewards(_combined(), strategy="per_call") == [0.0, 0.25, 0.0]
 
 
+@pytest.mark.parametrize(
+    "strategy, weights, score",
+    [
+        ("episode", ALL_ON, 1.0 + (-0.5 + 0.25 - 2.0) / 3),
+        ("last", ALL_ON, 1.0 + (-0.5 + 0.25 - 2.0) / 3),
+        ("per_call", ALL_ON, (-0.5 + 0.25 - 2.0) / 3),
+        ("episode", RewardWeights(explicit=False), 1.0),  # nothing added: the last call's reward
+        ("per_call", RewardWeights(), 0.25 / 3),
+    ],
+)
+def test_rollout_scores_count_the_mean_intermediate_reward_per_call(strategy, weights, score):
+    spans = _combined()
+    credit = assign_rewards(spans_to_transitions(spans), spans, strategy=strategy, weights=weights)
+    assert credit.scores == {"ro-1": pytest.approx(score)}
+
+
 def test_report_counts_each_kind():
     spans = _combined()
     credit = assign_rewards(spans_to_transitions(spans), spans, weights=ALL_ON)

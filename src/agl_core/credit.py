@@ -352,6 +352,10 @@ class CreditResult:
     weights: RewardWeights
     #: Rollouts trained with a timeout episode reward (``TransitionResult.timeout_rewarded``).
     timeout_rewarded: tuple[str, ...] = ()
+    #: Score of each rollout for the group baseline of the advantages: the reward the base strategy gives
+    #: its last trained call, plus the mean intermediate reward per trained call. On the scale of one
+    #: call's reward; without intermediate rewards it is the last call's reward (the episode reward).
+    scores: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """How many intermediate rewards of each kind were added."""
@@ -400,18 +404,26 @@ def assign_rewards(
        ``weight * count`` of its automatic events. An event on a call that is not kept is dropped, except a
        timeout, which moves to the rollout's last kept call (the rollout ended, whoever made the last call).
 
+    The result's ``scores`` are the rollouts' scores for group baselines (pass them to the advantage
+    estimator): without them a group whose episode rewards tie would carry no signal, whatever its
+    intermediate rewards, and under ``per_call`` the last call's reward is no score of the rollout.
+
     ``spans`` are the spans ``result`` was made from. With all weights 0 (and ``explicit`` off, or no
     explicit rewards) the rewards are exactly :func:`assign_credit`'s.
     """
     weights = weights or RewardWeights()
     kept = select_agents(result.transitions, agents)
     base = assign_credit(kept, strategy, gamma=gamma)
-    if not weights.any:
-        return CreditResult(tuple(base), (), (), weights, result.timeout_rewarded)
-    kept_keys = {(t.rollout_id, t.call_index) for t in base}
     last_kept: dict[str, int] = {}
+    last_reward: dict[str, float] = {}
+    calls: Counter[str] = Counter()
     for t in base:
-        last_kept[t.rollout_id] = max(last_kept.get(t.rollout_id, -1), t.call_index)
+        calls[t.rollout_id] += 1
+        if t.call_index >= last_kept.get(t.rollout_id, -1):
+            last_kept[t.rollout_id], last_reward[t.rollout_id] = t.call_index, t.reward
+    if not weights.any:
+        return CreditResult(tuple(base), (), (), weights, result.timeout_rewarded, last_reward)
+    kept_keys = {(t.rollout_id, t.call_index) for t in base}
     applied: list[RewardEvent] = []
     dropped: list[RewardEvent] = []
     extra: dict[tuple[str, int], float] = defaultdict(float)
@@ -430,4 +442,8 @@ def assign_rewards(
         dataclasses.replace(t, reward=t.reward + extra[key]) if (key := (t.rollout_id, t.call_index)) in extra else t
         for t in base
     ]
-    return CreditResult(tuple(out), tuple(applied), tuple(dropped), weights, result.timeout_rewarded)
+    per_rollout: dict[str, float] = defaultdict(float)
+    for (rollout_id, _), value in extra.items():
+        per_rollout[rollout_id] += value
+    scores = {r: last_reward[r] + per_rollout[r] / calls[r] for r in last_reward}
+    return CreditResult(tuple(out), tuple(applied), tuple(dropped), weights, result.timeout_rewarded, scores)
