@@ -14,6 +14,7 @@ from agl_core import semconv
 from agl_core._serve import BackgroundServer
 from agl_core.credit import MALFORMED_TOOL_CALL, TOOL_ERROR, RewardWeights, assign_rewards
 from agl_core.gateway import create_gateway_app
+from agl_core.report import format_rollout
 from agl_core.spantree import TOOL, kind_of
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
@@ -112,6 +113,7 @@ def test_a_malformed_tool_call_costs_the_call_that_wrote_it(policy_stack, framew
     for later in result.transitions[1:]:
         assert next(s for s in spans if s.span_id == later.span_id).attributes.get(R.TOOL_CALL_MALFORMED) is not True
     assert not any(kind_of(s) == TOOL for s in spans)  # no tool ran: nothing else reports the mistake
+    assert f"malformed tool call ({reason})" in format_rollout(rollout_id, spans)  # agl inspect shows it
 
     credit = assign_rewards(result, spans, weights=WEIGHTS)
     assert [t.reward for t in credit.transitions] == rewards
