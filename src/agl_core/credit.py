@@ -50,8 +50,12 @@ from .spantree import TOOL, SpanTree, is_timeout_error, kind_of, source_of, tool
 from .transitions import TransitionResult
 
 __all__ = [
+    "EXPLICIT",
+    "MALFORMED_TOOL_CALL",
     "REWARD_KINDS",
     "STRATEGIES",
+    "TIMEOUT",
+    "TOOL_ERROR",
     "CreditResult",
     "RewardEvent",
     "RewardWeights",
@@ -145,7 +149,7 @@ class RewardWeights:
         return float(getattr(self, kind))
 
     @property
-    def any(self) -> bool:
+    def active(self) -> bool:
         """Whether any intermediate reward is on."""
         return any(self.weight(kind) != 0.0 for kind in REWARD_KINDS)
 
@@ -421,7 +425,7 @@ def assign_rewards(
         calls[t.rollout_id] += 1
         if t.call_index >= last_kept.get(t.rollout_id, -1):
             last_kept[t.rollout_id], last_reward[t.rollout_id] = t.call_index, t.reward
-    if not weights.any:
+    if not weights.active:
         return CreditResult(tuple(base), (), (), weights, result.timeout_rewarded, last_reward)
     kept_keys = {(t.rollout_id, t.call_index) for t in base}
     applied: list[RewardEvent] = []
