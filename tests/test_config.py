@@ -58,6 +58,10 @@ def test_overrides_are_typed_and_validated(folder):
         (GOOD + "model: {source: ./no-model-here}\n", "'model.source'"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("agent: [unclosed\n", "not valid YAML"),
+        (GOOD + "algorithm: {rewards: {tool_errors: -1}}\n", "unknown key 'algorithm.rewards.tool_errors' (did you mean 'tool_error'?)"),
+        (GOOD + "algorithm: {rewards: {timeout: .nan}}\n", "'algorithm.rewards.timeout': Input should be a finite number"),
+        (GOOD + "algorithm: {credit: rewards}\n", "'algorithm.credit'"),
+        (GOOD + "algorithm: {credit: per_call, rewards: {explicit: false}}\n", "credit 'per_call' trains on intermediate rewards only"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_file(folder, text, message):
@@ -127,3 +131,13 @@ def test_bad_task_settings_are_named(folder, tasks, message):
 def test_bad_run_settings_are_named(folder, extra, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_write(folder, GOOD + extra))
+def test_rewards_section_becomes_reward_weights(folder):
+    from agl_core.credit import RewardWeights
+
+    assert load_config(_write(folder, GOOD)).algorithm.reward_weights() == RewardWeights()
+    config = load_config(_write(folder, GOOD), [
+        "algorithm.credit=per_call", "algorithm.rewards.tool_error=-0.5", "algorithm.rewards.malformed_tool_call=-1",
+        "algorithm.rewards.timeout=-2", "algorithm.rewards.timeout_episode_reward=0", "algorithm.rewards.explicit=false",
+    ])
+    assert config.algorithm.credit == "per_call" and config.algorithm.rewards.timeout_episode_reward == 0.0
+    assert config.algorithm.reward_weights() == RewardWeights(False, -0.5, -1.0, -2.0)

@@ -357,3 +357,56 @@ def test_hot_swap_full_weights_then_lora_without_restart(tmp_path):
         ids = torch.tensor([backend.renderer.render(HI)])
         first = torch.log_softmax(changed(input_ids=ids).logits[0, -1].float(), -1).max().item()
     assert lp1[0] == pytest.approx(first, abs=1e-4)
+
+
+BROKEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+UNKNOWN_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_malformed_tool_calls_are_flagged_on_the_span(tiny_policy, stream):
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    rules = [("broken", BROKEN_CALL), ("unknown", UNKNOWN_CALL), ("weather", WEATHER_CALL)]
+    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=40, logits_processor=Script(tokenizer, rules))
+
+    def ask(question, tools):
+        kwargs = {"tools": tools} if tools else {}
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}], stream=stream, **kwargs)
+        if not stream:
+            return r.id, r.choices[0].message.content, [c.id for c in r.choices[0].message.tool_calls or []]
+        content, ids, response_id = "", [], None
+        for chunk in r:
+            response_id = chunk.id
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                ids += [d.id for d in c.delta.tool_calls or [] if d.id]
+        return response_id, content or None, ids
+
+    try:
+        with serve_gateway(backend) as gw:
+            client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
+            spans = {}
+            for question in ("weather in Paris?", "broken weather?", "unknown: what time is it?"):
+                response_id, content, ids = ask(question, [WEATHER_TOOL])
+                (spans[question.split()[0]],) = gw.spans(response_id)
+                if question.startswith("broken"):
+                    assert content == BROKEN_CALL and ids == []  # the client got the raw text
+                if question.startswith("unknown"):
+                    assert len(ids) == 1
+                    unknown_id = ids[0]
+            response_id, _, _ = ask("weather in Paris?", None)
+            (no_tools,) = gw.spans(response_id)
+    finally:
+        backend.close()
+    attrs = {name: span.attributes for name, span in spans.items()}
+    assert attrs["weather"][semconv.TOOL_CALL_MALFORMED] is False
+    assert semconv.TOOL_CALL_MALFORMED_REASONS not in attrs["weather"]
+    assert attrs["broken"][semconv.TOOL_CALL_MALFORMED] is True
+    assert list(attrs["broken"][semconv.TOOL_CALL_MALFORMED_REASONS]) == [semconv.TOOL_CALL_UNPARSEABLE]
+    assert semconv.TOOL_CALL_MALFORMED_IDS not in attrs["broken"]
+    assert attrs["unknown:"][semconv.TOOL_CALL_MALFORMED] is True
+    assert list(attrs["unknown:"][semconv.TOOL_CALL_MALFORMED_REASONS]) == [semconv.TOOL_CALL_UNKNOWN_TOOL]
+    assert list(attrs["unknown:"][semconv.TOOL_CALL_MALFORMED_IDS]) == [unknown_id]
+    assert semconv.TOOL_CALL_MALFORMED not in no_tools.attributes  # no tools offered: nothing checked

@@ -9,7 +9,15 @@ import pytest
 
 from agl_core.gateway._assemble import TextAssembler
 from agl_core.gateway._http import ConnectFailed, Pool, TimedOut
-from agl_core.gateway.tools import forced_prefix, held_back, parse_tool_calls, prepare_messages, tool_format_of
+from agl_core import semconv
+from agl_core.gateway.tools import (
+    forced_prefix,
+    held_back,
+    malformed_tool_calls,
+    parse_tool_calls,
+    prepare_messages,
+    tool_format_of,
+)
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
 
@@ -99,6 +107,45 @@ def test_text_assembler_holds_tool_calls_back():
     streamed = "".join(assembler.push(i)[0] for i in range(len(pieces)))
     content, calls, last, _ = assembler.finish()
     assert streamed == "Ok." and content == "Ok." and last == "" and calls[0]["function"]["name"] == "f"
+
+
+def test_text_assembler_flags_a_tool_call_it_cannot_parse():
+    broken = [b"Ok.", b" ", b"<tool", b'_call>{"name": "f", "arguments": {"x": ', b"</tool_call>"]
+    assembler = TextAssembler(_decoder(broken), tool_format="hermes")
+    for i in range(len(broken)):
+        assembler.push(i)
+    content, calls, _, _ = assembler.finish()
+    assert calls == [] and content == b"".join(broken).decode() and assembler.tool_call_unparseable
+
+    fine = TextAssembler(_decoder([b"no call at all"]))
+    fine.push(0)
+    fine.finish()
+    assert not fine.tool_call_unparseable
+
+
+def _call(name, arguments, call_id="call_1"):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    "calls, unparseable, expected",
+    [
+        ([_call("f", '{"x": 1}')], False, []),
+        ([], False, []),
+        ([], True, [(semconv.TOOL_CALL_UNPARSEABLE, None)]),
+        ([_call("g", "{}")], False, [(semconv.TOOL_CALL_UNKNOWN_TOOL, "call_1")]),
+        ([_call("f", '{"x": ')], False, [(semconv.TOOL_CALL_INVALID_ARGUMENTS, "call_1")]),
+        ([_call("f", "[1, 2]")], False, [(semconv.TOOL_CALL_INVALID_ARGUMENTS, "call_1")]),  # not an object
+        ([_call("f", "")], False, [(semconv.TOOL_CALL_INVALID_ARGUMENTS, "call_1")]),
+        ([_call("f", {"x": 1})], False, []),  # arguments already decoded
+        ([_call("f", "{}", "a"), _call("nope", "{", "b")], False, [(semconv.TOOL_CALL_UNKNOWN_TOOL, "b")]),
+    ],
+)
+def test_malformed_tool_calls(calls, unparseable, expected):
+    assert malformed_tool_calls(calls, TOOLS, unparseable=unparseable) == expected
 
 
 async def _serve(handler):

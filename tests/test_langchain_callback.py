@@ -78,3 +78,29 @@ def test_concurrent_rollouts_in_threads_do_not_mix():
     for span in exporter.get_finished_spans():
         by_trace.setdefault(span.context.trace_id, set()).add(span.attributes[semconv.ROLLOUT_ID])
     assert len(by_trace) == 16 and all(len(ids) == 1 for ids in by_trace.values())
+
+
+def test_a_tool_error_handed_to_the_model_as_the_result_is_still_an_error():
+    from langchain_core.tools import StructuredTool, ToolException
+
+    from agl_langchain import AglCallbackHandler
+
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        if key == "missing":
+            raise ToolException("no such key")
+        return "found"
+
+    tool = StructuredTool.from_function(lookup, handle_tool_error=True, handle_validation_error=True)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    handler = AglCallbackHandler(tracer_provider=provider)
+    with rollout_scope("ro-handled", tracer_provider=provider):
+        for call_id, args in (("c1", {"key": "here"}), ("c2", {"key": "missing"}), ("c3", {"wrong": 1})):
+            tool.invoke({"name": "lookup", "args": args, "id": call_id, "type": "tool_call"}, config={"callbacks": [handler]})
+    spans = [s for s in exporter.get_finished_spans() if s.name == "execute_tool lookup"]
+    assert [s.status.status_code.name for s in spans] == ["UNSET", "ERROR", "ERROR"]
+    assert [s.attributes.get(semconv.ERROR_TYPE) for s in spans] == [None] + [semconv.ERROR_TYPE_TOOL_RESULT] * 2
+    assert spans[1].status.description == "no such key"
+    assert [s.attributes[semconv.GEN_AI_TOOL_CALL_ID] for s in spans] == ["c1", "c2", "c3"]

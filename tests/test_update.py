@@ -42,6 +42,19 @@ def test_group_advantages_are_per_task_group_and_skip_ties():
     assert (report.groups, report.skipped_no_variance, report.skipped_singleton) == (3, 1, 1)
 
 
+def test_given_rollout_scores_set_the_group_baseline():
+    """Episode rewards tie (1, 1), but rollout b1's first call was penalised: with the scores credit
+    assignment gives (episode reward + mean intermediate reward per call) the group carries a signal, and
+    the penalised call's advantage is the lowest."""
+    transitions = [_t("b1", 0, 0.0), _t("b1", 1, 1.0), _t("b2", 0, 1.0), _t("b2", 1, 1.0)]
+    groups = {"b1": "B", "b2": "B"}
+    assert group_advantages(transitions, groups)[1].skipped_no_variance == 1  # last calls tie: no signal
+    samples, report = group_advantages(transitions, groups, scores={"b1": 0.5, "b2": 1.0})
+    assert report.skipped_no_variance == 0
+    # mean 0.75, std 0.25: (1 - 0.75) / 0.25 = 1, (0 - 0.75) / 0.25 = -3
+    assert [round(s.advantage, 4) for s in samples] == [-3.0, 1.0, 1.0, 1.0]
+
+
 class _Constant(torch.nn.Module):
     """A 'model' whose log-probabilities are given per token position, to check the loss weighting."""
 

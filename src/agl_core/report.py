@@ -28,6 +28,9 @@ def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem
     if kind == GATEWAY and semconv.PROMPT_TOKEN_IDS in span.attributes:
         attrs = span.attributes
         tags.append(f"{len(attrs[semconv.PROMPT_TOKEN_IDS])}+{len(attrs[semconv.RESPONSE_TOKEN_IDS])} tokens")
+    if span.attributes.get(semconv.TOOL_CALL_MALFORMED) is True:
+        reasons = span.attributes.get(semconv.TOOL_CALL_MALFORMED_REASONS) or ()
+        tags.append("malformed tool call" + (f" ({', '.join(map(str, reasons))})" if reasons else ""))
     if span.name == semconv.SPAN_REWARD:
         tags.append(f"{span.attributes.get(semconv.REWARD_NAME, 'episode')}={span.attributes.get(semconv.REWARD_VALUE)}")
     if span.is_error:

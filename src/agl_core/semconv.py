@@ -52,6 +52,22 @@ PROMPT_DRIFT = "agl.llm.prompt_drift"
 RENDERED_PROMPT_TOKEN_IDS = "agl.llm.rendered_prompt_token_ids"
 #: Kind of backend that served a gateway call: ``"hf"``, ``"vllm"`` or ``"openai"``.
 GATEWAY_BACKEND = "agl.gateway.backend"
+#: Tool-call check of a call whose request offered tools: True when the response tried to call a tool and
+#: at least one call is malformed (see the reasons below), False when every call was well formed; absent
+#: when the request offered no tools.
+TOOL_CALL_MALFORMED = "agl.llm.tool_call_malformed"
+#: One reason per malformed tool call: ``TOOL_CALL_UNPARSEABLE``, ``TOOL_CALL_UNKNOWN_TOOL`` or
+#: ``TOOL_CALL_INVALID_ARGUMENTS``.
+TOOL_CALL_MALFORMED_REASONS = "agl.llm.tool_call_malformed_reasons"
+#: Call ids of the malformed calls the client still received (unknown tool, invalid arguments).
+TOOL_CALL_MALFORMED_IDS = "agl.llm.tool_call_malformed_ids"
+#: The model opened a tool call (its format's opening marker is in the text) that could not be parsed;
+#: the client got the raw text as content.
+TOOL_CALL_UNPARSEABLE = "unparseable"
+#: A tool call names a function the request did not offer.
+TOOL_CALL_UNKNOWN_TOOL = "unknown_tool"
+#: A tool call's arguments are not a JSON object.
+TOOL_CALL_INVALID_ARGUMENTS = "invalid_arguments"
 
 # --- OpenTelemetry GenAI conventions ---------------------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
@@ -79,6 +95,9 @@ GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 #: JSON-encoded tool definitions offered to the model.
 GEN_AI_TOOL_DEFINITIONS = "gen_ai.tool.definitions"
 ERROR_TYPE = "error.type"
+#: ``error.type`` of a failed tool span when the framework handed the failure to the model as the tool's
+#: result without the exception (LangChain's ``handle_tool_error``).
+ERROR_TYPE_TOOL_RESULT = "tool_error"
 
 # Values of ``gen_ai.operation.name``.
 OP_CHAT = "chat"
@@ -118,6 +137,8 @@ OI_METADATA = "metadata"
 SPAN_ROLLOUT = "agl.rollout"
 SPAN_REWARD = "agl.reward"
 SPAN_ERROR = "agl.error"
+#: ``error.type`` the runner gives the ``agl.error`` span of a rollout that ran past its time limit.
+ERROR_TYPE_ROLLOUT_TIMEOUT = "RolloutTimeout"
 
 # --- HTTP ------------------------------------------------------------------------------------------
 HEADER_ROLLOUT_ID = "x-agl-rollout-id"

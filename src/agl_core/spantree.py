@@ -31,6 +31,7 @@ __all__ = [
     "TOOL",
     "SpanTree",
     "is_gateway_llm",
+    "is_timeout_error",
     "kind_of",
     "langgraph_role",
     "own_agent_name",
@@ -54,6 +55,18 @@ _LANGGRAPH = "langgraph"
 
 def is_gateway_llm(span: Span) -> bool:
     return semconv.RESPONSE_TOKEN_IDS in span.attributes and semconv.PROMPT_TOKEN_IDS in span.attributes
+
+
+def is_timeout_error(span: Span) -> bool:
+    """An ``agl.error`` span recording a timeout: ``error.type`` is ``RolloutTimeout`` (what the runner
+    records for a rollout that ran past its time limit) or another name ending in ``Timeout`` or
+    ``TimeoutError``."""
+    if span.name != semconv.SPAN_ERROR:
+        return False
+    kind = span.attributes.get(semconv.ERROR_TYPE)
+    return isinstance(kind, str) and (
+        kind == semconv.ERROR_TYPE_ROLLOUT_TIMEOUT or kind.endswith(("Timeout", "TimeoutError"))
+    )
 
 
 def kind_of(span: Span) -> str:

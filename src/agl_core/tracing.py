@@ -159,7 +159,13 @@ def emit_reward(
 ) -> None:
     """Record a reward for the current rollout as an ``agl.reward`` span.
 
-    The last ``episode`` reward of a rollout is its episode reward. ``value`` must be a finite number.
+    The last ``episode`` reward of a rollout is its episode reward. A reward with any other ``name``
+    (``emit_reward(0.3, name="step")``) is an intermediate reward of one LLM call, added to that call's
+    reward after credit assignment (:mod:`agl_core.credit`; trainer config ``algorithm.rewards.explicit``).
+    The call is the one the reward was emitted during, else, of the calls that ended before it, the one
+    that ended last within the nearest enclosing step (agent turn, graph node, tool) that ran any of
+    them, else the last one of the rollout; a reward emitted before any call ended goes to the first
+    call. Emit it right after the call it judges, in the same step. ``value`` must be a finite number.
     """
     reward = float(value)
     if reward != reward or reward in (float("inf"), float("-inf")):

@@ -22,12 +22,13 @@ be joined is reported with the reason, never trained on with guessed tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from . import semconv
 from .records import Span, Transition
-from .spantree import LLM, SpanTree, is_gateway_llm, kind_of, source_of, usage
+from .spantree import LLM, SpanTree, is_gateway_llm, is_timeout_error, kind_of, source_of, usage
 
 __all__ = ["Problem", "TransitionResult", "episode_rewards", "explain_untrained", "spans_to_transitions"]
 
@@ -49,6 +50,8 @@ class TransitionResult:
     problems: tuple[Problem, ...]
     #: ``{framework LLM span id: gateway span id}`` of every join made (from every source).
     joins: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Rollouts that timed out without an episode reward and were given ``timeout_reward`` instead.
+    timeout_rewarded: tuple[str, ...] = ()
 
     def reasons(self) -> dict[str, int]:
         """How many problems of each reason."""
@@ -127,13 +130,20 @@ def episode_rewards(spans: Iterable[Span]) -> dict[str, float]:
     return {rid: v[2] for rid, v in latest.items()}
 
 
-def spans_to_transitions(spans: Iterable[Span]) -> TransitionResult:
+def spans_to_transitions(spans: Iterable[Span], *, timeout_reward: float | None = None) -> TransitionResult:
     """Turn the spans of any number of rollouts into transitions (episode reward on every call).
 
     Transitions of a rollout are ordered by the start time of their LLM call; ``call_index`` counts from
     0 within the rollout. Credit assignment other than "episode reward to every call" is applied
     afterwards (:mod:`agl_core.credit`).
+
+    A rollout without an episode reward yields no transitions (:data:`NO_REWARD`), except that one which
+    timed out (it holds a timeout ``agl.error`` span, :func:`~agl_core.spantree.is_timeout_error`) gets
+    ``timeout_reward`` as its episode reward when that is given; such rollouts are listed in
+    ``timeout_rewarded``.
     """
+    if timeout_reward is not None and not math.isfinite(timeout_reward):
+        raise ValueError(f"timeout_reward must be a finite number, got {timeout_reward!r}")
     by_rollout: dict[str, list[Span]] = defaultdict(list)
     for span in spans:
         if span.rollout_id is not None:
@@ -142,12 +152,19 @@ def spans_to_transitions(spans: Iterable[Span]) -> TransitionResult:
     transitions: list[Transition] = []
     problems: list[Problem] = []
     joins: dict[str, str] = {}
+    timeout_rewarded: list[str] = []
     for rollout_id, group in by_rollout.items():
         group.sort(key=lambda s: (s.start_ns, s.seq or 0))
-        made, found = _rollout_transitions(rollout_id, group, rewards.get(rollout_id), joins)
+        reward = rewards.get(rollout_id)
+        if reward is None and timeout_reward is not None and any(map(is_timeout_error, group)):
+            reward = float(timeout_reward)
+            timeout_rewarded.append(rollout_id)
+        made, found = _rollout_transitions(rollout_id, group, reward, joins)
         transitions.extend(made)
         problems.extend(found)
-    return TransitionResult(tuple(transitions), tuple(problems), joins)
+        if not made and timeout_rewarded and timeout_rewarded[-1] == rollout_id:
+            timeout_rewarded.pop()
+    return TransitionResult(tuple(transitions), tuple(problems), joins, tuple(timeout_rewarded))
 
 
 

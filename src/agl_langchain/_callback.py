@@ -9,7 +9,7 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl_core import semconv
 from agl_core._hooks import HookErrors
@@ -217,7 +217,17 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         try:
-            self._succeed(run_id)
+            # A tool with ``handle_tool_error`` / ``handle_validation_error`` turns its failure into a
+            # ToolMessage with status "error" and ends normally: still a failed tool call.
+            error = _convert.tool_result_error(output)
+            if error is None:
+                self._succeed(run_id)
+                return
+            span = self._pop(run_id)
+            if span is not None:
+                span.set_attribute(semconv.ERROR_TYPE, semconv.ERROR_TYPE_TOOL_RESULT)
+                span.set_status(Status(StatusCode.ERROR, error))
+                span.end()
         except Exception:
             self.hook_errors.report("on_tool_end")
 

@@ -111,3 +111,13 @@ def output_json(response: Any) -> str:
             message = getattr(generation, "message", None)
             texts.append(message_to_dict(message) if message is not None else {"role": "assistant", "content": generation.text})
     return json.dumps(texts, ensure_ascii=False, default=str)
+
+
+
+def tool_result_error(output: Any) -> str | None:
+    """The error text of a tool's output when the tool returned its failure as a ``ToolMessage`` with
+    status "error" (``handle_tool_error`` / ``handle_validation_error``), else ``None``."""
+    if getattr(output, "status", None) != "error":
+        return None
+    content = getattr(output, "content", "")
+    return content if isinstance(content, str) else str(content)

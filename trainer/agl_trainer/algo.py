@@ -42,26 +42,30 @@ def group_advantages(
     *,
     scale_by_std: bool = True,
     eps: float = 1e-6,
+    scores: Mapping[str, float] | None = None,
 ) -> tuple[list[Advantaged], GroupReport]:
     """GRPO-style advantages: ``(r_t - mean_g) / std_g`` for each call ``t`` of a rollout in group ``g``.
 
-    The group's mean and (population) standard deviation are taken over its rollouts' scores, a
-    rollout's score being the reward of its last call (the episode reward under every credit strategy).
-    ``group_of`` maps rollout id to group id; rollouts missing from it form a group of their own.
+    The group's mean and (population) standard deviation are taken over its rollouts' scores: ``scores``
+    where given (``agl_core.credit.CreditResult.scores``, which count intermediate rewards), else the
+    reward of the rollout's last call (the episode reward under the episode / last / discounted
+    strategies). ``group_of`` maps rollout id to group id; rollouts missing from it form a group of their own.
     """
-    scores: dict[str, float] = {}
+    last_scores: dict[str, float] = {}
     last_index: dict[str, int] = {}
     for t in transitions:
         if t.call_index >= last_index.get(t.rollout_id, -1):
             last_index[t.rollout_id] = t.call_index
-            scores[t.rollout_id] = t.reward
+            last_scores[t.rollout_id] = t.reward
+    given = scores or {}
+    rollout_scores = {r: given.get(r, score) for r, score in last_scores.items()}
     members: dict[str, list[str]] = defaultdict(list)
-    for rollout_id in scores:
+    for rollout_id in rollout_scores:
         members[group_of.get(rollout_id, rollout_id)].append(rollout_id)
     stats: dict[str, tuple[float, float]] = {}
     no_variance = singleton = 0
     for group, rollout_ids in members.items():
-        values = [scores[r] for r in rollout_ids]
+        values = [rollout_scores[r] for r in rollout_ids]
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
         if len(values) == 1:
@@ -81,12 +85,14 @@ def group_advantages(
 
 
 def compute_advantages(
-    transitions: Sequence[Transition], group_of: Mapping[str, str], algorithm: str = "grpo", *, eps: float = 1e-6
+    transitions: Sequence[Transition], group_of: Mapping[str, str], algorithm: str = "grpo", *, eps: float = 1e-6,
+    scores: Mapping[str, float] | None = None,
 ) -> tuple[list[Advantaged], GroupReport]:
-    """Advantages for ``algorithm`` (one of :data:`ALGORITHMS`); groups without reward variance are skipped."""
+    """Advantages for ``algorithm`` (one of :data:`ALGORITHMS`); groups without reward variance are skipped.
+    ``scores``: rollout scores for the group baselines (see :func:`group_advantages`)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    samples, report = group_advantages(transitions, group_of, scale_by_std=algorithm == "grpo", eps=eps)
+    samples, report = group_advantages(transitions, group_of, scale_by_std=algorithm == "grpo", eps=eps, scores=scores)
     if algorithm == "reinforce_pp" and samples:
         values = [s.advantage for s in samples]
         mean = sum(values) / len(values)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
+
+from agl_core.credit import RewardWeights
 
 __all__ = ["ConfigError", "TrainerConfig", "load_config"]
 
@@ -61,6 +63,29 @@ class RunnerConfig(_Strict):
     max_attempts: int = pydantic.Field(1, ge=1, le=10)
 
 
+_FiniteFloat = Annotated[float, pydantic.Field(allow_inf_nan=False)]
+
+
+class RewardsConfig(_Strict):
+    """Intermediate rewards added to single LLM calls after the episode reward is shared (``credit``)."""
+
+    #: Add explicit per-call rewards: ``emit_reward(value, name=...)`` with a name other than ``episode``
+    #: adds ``value`` to the LLM call it follows (see ``agl_core.emit_reward``).
+    explicit: bool = True
+    #: Added to the call that requested a tool, per tool call that failed (tool span with ERROR status).
+    #: Usually negative (a penalty); 0 = off.
+    tool_error: _FiniteFloat = 0.0
+    #: Added to a call per tool call it wrote that cannot be run (the gateway flags it: unparseable, an
+    #: unknown tool, arguments not a JSON object). Usually negative; 0 = off.
+    malformed_tool_call: _FiniteFloat = 0.0
+    #: Added to the last call of a rollout that timed out (an ``agl.error`` span of type ``RolloutTimeout``
+    #: or ``*Timeout`` / ``*TimeoutError``). Usually negative; 0 = off.
+    timeout: _FiniteFloat = 0.0
+    #: Episode reward of a rollout that timed out without one, so it is still trained on (typically 0.0,
+    #: with a ``timeout`` penalty on its last call); ``null``: timed-out rollouts are not trained on.
+    timeout_episode_reward: _FiniteFloat | None = None
+
+
 class AlgorithmConfig(_Strict):
     #: Advantage estimator; every rule uses the PPO-clip loss with the gateway's behaviour logprobs.
     #: ``grpo``: group-normalised; ``ppo``: group-mean baseline; ``reinforce_pp``: REINFORCE++ (baseline,
@@ -68,8 +93,14 @@ class AlgorithmConfig(_Strict):
     name: Literal["grpo", "ppo", "reinforce_pp"] = "grpo"
     #: Weight of the per-token KL penalty to the reference policy (the base model under LoRA); 0 = off.
     kl_coef: float = pydantic.Field(0.0, ge=0.0)
-    credit: Literal["episode", "last", "discounted"] = "episode"
+    #: How a rollout's episode reward is shared among its LLM calls: ``episode`` (every call gets it),
+    #: ``last`` (the last trained call), ``discounted`` (call t of T gets ``gamma ** (T-1-t)`` of it), or
+    #: ``per_call`` (none: calls get only the intermediate rewards of ``rewards``).
+    credit: Literal["episode", "last", "discounted", "per_call"] = "episode"
+    #: Discount of ``credit: discounted``.
     gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)
+    #: Intermediate rewards added per call after ``credit`` (explicit per-call rewards, penalties).
+    rewards: RewardsConfig = RewardsConfig()
     clip_eps: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
     learning_rate: float = pydantic.Field(1e-4, gt=0.0, lt=1.0)
     max_grad_norm: float = pydantic.Field(1.0, gt=0.0)
@@ -77,6 +108,21 @@ class AlgorithmConfig(_Strict):
     micro_batch_tokens: int = pydantic.Field(4096, ge=64)
     #: Train only the calls of agents whose names match one of these globs (all when empty).
     agents: list[str] = []
+
+    @pydantic.model_validator(mode="after")
+    def _per_call_needs_rewards(self) -> AlgorithmConfig:
+        r = self.rewards
+        if self.credit == "per_call" and not (r.explicit or r.tool_error or r.malformed_tool_call or r.timeout):
+            raise ValueError(
+                "credit 'per_call' trains on intermediate rewards only, but every one is off; set"
+                " rewards.explicit: true (and emit named rewards) or a non-zero rewards weight"
+            )
+        return self
+
+    def reward_weights(self) -> RewardWeights:
+        """The ``rewards`` section as :class:`agl_core.credit.RewardWeights`."""
+        r = self.rewards
+        return RewardWeights(r.explicit, r.tool_error, r.malformed_tool_call, r.timeout)
 
 
 class TasksConfig(_Strict):

@@ -491,11 +491,13 @@ class HFBackend:
         job, request = row.job, row.job.request
         finish = row.finish or "stop"
         calls: list[dict[str, Any]] = []
+        unparseable = False
         if row.assembler is not None:
             text, calls, delta, released = row.assembler.finish()
             if request.stream and (delta or calls or released):
                 deltas = tuple({"index": i, **call} for i, call in enumerate(calls))
                 job.sink(ChoiceDelta(row.index, delta, tool_calls=deltas, logprobs=tuple(released)))
+            unparseable = row.assembler.tool_call_unparseable
         else:
             text = self._decode(row.response)
         if calls:
@@ -513,4 +515,5 @@ class HFBackend:
             tool_calls=tuple(calls),
             top_logprobs=tuple(row.tops) if request.top_logprobs else None,
             forced_tokens=len(job.forced_ids),
+            tool_call_unparseable=unparseable,
         ))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agl_core._serve import BackgroundServer
-from agl_core.credit import assign_credit, select_agents
+from agl_core.credit import assign_rewards
 from agl_core.gateway import create_gateway_app
 from agl_core.records import Rollout, RolloutStatus, Task
 from agl_core.runner import LLM_RESOURCE, Runner, load_agent
@@ -70,6 +70,8 @@ class StepMetrics:
     problems: dict[str, int]
     #: Rollouts that finished but gave no trained transition, counted by reason.
     untrained: dict[str, int]
+    #: Intermediate rewards applied, by kind (explicit, tool_error, malformed_tool_call, timeout).
+    reward_events: dict[str, int]
     tasks: list[str]
     seconds: float
 
@@ -323,16 +325,21 @@ class _Run:
             for t in tasks for _ in range(config.train.rollouts_per_task)
         ]
         done, failed, late = self.run_rollouts(f"rollouts of step {step}", requests)
-        spans = self.client.all_spans([r.rollout_id for r in done])
-        result = spans_to_transitions(spans)
-        transitions = assign_credit(
-            select_agents(result.transitions, config.algorithm.agents), config.algorithm.credit,
-            gamma=config.algorithm.gamma,
+        rewards_config = config.algorithm.rewards
+        # a timed-out rollout has no episode reward; it is trained only when the config gives it one
+        used = done + [r for r in failed if r.status == RolloutStatus.TIMED_OUT
+                       and rewards_config.timeout_episode_reward is not None]
+        spans = self.client.all_spans([r.rollout_id for r in used])
+        result = spans_to_transitions(spans, timeout_reward=rewards_config.timeout_episode_reward)
+        credit = assign_rewards(
+            result, spans, strategy=config.algorithm.credit, gamma=config.algorithm.gamma,
+            weights=config.algorithm.reward_weights(), agents=config.algorithm.agents,
         )
-        transitions = [t for t in transitions if t.prompt_ids and t.response_ids]
-        untrained = explain_untrained([r.rollout_id for r in done], result, transitions)
+        transitions = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
+        untrained = explain_untrained([r.rollout_id for r in used], result, transitions)
         samples, report = compute_advantages(
-            transitions, {r.rollout_id: r.group_id or r.rollout_id for r in done}, config.algorithm.name
+            transitions, {r.rollout_id: r.group_id or r.rollout_id for r in used}, config.algorithm.name,
+            scores=credit.scores,
         )
         rewards = list(_rewards(done, lambda ids: spans).values())
         stats, update_s = None, 0.0
@@ -367,6 +374,7 @@ class _Run:
             groups_skipped=report.skipped_no_variance + report.skipped_singleton,
             problems=result.reasons(),
             untrained=dict(Counter(untrained.values())),
+            reward_events=credit.counts(),
             tasks=[t.task_id for t in tasks],
             seconds=time.monotonic() - step_start,
         )
@@ -375,6 +383,11 @@ class _Run:
             self.display.line(
                 f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal), skipped"
             )
+        for line in credit.summary():
+            self.display.line(f"  {line}")
+        call_problems = Counter(p.reason for p in result.problems if p.span_id is not None)
+        for reason, count in call_problems.most_common():
+            self.display.line(f"  {count} LLM calls not trained: {reason}")
         if untrained:
             where = "" if config.store.url else f" --store {self.out / config.store.path}"
             self.display.line(

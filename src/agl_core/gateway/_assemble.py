@@ -37,6 +37,8 @@ class TextAssembler:
         self.stopped = False
         self._sent = 0
         self._pending: list[Mapping[str, Any]] = []
+        #: After :meth:`finish`: the text opened a tool call that could not be parsed.
+        self.tool_call_unparseable = False
 
     def push(self, token_id: int, logprob_entry: Mapping[str, Any] | None = None) -> tuple[str, list[Mapping[str, Any]]]:
         """Add a token; returns ``(new text to stream, logprob entries released with it)``.
@@ -79,6 +81,8 @@ class TextAssembler:
             content, calls = parse_tool_calls(text, self._tool_format, forced_name=self._forced_name)
             if calls:
                 content = content.rstrip() or None
+            else:
+                self.tool_call_unparseable = tool_call_start(self._tool_format) in text
         shown = content or ""
         delta = shown[self._sent:] if len(shown) > self._sent else ""
         self._sent = max(self._sent, len(shown))

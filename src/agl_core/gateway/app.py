@@ -50,6 +50,7 @@ from .backend import (
 )
 from .metrics import GatewayMetrics
 from .render import TemplateRenderer
+from .tools import malformed_tool_calls
 
 __all__ = ["create_gateway_app", "rollout_base_url"]
 
@@ -244,7 +245,21 @@ class _Call:
             if result.tool_calls:
                 message["tool_calls"] = [dict(c) for c in result.tool_calls]
             attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = json.dumps([message], ensure_ascii=False)
+            if self.chat.is_chat and self.chat.tools_enabled:
+                attrs.update(_tool_call_check(result, self.chat))
             self._span(attrs).end()
+
+
+def _tool_call_check(result: Completion, chat: ChatRequest) -> dict[str, Any]:
+    """Span attributes saying whether the tool calls of one choice are malformed (see ``semconv``)."""
+    found = malformed_tool_calls(result.tool_calls, chat.tools, unparseable=result.tool_call_unparseable)
+    attrs: dict[str, Any] = {semconv.TOOL_CALL_MALFORMED: bool(found)}
+    if found:
+        attrs[semconv.TOOL_CALL_MALFORMED_REASONS] = [reason for reason, _ in found]
+        ids = [call_id for _, call_id in found if call_id]
+        if ids:
+            attrs[semconv.TOOL_CALL_MALFORMED_IDS] = ids
+    return attrs
 
 
 class _Gateway:

@@ -135,6 +135,9 @@ class Completion:
     forced_tokens: int = 0
     #: The model name the serving engine reports (for example a LoRA adapter of one policy version).
     served_model: str | None = None
+    #: The model opened a tool call in its text (the format's opening marker) that could not be parsed;
+    #: ``text`` then holds the raw output. Set by backends that parse tool calls themselves.
+    tool_call_unparseable: bool = False
 
 
 Event = Union[ChoiceDelta, Completion]

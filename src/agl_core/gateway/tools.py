@@ -11,6 +11,8 @@ the system message and turns earlier tool calls / tool results into text, Hermes
 Parse side: :func:`parse_tool_calls` finds calls in generated text in the Hermes format (also the format
 of Qwen 2.5 / 3 and SmolLM3 templates), Mistral's ``[TOOL_CALLS] [...]`` and Llama 3's bare JSON
 ``{"name": ..., "parameters": ...}``; :func:`tool_format_of` picks the format a template uses.
+:func:`malformed_tool_calls` says which calls of a response a client cannot run (the gateway records it
+on the call's span, an input to automatic intermediate rewards).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from .. import semconv
+
 __all__ = [
     "HERMES_CLOSE",
     "HERMES_OPEN",
     "ToolFormat",
     "forced_prefix",
     "held_back",
+    "malformed_tool_calls",
     "parse_tool_calls",
     "prepare_messages",
     "template_handles",
@@ -238,3 +243,38 @@ def held_back(text: str, markers: Sequence[str], *, whitespace: bool = False) ->
         return hold
     ws = _WS_TAIL.search(text[: len(text) - hold])
     return hold + (len(ws.group(0)) if ws else 0)
+
+
+def malformed_tool_calls(
+    tool_calls: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    *,
+    unparseable: bool = False,
+) -> list[tuple[str, str | None]]:
+    """``(reason, call id)`` for each malformed tool call of one response; empty when all are well formed.
+
+    ``tool_calls`` are OpenAI-shaped calls as the client receives them, ``tools`` the request's tool
+    definitions. A call naming a function that is not among ``tools`` is ``unknown_tool``; one whose
+    arguments are not a JSON object is ``invalid_arguments``. ``unparseable`` (the backend saw a tool
+    call opened in the text that it could not parse) adds one ``unparseable`` entry with no call id.
+    """
+    found: list[tuple[str, str | None]] = []
+    if unparseable:
+        found.append((semconv.TOOL_CALL_UNPARSEABLE, None))
+    offered = {_function(t).get("name") for t in tools or ()}
+    for call in tool_calls:
+        fn = _function(call)
+        call_id = call.get("id")
+        call_id = str(call_id) if call_id else None
+        if fn.get("name") not in offered:
+            found.append((semconv.TOOL_CALL_UNKNOWN_TOOL, call_id))
+            continue
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, Mapping):
+            found.append((semconv.TOOL_CALL_INVALID_ARGUMENTS, call_id))
+    return found
