@@ -335,3 +335,87 @@ def test_verl_config_builds_verls_own_config_objects(tmp_path):
     assert merged.actor_rollout_ref.rollout.n_gpus_per_node == 8 and merged.actor_rollout_ref.model.lora_rank == 16
     with pytest.raises(ValueError, match="did you mean 'ppo_micro_batch_size_per_gpu'"):
         check_requirements(_config(verl={"actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpus": 2}}}))
+
+
+class FakeActorGroup:
+    """Stands in for verl's actor worker group (``RayWorkerGroup`` over ``ActorRolloutRefWorker``), which
+    needs GPUs: the same calls and the same TensorDicts in and out. ``compute_log_prob`` scores each
+    unpadded sequence with a real model (the logprob of the next token at every position, as verl's
+    engine returns it), without the LoRA adapter when ``no_lora_adapter`` is set."""
+
+    world_size = 4
+
+    def __init__(self, model):
+        self.model = model
+        self.calls = []
+
+    def compute_log_prob(self, td):
+        import contextlib
+
+        from verl.utils import tensordict_utils as tu
+
+        reference = bool(tu.get(td, "no_lora_adapter", default=False))
+        self.calls.append(("compute_log_prob", reference))
+        rows = []
+        with torch.no_grad(), (self.model.disable_adapter() if reference else contextlib.nullcontext()):
+            for ids in td["input_ids"].unbind():
+                logits = self.model(input_ids=ids[None]).logits[0].float()
+                lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+                rows.append(torch.cat([lp, torch.zeros(1)]))
+        return tu.get_tensordict({"log_probs": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, {"metrics": {}})
+
+    def update_actor(self, td):
+        from verl.utils import tensordict_utils as tu
+
+        self.calls.append(("update_actor", td))
+        metrics = {"actor/pg_loss": [0.25, 0.35], "grad_norm": [1.5], "actor/pg_clipfrac": [0.1], "actor/ppo_kl": [0.01], "kl_loss": [0.02]}
+        return tu.get_tensordict({}, {"metrics": metrics})
+
+
+@needs_verl
+def test_updater_sends_verl_the_padded_batch_with_recomputed_and_reference_logprobs(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from agl_trainer.model import tiny_model
+    from agl_trainer.update import response_logprobs
+    from agl_trainer.verl_backend import VerlUpdater
+
+    model = get_peft_model(tiny_model(128, seed=5), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    samples = [Advantaged(dataclasses.replace(s.transition, response_logprobs=None), s.advantage) for s in _toy()]
+    group = FakeActorGroup(model)
+    updater = VerlUpdater(_config(algorithm={"kl_coef": 0.05}, output_dir=str(tmp_path)), pad_id=0, workers=group)
+    stats = updater.update(samples, group_of={"r1": "g", "r2": "g"})
+
+    assert [c[1] if c[0] == "compute_log_prob" else c[0] for c in group.calls] == [False, True, "update_actor"]
+    td = group.calls[-1][1]
+    assert td.batch_size[0] == 4  # 3 sequences padded to the 4 data-parallel ranks
+    meta = {k: tu.get(td, k) for k in ("global_batch_size", "mini_batch_size", "epochs", "compute_loss", "temperature", "calculate_entropy")}
+    assert meta == {"global_batch_size": 3, "mini_batch_size": 4, "epochs": 1, "compute_loss": True, "temperature": 1.0, "calculate_entropy": False}
+    assert td["response_mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]]
+    with torch.no_grad():
+        current = response_logprobs(model, samples, pad_id=0)
+        with model.disable_adapter():
+            base = response_logprobs(model, samples, pad_id=0)
+    for i in range(3):
+        n = len(current[i])
+        assert torch.allclose(td["old_log_probs"][i, :n], current[i], atol=1e-5)
+        assert torch.allclose(td["ref_log_prob"][i, :n], base[i], atol=1e-5)
+    assert not torch.allclose(td["old_log_probs"][2], td["ref_log_prob"][2])
+    assert no_padding_2_padding(td["input_ids"].values().float(), td).shape == (4, 3)
+    assert (stats.loss, stats.grad_norm, stats.clip_fraction, stats.approx_kl, stats.kl_to_reference) == pytest.approx((0.3, 1.5, 0.1, 0.01, 0.02))
+    assert (stats.transitions, stats.rollouts, stats.tokens) == (3, 2, 6)
+
+
+@needs_verl
+def test_export_explains_a_failed_merge(tmp_path):
+    from agl_trainer.verl_backend import VerlUpdater
+
+    class Group:
+        def save_checkpoint(self, local_path, global_step, max_ckpt_to_keep):
+            Path(local_path).mkdir(parents=True)  # an empty checkpoint: the merger has nothing to merge
+
+    updater = VerlUpdater(_config(output_dir=str(tmp_path)), pad_id=0, workers=Group())
+    with pytest.raises(RuntimeError, match="verl's model merger made no LoRA adapter from .*checkpoint"):
+        updater.export_adapter(1)

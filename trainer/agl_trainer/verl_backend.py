@@ -362,28 +362,36 @@ class VerlUpdater:
     file system every node writes to when there are several.
     """
 
-    def __init__(self, config: TrainerConfig, *, pad_id: int) -> None:
+    def __init__(self, config: TrainerConfig, *, pad_id: int, workers: Any = None) -> None:
+        """``workers``: an actor worker group built elsewhere (already initialised) instead of starting one."""
         require_verl()
+        self.config = config
+        self.pad_id = pad_id
+        self.verl = verl_config(config)
+        self.work_dir = (config.output_dir / "verl").resolve()
+        self._started_ray = False
+        self.last_metrics: dict[str, Any] = {}
+        self.workers = workers if workers is not None else self._start_workers()
+
+    def _start_workers(self) -> Any:
         import ray
         from omegaconf import OmegaConf
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
         from verl.workers.engine_workers import ActorRolloutRefWorker
 
-        self.config = config
-        self.pad_id = pad_id
-        self.verl = verl_config(config)
-        self.work_dir = (config.output_dir / "verl").resolve()
         trainer = self.verl.trainer
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray_init = OmegaConf.to_container(self.verl.ray_kwargs.get("ray_init", {}))
+        if not ray.is_initialized():
+            # as verl's own entry point does (verl/trainer/main_ppo.py, run_ppo)
+            ray_init = OmegaConf.to_container(self.verl.ray_kwargs.ray_init)
             runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(self.verl), ray_init.pop("runtime_env", None) or {})
             ray.init(**ray_init, runtime_env=OmegaConf.to_container(runtime_env))
+            self._started_ray = True
         pool = RayResourcePool(process_on_nodes=[trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=True, max_colocate_count=1)
         worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=self.verl.actor_rollout_ref, role="actor")
-        self.workers = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name=trainer.device)
-        self.workers.init_model()
+        workers = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name=trainer.device)
+        workers.init_model()
+        return workers
 
     def _tensordict(self, batch: VerlBatch, **meta: Any) -> Any:
         from verl.utils import tensordict_utils as tu
