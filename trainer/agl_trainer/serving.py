@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import re
 import shutil
 import tempfile
@@ -30,8 +29,6 @@ from agl_core.gateway.backend import PolicyUpdate
 from .config import TrainerConfig
 
 __all__ = ["HFServing", "VLLMServing", "start_serving", "vllm_launch_kwargs", "vllm_max_lora_rank"]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

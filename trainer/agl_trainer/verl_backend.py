@@ -39,7 +39,6 @@ import dataclasses
 import difflib
 import importlib.metadata
 import importlib.util
-import logging
 import shutil
 import subprocess
 import sys
@@ -64,8 +63,6 @@ __all__ = [
     "verl_defaults",
     "verl_overrides",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: The verl release whose batch layout, config and worker API this module follows.
 VERL_LAYOUT_VERSION = "0.9.1"
