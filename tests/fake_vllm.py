@@ -14,7 +14,8 @@ What it reproduces, as vLLM's OpenAI-compatible server documents and its own tes
   those flags is a 400.
 * ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (``{"lora_name", "lora_path"}``), attached
   only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; a loaded adapter is listed by ``/v1/models`` and is
-  requested by its name as the model.
+  requested by its name as the model. An adapter whose rank (``r`` in its ``adapter_config.json``) exceeds
+  ``--max-lora-rank`` (default 16) is refused.
 * Errors as ``{"error": {"message", "type", "param", "code"}}``, including the context-length 400.
 
 The "model" is a script: it answers deterministically (an echo of the last user message, or a tool call
@@ -57,6 +58,7 @@ class FakeVLLM:
         allow_runtime_lora: bool = False,
         model_path: str = "",
         extra_prompt_token: int | None = None,
+        max_lora_rank: int = 16,
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -66,6 +68,7 @@ class FakeVLLM:
         self.model_path = model_path
         #: Simulates a server whose template differs from the model's (the drift the gateway must catch).
         self.extra_prompt_token = extra_prompt_token
+        self.max_lora_rank = max_lora_rank
         self.loras: dict[str, str] = {}
         self.requests: list[dict[str, Any]] = []
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -129,6 +132,12 @@ class FakeVLLM:
             return _error(400, f"The lora adapter '{name}' has already been loaded.")
         if not os.path.isdir(path):
             return _error(404, f"No adapter found for {path}", "NotFoundError")
+        config_file = os.path.join(path, "adapter_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file) as fh:
+                rank = int(json.load(fh).get("r", 0))
+            if rank > self.max_lora_rank:
+                return _error(400, f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.")
         self.loras[name] = path
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -294,7 +303,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tool-call-parser", default=None)
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--max-loras", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    # accepted as vLLM does; a CPU fake has no GPUs to spread over
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args(argv)
     from agl_trainer.model import load_tokenizer
 
@@ -304,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         load_tokenizer("tiny"), served_model_name=args.served_model_name or args.model, max_model_len=args.max_model_len,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         allow_runtime_lora=args.enable_lora and os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
-        model_path=args.model,
+        model_path=args.model, max_lora_rank=args.max_lora_rank or 16,
     )
     print(f"fake vllm serving {args.model} on {args.host}:{args.port}", file=sys.stderr, flush=True)
     serve_forever(fake.app(), args.host, args.port, log_level="warning")

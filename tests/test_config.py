@@ -131,6 +131,8 @@ def test_bad_task_settings_are_named(folder, tasks, message):
 def test_bad_run_settings_are_named(folder, extra, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_write(folder, GOOD + extra))
+
+
 def test_rewards_section_becomes_reward_weights(folder):
     from agl_core.credit import RewardWeights
 
@@ -141,3 +143,47 @@ def test_rewards_section_becomes_reward_weights(folder):
     ])
     assert config.algorithm.credit == "per_call" and config.algorithm.rewards.timeout_episode_reward == 0.0
     assert config.algorithm.reward_weights() == RewardWeights(False, -0.5, -1.0, -2.0)
+
+
+VLLM = GOOD + "model: {source: Org/Model-1.5B}\nserving: {backend: vllm}\n"
+
+
+def test_gpu_backends_accept_hub_names_and_keep_them(folder):
+    config = load_config(_write(folder, VLLM))
+    assert config.model.source == "Org/Model-1.5B" and config.serving.vllm.launch.gpu_memory_utilization == 0.9
+    verl = load_config(_write(folder, VLLM + "update: {backend: verl}\nverl: {trainer: {n_gpus_per_node: 2}}\n"))
+    assert verl.update.backend == "verl" and verl.verl == {"trainer": {"n_gpus_per_node": 2}}
+    (folder / "models" / "m").mkdir(parents=True)
+    (folder / "models" / "m" / "config.json").write_text("{}")
+    local = load_config(_write(folder, VLLM.replace("Org/Model-1.5B", "models/m")))
+    assert local.model.source == str(folder.resolve() / "models" / "m")  # a local directory wins over a Hub name
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (GOOD + "model: {source: Org/Model}\n", "a Hub name (org/model) is accepted with serving.backend vllm or update.backend verl"),
+        (VLLM.replace("serving: {backend: vllm}", "serving: {backend: vllm}\nmodel: {source: Org/M, lora: null}").replace("model: {source: Org/Model-1.5B}\n", ""),
+         "serving.backend vllm needs model.lora"),
+        (GOOD + "serving: {vllm: {url: 'http://gpu:8000/v1'}}\n", "serving.vllm applies only with serving.backend: vllm"),
+        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {url: 'http://gpu:8000/v1', launch: {tensor_parallel_size: 2}}}"),
+         "set either 'url' (a running server) or 'launch' (start one), not both"),
+        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {upstream_model: x}}"), "serving.vllm.upstream_model names the model of a running server"),
+        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {url: 'gpu:8000'}}"), "'serving.vllm.url': String should match pattern"),
+        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {launch: {gpu_memory_utilization: 1.5}}}"), "'serving.vllm.launch.gpu_memory_utilization'"),
+        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {launch: {tensor_paralel_size: 2}}}"),
+         "unknown key 'serving.vllm.launch.tensor_paralel_size' (did you mean 'tensor_parallel_size'?)"),
+        (GOOD + "serving: {backend: vllm}\n", "serving.vllm.launch.model: 'vllm serve' needs a model directory or a Hub name"),
+        (GOOD + "update: {backend: verl}\n", "update.backend verl needs serving.backend vllm"),
+        (GOOD + "serving: {backend: vllm, vllm: {url: 'http://gpu:8000/v1'}}\nupdate: {backend: verl}\n",
+         "update.backend verl needs a Hugging Face model"),
+        (GOOD + "verl: {trainer: {nnodes: 2}}\n", "the verl: section applies only with update.backend: verl"),
+        (GOOD + "update: {device: gpu}\n", "'update.device': String should match pattern"),
+    ],
+)
+def test_bad_serving_and_update_settings_are_named(folder, text, message):
+    path = _write(folder, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)

@@ -12,3 +12,13 @@ def test_import_agl_core_stays_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_gpu_backends_stay_optional():
+    """The serving, verl and requirements modules load without torch, vllm, verl or ray."""
+    code = (
+        "import sys, agl_trainer.serving, agl_trainer.verl_backend, agl_trainer.requirements\n"
+        "print([m for m in ('torch', 'vllm', 'verl', 'ray', 'omegaconf', 'peft') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "[]"

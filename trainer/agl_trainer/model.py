@@ -13,7 +13,7 @@ from typing import Any
 
 from agl_core import settings
 
-__all__ = ["ModelNotFoundError", "load_policy", "load_tokenizer", "smollm2_gguf_path", "tiny_model"]
+__all__ = ["ModelNotFoundError", "load_policy", "load_tokenizer", "smollm2_gguf_path", "tiny_model", "torch_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +120,24 @@ def load_policy(source: str = "smollm2", *, seed: int = 0, cache_dir: str | None
 
         model = AutoModelForCausalLM.from_pretrained(source)
     return model.float(), tokenizer
+
+
+def torch_device(name: str = "auto") -> Any:
+    """The ``torch.device`` for ``update.device``: ``auto`` is the first GPU when torch sees one, else the CPU.
+
+    Raises ``ValueError`` when a GPU is asked for and torch sees none.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"update.device is {name!r} but torch {torch.__version__} sees no CUDA GPU; install a CUDA"
+                " build of torch on a GPU machine, or set update.device: cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"update.device is {name!r} but torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
