@@ -163,8 +163,8 @@ class _Run:
     def start(self) -> None:
         import torch
 
-        from .hf_backend import HFBackend
-        from .model import load_policy
+        from .model import load_policy, load_tokenizer, torch_device
+        from .serving import start_serving
 
         config, stack = self.config, self.stack
         if config.store.url:
@@ -180,45 +180,60 @@ class _Run:
         stack.callback(self.client.close)
 
         t0 = time.monotonic()
-        model, self.tokenizer = load_policy(config.model.source, seed=config.model.seed)
-        if config.model.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            lora = config.model.lora
-            model = get_peft_model(
-                model,
-                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                           target_modules=list(lora.target_modules), task_type="CAUSAL_LM"),
-            )
-        self.model = model
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        self.display.line(
-            f"model: {config.model.source} loaded in {time.monotonic() - t0:.1f}s,"
-            f" {sum(p.numel() for p in trainable):,} trainable parameters"
-        )
-        self.optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
+        self.model: Any = None
+        self.optimizer: Any = None
         self.reference = None
-        if config.algorithm.kl_coef > 0:
-            if config.model.lora is None:
-                raise ValueError("algorithm.kl_coef > 0 needs model.lora (the base model is the reference)")
-            from .update import reference_logprobs_fn
+        self.updater: Any = None
+        if config.update.backend == "verl":
+            # verl's workers hold the policy; this process only needs the tokenizer
+            self.tokenizer = load_tokenizer(config.model.source)
+        else:
+            model, self.tokenizer = load_policy(config.model.source, seed=config.model.seed)
+            model = model.to(torch_device(config.update.device))
+            if config.model.lora is not None:
+                from peft import LoraConfig, get_peft_model
 
-            self.reference = reference_logprobs_fn(model, self.tokenizer.pad_token_id or 0)
+                lora = config.model.lora
+                model = get_peft_model(
+                    model,
+                    LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                               target_modules=list(lora.target_modules), task_type="CAUSAL_LM"),
+                )
+            self.model = model
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            self.display.line(
+                f"model: {config.model.source} loaded in {time.monotonic() - t0:.1f}s on {next(model.parameters()).device},"
+                f" {sum(p.numel() for p in trainable):,} trainable parameters"
+            )
+            self.optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
+            if config.algorithm.kl_coef > 0:
+                if config.model.lora is None:
+                    raise ValueError("algorithm.kl_coef > 0 needs model.lora (the base model is the reference)")
+                from .update import reference_logprobs_fn
+
+                self.reference = reference_logprobs_fn(model, self.tokenizer.pad_token_id or 0, bf16=config.update.bf16)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if config.update.backend == "verl":
+            from .verl_backend import VerlUpdater
 
-        self.backend = HFBackend(
-            model, tok, model_name=config.model.served_name, default_max_tokens=config.gateway.default_max_tokens,
-        )
-        stack.callback(self.backend.close)
+            self.updater = VerlUpdater(config, pad_id=self.pad_id)
+            stack.callback(self.updater.close)
+            self.display.line(f"update: verl actor on Ray ({config.model.source})")
+
+        self.serving = start_serving(config, self.model, tok)
+        stack.callback(self.serving.close)
         self.gateway_provider = _tracer_provider(self.store_url, "agl-gateway")
         stack.callback(self.gateway_provider.shutdown)
         self.gateway = BackgroundServer(
-            create_gateway_app(self.backend, tracer_provider=self.gateway_provider),
+            create_gateway_app(self.serving.backend, tracer_provider=self.gateway_provider,
+                               renderer=self.serving.renderer),
             config.gateway.host, config.gateway.port,
         ).start()
         stack.callback(self.gateway.stop)
-        self.display.line(f"gateway: {self.gateway.url}/v1 serving {config.model.served_name!r}")
+        self.display.line(
+            f"gateway: {self.gateway.url}/v1 serving {config.model.served_name!r} ({self.serving.kind} backend)"
+        )
 
     def start_runners(self) -> None:
         # The agent's own spans (its framework callback, rewards) go through the global provider, which is
@@ -234,7 +249,7 @@ class _Run:
         self.client.put_resource(
             LLM_RESOURCE,
             {"base_url": self.gateway.url, "model": self.config.model.served_name,
-             "policy_version": self.backend.policy_version},
+             "policy_version": self.serving.policy_version},
         )
 
     # --- rollouts ---------------------------------------------------------------------------------
@@ -345,22 +360,28 @@ class _Run:
         stats, update_s = None, 0.0
         if samples:
             t0 = time.monotonic()
-            with self.backend.lock:
-                stats = update_step(
-                    self.model, self.optimizer, samples,
-                    clip_eps=config.algorithm.clip_eps, pad_id=self.pad_id,
-                    max_grad_norm=config.algorithm.max_grad_norm,
-                    micro_batch_tokens=config.algorithm.micro_batch_tokens,
-                    kl_coef=config.algorithm.kl_coef, reference=self.reference,
-                )
-                self.backend.policy_version += 1
+            version = self.serving.policy_version + 1
+            if self.updater is None:
+                # under the serving lock no batch runs on half-updated weights or under the old version
+                with self.serving.lock:
+                    stats = update_step(
+                        self.model, self.optimizer, samples,
+                        clip_eps=config.algorithm.clip_eps, pad_id=self.pad_id,
+                        max_grad_norm=config.algorithm.max_grad_norm,
+                        micro_batch_tokens=config.algorithm.micro_batch_tokens,
+                        kl_coef=config.algorithm.kl_coef, reference=self.reference, bf16=config.update.bf16,
+                    )
+                    self.serving.publish(self.model, version)
+            else:
+                stats = self.updater.update(samples, group_of={r.rollout_id: r.group_id or r.rollout_id for r in used})
+                self.serving.publish_adapter(self.updater.export_adapter(version), version)
             update_s = time.monotonic() - t0
             self.publish()
         # lets `agl store serve --retention consumed` drop spans that training has used
         self.client.mark_consumed([r.rollout_id for r in [*done, *failed]])
         metrics = StepMetrics(
             step=step,
-            policy_version=self.backend.policy_version,
+            policy_version=self.serving.policy_version,
             rollouts=len(done),
             rollouts_failed=len(failed),
             rollouts_late=len(late),
@@ -416,9 +437,11 @@ class _Run:
 
     # --- checkpoints ------------------------------------------------------------------------------
 
-    def save(self, step: int, sampler: TaskSampler) -> Path:
+    def save(self, step: int, sampler: TaskSampler) -> Path | None:
+        if self.model is None:  # the verl update keeps the weights in its workers (verl's own checkpoints)
+            return None
         state = {
-            "policy_version": self.backend.policy_version,
+            "policy_version": self.serving.policy_version,
             "sampler": sampler.state_dict(),
             "before": dataclasses.asdict(self.before) if self.before else None,
             "config": self.config.model_dump(mode="json"),
@@ -430,7 +453,9 @@ class _Run:
         state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-        self.backend.policy_version = int(state["policy_version"])
+        version = int(state["policy_version"])
+        if version > self.serving.policy_version:
+            self.serving.publish(self.model, version)  # serve the restored weights under their version
         if state.get("before"):
             self.before = EvalResult(**state["before"])
         changed = _config_changes(state.get("config") or {}, self.config.model_dump(mode="json"))
@@ -529,6 +554,8 @@ def train(
 
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    if resume and config.update.backend == "verl":
+        raise ValueError("--resume is not supported with update.backend verl (its weights live in verl's workers)")
     checkpoint = _prepare_output(out, resume=resume, overwrite=overwrite,
                                  store_file=None if config.store.url else config.store.path)
     torch.set_num_threads(config.train.threads)
@@ -551,7 +578,7 @@ def train(
         start_step = 1
         if checkpoint is not None:
             start_step = run.restore(checkpoint, sampler) + 1
-            display.line(f"resumed from {checkpoint} at step {start_step} (policy v{run.backend.policy_version})")
+            display.line(f"resumed from {checkpoint} at step {start_step} (policy v{run.serving.policy_version})")
         if checkpoint is not None:
             run.cancel_inflight()  # before any worker can pick up the killed step's rollouts
         run.start_runners()
@@ -568,7 +595,7 @@ def train(
                 run.record_eval(run.evaluate(step, val_tasks), "during training")
             every = config.checkpoint.every_steps
             if step == steps or (every and step % every == 0):
-                last_saved = run.save(step, sampler)
+                last_saved = run.save(step, sampler) or last_saved
             run.redraw()
             display.end_step(step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s)
         after = None
