@@ -42,7 +42,3 @@ async def scripted_async(task: dict[str, Any], llm: Any) -> Any:
         raise ValueError(task["raise"])
     return task.get("reward")
 
-
-def echo_model(task: dict[str, Any], llm: Any) -> Any:
-    """Returns the reward the task names; records nothing else (for the ``agl run`` tests)."""
-    return task.get("reward", 1.0)

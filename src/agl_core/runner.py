@@ -195,6 +195,10 @@ class Runner:
     :class:`~agl_core.store.StoreClient`), with bearer ``token`` (default: ``AGL_STORE_TOKEN``).
 
     When the store cannot be reached, workers back off and retry; nothing the agent does stops the runner.
+
+    Process mode spawns its worker processes: the agent must be importable by name (a module-level
+    function), and a script that starts such a runner must guard its entry point with
+    ``if __name__ == "__main__":``, since each worker process imports the main module again.
     """
 
     def __init__(
