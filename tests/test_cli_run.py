@@ -56,7 +56,7 @@ def test_agl_run_serves_rollouts_with_spans_and_kills_a_hung_agent(store, tmp_pa
         [{"task_id": f"t{i}", "input": {"reward": i / 4}} for i in range(3)]
         + [{"task_id": "hang", "input": {"hang": True, "pid_file": str(pids)}}]
     )
-    proc, log = _start(tmp_path, "--store", url, "--workers", "2", "--mode", "process", "--rollout-timeout", "0.6",
+    proc, log = _start(tmp_path, "--store", url, "--mode", "process", "--rollout-timeout", "0.6",
                        "--report-every", "0.1")
     try:
         done = client.wait_for_rollouts([r.rollout_id for r in queued], timeout_s=20, poll_s=0.05)
@@ -78,7 +78,7 @@ def test_agl_run_serves_rollouts_with_spans_and_kills_a_hung_agent(store, tmp_pa
         if proc.poll() is None:
             proc.kill()
     out = log.read_text()
-    assert f"agl run: {AGENT} on {url}, 2 worker(s) in process mode, rollout timeout 0.6 s" in out
+    assert f"agl run: {AGENT} on {url}, 1 worker(s) in process mode, rollout timeout 0.6 s" in out
     assert "agl run: stopped; 3 done, 0 failed, 1 timed out, 0 running" in out
 
 

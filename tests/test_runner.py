@@ -385,6 +385,55 @@ def test_process_crash_and_exception_fail_the_attempt_and_the_runner_goes_on(sq_
     provider.shutdown()
 
 
+def test_process_cancel_and_stop_kill_the_running_worker(sq, tmp_path):
+    pids = tmp_path / "pids"
+    runner = Runner(_runner_agents.scripted, sq, TracerProvider(), workers=1, mode="process", lease_s=0.3).start()
+    try:
+        (cancelled,) = sq.enqueue_rollouts([{"task_id": "c", "input": {"hang": True, "pid_file": str(pids)}}])
+        deadline = time.monotonic() + 20
+        while not pids.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sq.cancel_rollouts([cancelled.rollout_id])
+        while runner.counts.dropped < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert runner.counts.dropped == 1 and not _pid_alive(int(pids.read_text()))
+        pids.unlink()
+        (stopped,) = sq.enqueue_rollouts([{"task_id": "s", "input": {"hang": True, "pid_file": str(pids)}}])
+        while not pids.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        runner.stop(timeout_s=0.3)
+    (after,) = sq.get_rollouts([stopped.rollout_id])
+    assert after.status == RolloutStatus.FAILED and "its worker process was killed" in after.attempts[0].error
+    assert not _pid_alive(int(pids.read_text()))
+
+
+def test_async_cancel_in_the_store_cancels_the_task(sq):
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def agent(task, llm):
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    (queued,) = sq.enqueue_rollouts([{"task_id": "c"}])
+    runner = Runner(agent, sq, TracerProvider(), workers=1, lease_s=0.3).start()
+    try:
+        assert started.wait(10)
+        sq.cancel_rollouts([queued.rollout_id])
+        assert cancelled.wait(5)
+        deadline = time.monotonic() + 5
+        while runner.counts.dropped < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        runner.stop()
+    assert runner.counts.dropped == 1
+    assert sq.get_rollouts([queued.rollout_id])[0].status == RolloutStatus.CANCELLED
+
+
 def test_process_mode_runs_async_agents_too(sq_server, sq):
     (queued,) = sq.enqueue_rollouts([{"task_id": "a", "input": {"reward": 0.75, "sleep": 0.01}}])
     runner = Runner(_runner_agents.scripted_async, sq, TracerProvider(), workers=1, mode="process").start()

@@ -47,6 +47,7 @@ class Heartbeats:
         self._ended: dict[str, RolloutStatus] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._failing = False  # warn once per streak of failed beats, not once per attempt and tick
         self._thread = threading.Thread(target=self._beat, name="agl-heartbeats", daemon=True)
 
     def start(self) -> None:
@@ -84,8 +85,12 @@ class Heartbeats:
                 try:
                     attempt = self.store.heartbeat(attempt_id, lease_s=self.lease_s)
                 except Exception as exc:  # a missed beat is retried on the next tick
-                    logger.warning("agl runner: heartbeat for attempt %s failed: %s", attempt_id, exc)
+                    log = logger.debug if self._failing else logger.warning
+                    self._failing = True
+                    log("agl runner: heartbeat for attempt %s failed (%s); retrying every %.1f s",
+                        attempt_id, exc, self.interval_s)
                     continue
+                self._failing = False
                 if attempt.status != RolloutStatus.RUNNING:
                     with self._lock:
                         if attempt_id not in self._attempts:

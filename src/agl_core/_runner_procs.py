@@ -138,7 +138,7 @@ class ProcessEngine:
         theirs.close()
         worker = _Worker(process, mine)
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while time.monotonic() < deadline and not self.state.halt.is_set():
+        while time.monotonic() < deadline and not self.state.stopping.is_set():
             ready = wait([mine, process.sentinel], _SLICE_S)
             if mine in ready:
                 try:
@@ -151,8 +151,9 @@ class ProcessEngine:
                 break
             if process.sentinel in ready:
                 break
-        logger.error("agl runner: worker process for %s did not start (exit code %s); its error is printed above",
-                     worker_id, process.exitcode)
+        if not self.state.stopping.is_set():
+            logger.error("agl runner: worker process for %s did not start (exit code %s); its error is printed above",
+                         worker_id, process.exitcode)
         worker.kill()
         return None
 
