@@ -97,6 +97,13 @@ class ProcessEngine:
         self._lock = threading.Lock()
 
     def start(self) -> None:
+        # multiprocessing marks a spawned process while it imports the parent's main module; a runner
+        # started then comes from a script without an entry-point guard and would spawn without end.
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            raise RuntimeError(
+                "a process-mode runner was started while a worker process imported the main module: guard the "
+                "script's entry point with 'if __name__ == \"__main__\":'"
+            )
         prefix = uuid.uuid4().hex[:6]
         for i in range(self.state.workers):
             worker_id = f"worker-{prefix}-{i}"
@@ -122,11 +129,6 @@ class ProcessEngine:
         for worker in workers:
             worker.kill()
 
-    def worker_pids(self) -> dict[str, int]:
-        """Worker id -> pid of its current worker process."""
-        with self._lock:
-            return {worker_id: worker.pid for worker_id, worker in self._workers.items()}
-
     def _spawn(self, worker_id: str) -> _Worker | None:
         """Start a worker process and wait until it has imported the agent; ``None`` if it failed."""
         mine, theirs = self._context.Pipe()
@@ -134,7 +136,13 @@ class ProcessEngine:
             target=worker_main, args=(theirs, self.state.agent, self.otlp_endpoint, self.token),
             name=f"agl-{worker_id}", daemon=True,
         )
-        process.start()
+        try:
+            process.start()
+        except Exception as exc:
+            logger.error("agl runner: cannot start a worker process for %s: %s", worker_id, exc)
+            mine.close()
+            theirs.close()
+            return None
         theirs.close()
         worker = _Worker(process, mine)
         deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -152,8 +160,10 @@ class ProcessEngine:
             if process.sentinel in ready:
                 break
         if not self.state.stopping.is_set():
-            logger.error("agl runner: worker process for %s did not start (exit code %s); its error is printed above",
-                         worker_id, process.exitcode)
+            process.join(1.0)
+            how = "is not ready in time" if process.exitcode is None else f"exited with code {process.exitcode}"
+            logger.error("agl runner: the worker process for %s %s before it was ready; its error is printed above",
+                         worker_id, how)
         worker.kill()
         return None
 
@@ -171,7 +181,11 @@ class ProcessEngine:
             if worker is None or not worker.alive():
                 if worker is not None:
                     self._drop(worker_id, worker)
-                worker = self._spawn(worker_id)
+                try:
+                    worker = self._spawn(worker_id)
+                except Exception as exc:  # the runner's own bug must not kill the slot
+                    state.report_internal_error(worker_id, exc)
+                    worker = None
                 if worker is None:
                     state.stopping.wait(backoff.next())
                     continue
