@@ -3,7 +3,7 @@ process can import them by name.
 
 Each does what its task says: ``{"pid_file": path}`` appends the process id to ``path`` first;
 ``{"sleep": s}`` sleeps; ``{"hang": true}`` sleeps for ten minutes; ``{"exit": code}`` ends the process
-with ``os._exit``; ``{"raise": message}`` raises ``ValueError(message)``; then it returns ``task["reward"]``
+with ``os._exit``; ``{"segfault": true}`` crashes it in native code; ``{"raise": message}`` raises ``ValueError(message)``; then it returns ``task["reward"]``
 (default ``None``).
 """
 
@@ -28,6 +28,10 @@ def scripted(task: dict[str, Any], llm: Any) -> Any:
         time.sleep(600)
     if "exit" in task:
         os._exit(task["exit"])
+    if task.get("segfault"):
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
     if task.get("raise"):
         raise ValueError(task["raise"])
     return task.get("reward")

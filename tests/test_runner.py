@@ -361,20 +361,23 @@ def test_process_timeout_kills_the_hung_worker_and_a_new_one_serves_on(sq_server
 
 def test_process_crash_and_exception_fail_the_attempt_and_the_runner_goes_on(sq_server, sq):
     provider = _provider(sq_server.url)
-    crash, boom, fine = sq.enqueue_rollouts([
+    crash, segfault, boom, fine = sq.enqueue_rollouts([
         {"task_id": "crash", "input": {"exit": 3}},
+        {"task_id": "segfault", "input": {"segfault": True}},
         {"task_id": "boom", "input": {"raise": "agent bug in a process"}},
         {"task_id": "fine", "input": {"reward": 1.0}},
     ])
     runner = Runner(_runner_agents.scripted, sq, provider, workers=1, mode="process").start()
     try:
-        crashed, raised, served = sq.wait_for_rollouts(
-            [crash.rollout_id, boom.rollout_id, fine.rollout_id], timeout_s=20, poll_s=0.02
+        crashed, segfaulted, raised, served = sq.wait_for_rollouts(
+            [crash.rollout_id, segfault.rollout_id, boom.rollout_id, fine.rollout_id], timeout_s=30, poll_s=0.02
         )
     finally:
         runner.stop()
     assert crashed.status == RolloutStatus.FAILED
     assert "exited with code 3 before the agent returned" in crashed.attempts[0].error
+    assert segfaulted.status == RolloutStatus.FAILED
+    assert "was killed by SIGSEGV before the agent returned" in segfaulted.attempts[0].error
     assert raised.status == RolloutStatus.FAILED
     assert "Traceback" in raised.attempts[0].error and "ValueError: agent bug in a process" in raised.attempts[0].error
     assert served.status == RolloutStatus.SUCCEEDED and served.reward == 1.0
