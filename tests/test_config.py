@@ -36,6 +36,13 @@ def test_valid_config_resolves_paths_and_defaults(folder):
     assert config.train.steps == 3 and config.train.threads == 1 and config.algorithm.name == "grpo"
 
 
+def test_runner_settings(folder):
+    default = load_config(_write(folder, GOOD)).runner
+    assert (default.workers, default.mode, default.rollout_timeout_s) == (2, "auto", None)
+    config = load_config(_write(folder, GOOD + "runner: {workers: 0, mode: process, rollout_timeout_s: 90}\n"))
+    assert (config.runner.workers, config.runner.mode, config.runner.rollout_timeout_s) == (0, "process", 90.0)
+
+
 def test_overrides_are_typed_and_validated(folder):
     config = load_config(_write(folder, GOOD), ["train.steps=7", "algorithm.agents=[writer, rewriter]"])
     assert config.train.steps == 7 and config.algorithm.agents == ["writer", "rewriter"]
@@ -62,6 +69,10 @@ def test_overrides_are_typed_and_validated(folder):
         (GOOD + "algorithm: {rewards: {timeout: .nan}}\n", "'algorithm.rewards.timeout': Input should be a finite number"),
         (GOOD + "algorithm: {credit: rewards}\n", "'algorithm.credit'"),
         (GOOD + "algorithm: {credit: per_call, rewards: {explicit: false}}\n", "credit 'per_call' trains on intermediate rewards only"),
+        (GOOD + "runner: {mode: fork}\n", "'runner.mode': Input should be 'auto', 'thread', 'process' or 'async'"),
+        (GOOD + "runner: {rollout_timeout_s: 0}\n", "'runner.rollout_timeout_s': Input should be greater than 0"),
+        (GOOD + "runner: {workers: -1}\n", "'runner.workers': Input should be greater than or equal to 0"),
+        (GOOD + "runner: {timeout: 5}\n", "unknown key 'runner.timeout'"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_file(folder, text, message):

@@ -4,7 +4,7 @@
 """
 
 from .records import Attempt, Resource, Rollout, RolloutStatus, Span, Task, Transition
-from .runner import LLM
+from .runner import LLM, RolloutTimeout
 from .tracing import (
     RolloutContext,
     current_rollout,
@@ -23,6 +23,7 @@ __all__ = [
     "Rollout",
     "RolloutContext",
     "RolloutStatus",
+    "RolloutTimeout",
     "Span",
     "Task",
     "Transition",

@@ -3,6 +3,7 @@
 ``agl store serve``   run the collector-store (OTLP/HTTP + coordination API)
 ``agl store stats``   counts of what a store holds
 ``agl gateway serve`` run the OpenAI-compatible LLM gateway in front of a model backend
+``agl run M:F``       runners: run the agent function on the rollouts queued in a store, until SIGTERM
 ``agl inspect ID``    a rollout's span tree, its transitions, and why any LLM call made none
 ``agl train CONFIG``  train an agent as the YAML config says (needs the ``trainer`` extra)
 """
@@ -61,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     from .gateway._cli import add_serve_arguments
 
     add_serve_arguments(gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port)
+    from ._run_cli import add_run_arguments
+
+    add_run_arguments(commands.add_parser(
+        "run", help="run an agent on the rollouts queued in a store (runners on any machine)",
+        description="Run MODULE:FUNCTION on the rollouts a trainer queues in a running store, until SIGINT/SIGTERM "
+                    "(the first lets running rollouts finish, a second exits at once).",
+    ))
     inspect = commands.add_parser("inspect", help="print a rollout's span tree, transitions and problems")
     inspect.add_argument("rollout_id", metavar="ROLLOUT_ID")
     inspect.add_argument("--store", default=None,
@@ -163,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .gateway._cli import run_gateway_serve
 
         return run_gateway_serve(args)
+    if args.command == "run":
+        from ._run_cli import run_agents
+
+        return run_agents(args)
     if args.command == "inspect":
         from .report import format_rollout
         from .store import StoreClient, StoreError

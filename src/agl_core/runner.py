@@ -1,37 +1,70 @@
 """The runner: pulls queued rollouts from the store and runs the user's agent on them.
 
-An agent is a plain function ``agent(task, llm) -> float | None``: ``task`` is the task's input (what the
-dataset holds), ``llm`` tells it which OpenAI-compatible endpoint and model to use. Returning a number
-records it as the episode reward; an agent may instead call :func:`agl_core.emit_reward` itself. An
-exception fails the attempt (with its traceback) and never stops the runner.
+An agent is a function ``agent(task, llm) -> float | None`` (or ``async def``): ``task`` is the task's
+input (what the dataset holds), ``llm`` tells it which OpenAI-compatible endpoint and model to use.
+Returning a number records it as the episode reward; an agent may instead call
+:func:`agl_core.emit_reward` itself. An exception fails the attempt (with its traceback) and never stops
+the runner.
+
+Workers run in one of three modes:
+
+``thread``   N threads in this process. A rollout that runs past its timeout is recorded as timed out on
+             time, but its thread cannot be stopped: it runs on detached and its late result is dropped.
+``process``  N worker processes (spawned). A rollout past its timeout is stopped for real: its worker
+             process is killed and replaced. A crashing worker (segfault, ``os._exit``) fails the attempt.
+``async``    N concurrent tasks on one event loop, for ``async def`` agents; a timeout cancels the task.
+
+``auto`` picks ``async`` for ``async def`` agents and ``thread`` otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
+import pickle
+import shlex
 import sys
 import threading
-import traceback
-import uuid
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry.sdk.trace import TracerProvider
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
-from .gateway.app import rollout_base_url
-from .records import Attempt, Rollout, RolloutStatus
-from .store.base import Store, StoreError
-from .tracing import emit_error, emit_reward, rollout_scope
+    from .store.base import Store
 
-__all__ = ["LLM", "LLM_RESOURCE", "Runner", "load_agent"]
+__all__ = [
+    "LLM",
+    "LLM_RESOURCE",
+    "MODES",
+    "RolloutTimeout",
+    "Runner",
+    "RunnerCounts",
+    "is_async_agent",
+    "load_agent",
+    "resolve_mode",
+    "run_command",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Name of the store resource holding the gateway endpoint: ``{"base_url": str, "model": str}``.
 LLM_RESOURCE = "llm"
+
+#: The runner's worker modes; ``auto`` resolves to ``async`` or ``thread`` (see :func:`resolve_mode`).
+MODES = ("auto", "thread", "process", "async")
+
+
+class RolloutTimeout(TimeoutError):
+    """A rollout ran longer than the runner's ``rollout_timeout_s``.
+
+    Its attempt ends as ``timed_out`` (retried while the rollout has attempts left), and the runner writes
+    an ``agl.error`` span with ``error.type == "RolloutTimeout"`` for it.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,32 +77,128 @@ class LLM:
     policy_version: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerCounts:
+    """What a runner has done since it started. ``dropped``: results not recorded because the rollout was
+    cancelled or taken back by the store while the agent ran; ``running``: attempts in progress now."""
+
+    succeeded: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    dropped: int = 0
+    running: int = 0
+
+    def summary(self) -> str:
+        return (f"{self.succeeded} done, {self.failed} failed, {self.timed_out} timed out"
+                + (f", {self.dropped} dropped" if self.dropped else "") + f", {self.running} running")
+
+
 AgentFn = Callable[[Any, LLM], Any]
 
 
-def load_agent(spec: str, *, search_paths: tuple[Path, ...] = ()) -> AgentFn:
-    """Import ``module:function``. ``search_paths`` are tried before ``sys.path``."""
+def is_async_agent(agent: Callable[..., Any]) -> bool:
+    """True for ``async def`` functions (and objects whose ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
+
+
+def _agent_name(agent: Callable[..., Any]) -> str:
+    return f"{getattr(agent, '__module__', '?')}:{getattr(agent, '__qualname__', type(agent).__name__)}"
+
+
+def resolve_mode(agent: Callable[..., Any], mode: str = "auto") -> str:
+    """The mode ``agent`` runs in: ``mode`` itself, or for ``auto`` ``async`` when the agent is an
+    ``async def`` function and ``thread`` otherwise. Raises ``ValueError`` for a mode that cannot run it."""
+    if mode not in MODES:
+        raise ValueError(f"unknown runner mode {mode!r}; choose one of {', '.join(MODES)}")
+    is_async = is_async_agent(agent)
+    if mode == "auto":
+        return "async" if is_async else "thread"
+    if mode == "async" and not is_async:
+        raise ValueError(
+            f"mode 'async' runs 'async def' agents, but {_agent_name(agent)} is a plain function; "
+            "use mode 'thread' or 'process' (or 'auto', which picks thread for it)"
+        )
+    if mode == "thread" and is_async:
+        raise ValueError(
+            f"{_agent_name(agent)} is an 'async def' agent; run it in mode 'async' (or 'auto'), or in mode "
+            "'process', where each worker process runs it in an event loop of its own"
+        )
+    if mode == "process":
+        try:
+            pickle.dumps(agent)
+        except Exception as exc:
+            raise ValueError(
+                f"mode 'process' imports the agent by name in each worker process, but {_agent_name(agent)} "
+                f"cannot be found that way ({exc}); define it at the top level of a module"
+            ) from None
+    return mode
+
+
+def load_agent(spec: str, *, search_paths: Sequence[Path] = ()) -> AgentFn:
+    """Import ``module:function``. ``search_paths`` are tried before ``sys.path``.
+
+    Raises ``ValueError`` naming the module when it cannot be imported or lacks the function.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"agent must be given as 'module:function', got {spec!r}")
-    for path in reversed(search_paths):
+    for path in reversed(list(search_paths)):
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import agent module {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
+    except Exception as exc:
+        raise ValueError(f"importing agent module {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
     if not callable(fn):
         raise ValueError(f"module {module_name!r} has no callable {attr!r}")
     return fn
 
 
-class Runner:
-    """Runs ``agent`` on queued rollouts in ``workers`` threads until :meth:`stop`.
+def run_command(
+    agent: str,
+    store_url: str,
+    *,
+    workers: int = 1,
+    mode: str = "auto",
+    rollout_timeout_s: float | None = None,
+    paths: Sequence[Path | str] = (),
+) -> str:
+    """The ``agl run`` command line that starts runners for ``agent`` against the store at ``store_url``
+    (quoted for a POSIX shell). A store token is not included: pass it with ``AGL_STORE_TOKEN``."""
+    parts = ["agl", "run", agent, "--store", store_url, "--workers", str(workers)]
+    if mode != "auto":
+        parts += ["--mode", mode]
+    if rollout_timeout_s is not None:
+        parts += ["--rollout-timeout", f"{rollout_timeout_s:g}"]
+    for path in paths:
+        parts += ["--path", str(path)]
+    return shlex.join(parts)
 
-    Spans go through ``tracer_provider``; after each rollout the provider is flushed, so by the time the
-    store reports a rollout finished, its spans are stored.
+
+class Runner:
+    """Runs ``agent`` on queued rollouts in ``workers`` workers until :meth:`stop`.
+
+    ``mode``: see the module docstring. ``rollout_timeout_s``: how long one rollout may run before its
+    attempt ends as ``timed_out`` (``None``: no limit). ``lease_s``: the attempt lease kept alive by
+    heartbeats; a runner that stops sending them loses its attempts to the store. ``max_abandoned_threads``
+    (thread mode): how many timed-out agent threads may still be running before workers wait for one to
+    end (default: ``workers``, at least 8).
+
+    Agent spans go through ``tracer_provider``; it is flushed before each attempt is completed, so by the
+    time the store reports a rollout finished, its spans are stored. In process mode each worker process
+    sends its spans over OTLP to ``otlp_endpoint`` (default: the URL of ``store`` when it is a
+    :class:`~agl_core.store.StoreClient`), with bearer ``token`` (default: ``AGL_STORE_TOKEN``).
+
+    When the store cannot be reached, workers back off and retry; nothing the agent does stops the runner.
+
+    Process mode spawns its worker processes: the agent must be importable by name (a module-level
+    function), and a script that starts such a runner must guard its entry point with
+    ``if __name__ == "__main__":``, since each worker process imports the main module again.
     """
 
     def __init__(
@@ -79,116 +208,108 @@ class Runner:
         tracer_provider: TracerProvider,
         *,
         workers: int = 1,
+        mode: str = "auto",
+        rollout_timeout_s: float | None = None,
         poll_s: float = 0.05,
         lease_s: float = 60.0,
+        max_abandoned_threads: int | None = None,
+        otlp_endpoint: str | None = None,
+        token: str | None = None,
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        from ._runner_core import RunState
+
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        if poll_s <= 0:
+            raise ValueError(f"poll_s must be > 0, got {poll_s}")
+        if rollout_timeout_s is not None and not rollout_timeout_s > 0:
+            raise ValueError(f"rollout_timeout_s must be > 0 seconds or None (no limit), got {rollout_timeout_s}")
+        if max_abandoned_threads is not None and max_abandoned_threads < 0:
+            raise ValueError(f"max_abandoned_threads must be >= 0, got {max_abandoned_threads}")
+        self.mode = resolve_mode(agent, mode)
         self.agent = agent
         self.store = store
         self.tracer_provider = tracer_provider
         self.workers = workers
-        self.poll_s = poll_s
+        self.rollout_timeout_s = rollout_timeout_s
         self.lease_s = lease_s
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._flush_lock = threading.Lock()
+        if self.mode == "process":
+            otlp_endpoint = otlp_endpoint or getattr(store, "url", None)
+            if not otlp_endpoint:
+                raise ValueError(
+                    "mode 'process' needs the store's URL for the worker processes' spans: pass a StoreClient "
+                    "as the store, or otlp_endpoint"
+                )
+        self._state = RunState(
+            agent, store, tracer_provider, workers=workers, rollout_timeout_s=rollout_timeout_s,
+            poll_s=poll_s, lease_s=lease_s,
+        )
+        self._engine: Any = None
+        self._max_abandoned = max(workers, 8) if max_abandoned_threads is None else max_abandoned_threads
+        self._otlp_endpoint = otlp_endpoint
+        self._token = token
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def counts(self) -> RunnerCounts:
+        return self._state.counts()
 
     def start(self) -> Runner:
-        for i in range(self.workers):
-            worker_id = f"worker-{uuid.uuid4().hex[:6]}-{i}"
-            thread = threading.Thread(target=self._loop, args=(worker_id,), name=worker_id, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        with self._lock:
+            if self._engine is not None:
+                raise RuntimeError("this runner was already started")
+            self._state.heartbeats.start()
+            if self.mode == "thread":
+                from ._runner_threads import ThreadEngine
+
+                self._engine = ThreadEngine(self._state, max_abandoned=self._max_abandoned)
+            elif self.mode == "process":
+                from ._runner_procs import ProcessEngine
+
+                self._engine = ProcessEngine(self._state, otlp_endpoint=self._otlp_endpoint, token=self._token)
+            else:
+                from ._runner_async import AsyncEngine
+
+                self._engine = AsyncEngine(self._state)
+            self._engine.start()
         return self
+
+    def request_stop(self) -> None:
+        """Stop taking new rollouts; rollouts already running go on (see :meth:`stop`)."""
+        self._state.stopping.set()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout_s)
-        self._threads.clear()
-
-    def _loop(self, worker_id: str) -> None:
-        while not self._stop.is_set():
-            try:
-                claimed = self.store.dequeue_rollout(worker_id, lease_s=self.lease_s)
-            except StoreError as exc:
-                logger.warning("agl runner %s: cannot dequeue: %s", worker_id, exc)
-                self._stop.wait(1.0)
-                continue
-            if claimed is None:
-                self._stop.wait(self.poll_s)
-                continue
-            try:
-                self.run_one(*claimed)
-            except StoreError as exc:  # e.g. the rollout was cancelled between the last heartbeat and the end
-                logger.warning("agl runner %s: cannot report rollout %s: %s", worker_id, claimed[0].rollout_id, exc)
-
-    def run_one(self, rollout: Rollout, attempt: Attempt) -> Rollout:
-        """Run the agent on one claimed rollout and report the outcome to the store."""
-        resource = self.store.get_resource(LLM_RESOURCE)
-        if resource is None:
-            raise StoreError(f"the store has no {LLM_RESOURCE!r} resource; the trainer publishes it at start")
-        llm = LLM(
-            base_url=rollout_base_url(resource.value["base_url"], rollout.rollout_id, attempt.attempt_id),
-            model=resource.value["model"],
-            policy_version=resource.value.get("policy_version"),
-        )
-        status, reward, error = RolloutStatus.SUCCEEDED, None, None
-        beating = _Heartbeat(self.store, attempt.attempt_id, self.lease_s)
-        with beating, rollout_scope(
-            rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=self.tracer_provider
-        ):
-            try:
-                result = self.agent(rollout.input, llm)
-                if result is not None:
-                    reward = float(result)
-                    emit_reward(reward, tracer_provider=self.tracer_provider)
-            except Exception as exc:  # the agent's failure is data, not a crash
-                status = RolloutStatus.FAILED
-                error = "".join(traceback.format_exception(exc))[-8000:]
-                emit_error(exc, tracer_provider=self.tracer_provider)
-        with self._flush_lock:
-            self.tracer_provider.force_flush()
-        if beating.stopped_as is not None:
-            logger.warning(
-                "agl runner: rollout %s ended as %s while the agent ran; its result is dropped",
-                rollout.rollout_id, beating.stopped_as.value,
-            )
-            return self.store.get_rollouts([rollout.rollout_id])[0]
-        return self.store.complete_attempt(attempt.attempt_id, status, reward=reward, error=error)
-
-
-class _Heartbeat:
-    """Keeps an attempt's lease alive from a background thread while the agent runs, and notices when
-    the store has ended the attempt (cancelled, or reclaimed after a missed lease)."""
-
-    def __init__(self, store: Store, attempt_id: str, lease_s: float) -> None:
-        self.store = store
-        self.attempt_id = attempt_id
-        self.interval_s = lease_s / 3
-        self.lease_s = lease_s
-        self.stopped_as: RolloutStatus | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"agl-heartbeat-{attempt_id}", daemon=True)
-
-    def _beat(self) -> None:
-        while not self._done.wait(self.interval_s):
-            try:
-                attempt = self.store.heartbeat(self.attempt_id, lease_s=self.lease_s)
-            except StoreError as exc:
-                logger.warning("agl runner: heartbeat for %s failed: %s", self.attempt_id, exc)
-                continue
-            if attempt.status != RolloutStatus.RUNNING:
-                self.stopped_as = attempt.status
+        """Stop taking new rollouts, let the running ones finish for up to ``timeout_s`` seconds, then end
+        those still running as failed (process mode kills their workers, async mode cancels them, thread
+        mode leaves their threads detached) and release everything. Safe to call more than once."""
+        with self._lock:
+            if self._stopped:
                 return
+            self._stopped = True
+            engine = self._engine
+        self._state.stopping.set()
+        if engine is not None:
+            if not engine.join(time.monotonic() + max(timeout_s, 0.0)):
+                running = self._state.counts().running
+                if running:
+                    logger.warning(
+                        "agl runner: %d rollout(s) still running after the %g s grace period; ending them as failed",
+                        running, timeout_s,
+                    )
+                self._state.halt.set()
+                if not engine.join(time.monotonic() + 15.0):
+                    logger.warning("agl runner: some workers did not stop in time; leaving them behind")
+            engine.close()
+        self._state.heartbeats.close()
+        self._state.flush()
 
-    def __enter__(self) -> _Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+    def kill(self) -> None:
+        """Stop at once: worker processes are killed; nothing more is reported to the store (attempts
+        still running are timed out by the store when their lease runs out)."""
+        self._state.stopping.set()
+        self._state.halt.set()
+        if self._engine is not None:
+            self._engine.kill()

@@ -31,6 +31,7 @@ __all__ = [
     "emit_error",
     "emit_reward",
     "get_tracer",
+    "join_rollout",
     "make_otlp_exporter",
     "rollout_attributes",
     "rollout_scope",
@@ -139,6 +140,19 @@ def rollout_scope(
         attrs[semconv.SOURCE] = semconv.SOURCE_RUNNER
         with get_tracer(tracer_provider).start_as_current_span(semconv.SPAN_ROLLOUT, attributes=attrs) as span:
             yield span
+    finally:
+        otel_context.detach(token)
+
+
+@contextlib.contextmanager
+def join_rollout(rollout: RolloutContext, parent: trace.SpanContext | None = None) -> Iterator[None]:
+    """Run the enclosed code as part of a rollout whose ``agl.rollout`` span was opened elsewhere (in
+    another process): spans started inside carry the rollout's identity and hang under ``parent``, the
+    context of that span (none: they start a trace of their own)."""
+    current = trace.NonRecordingSpan(parent) if parent is not None else trace.INVALID_SPAN
+    token = otel_context.attach(otel_context.set_value(_ROLLOUT_KEY, rollout, trace.set_span_in_context(current)))
+    try:
+        yield
     finally:
         otel_context.detach(token)
 

@@ -60,7 +60,17 @@ class GatewayConfig(_Strict):
 
 
 class RunnerConfig(_Strict):
-    workers: int = pydantic.Field(2, ge=1, le=256)
+    #: Rollouts the trainer's own runner runs at once. 0 starts no local runner: start ``agl run`` runners
+    #: (on any machine that reaches the store and the gateway) instead; the trainer prints the command.
+    workers: int = pydantic.Field(2, ge=0, le=256)
+    #: How the agent runs: ``thread``; ``process`` (one worker process each; a hung agent is killed at its
+    #: timeout, a crashing one fails only its attempt); ``async`` (one event loop, for ``async def``
+    #: agents); ``auto`` picks ``async`` for ``async def`` agents and ``thread`` otherwise.
+    mode: Literal["auto", "thread", "process", "async"] = "auto"
+    #: Seconds one rollout may run before its attempt ends as ``timed_out`` (and is retried while
+    #: ``max_attempts`` allows); ``null`` = no limit. In thread mode the agent's thread cannot be stopped and
+    #: runs on detached; use ``process`` for agents that may hang.
+    rollout_timeout_s: float | None = pydantic.Field(None, gt=0)
     #: How long a training step waits for its rollouts before it goes on without the late ones.
     step_timeout_s: float = pydantic.Field(600.0, gt=0)
     max_attempts: int = pydantic.Field(1, ge=1, le=10)

@@ -26,7 +26,7 @@ from agl_core._serve import BackgroundServer
 from agl_core.credit import assign_rewards
 from agl_core.gateway import create_gateway_app
 from agl_core.records import Rollout, RolloutStatus, Task
-from agl_core.runner import LLM_RESOURCE, Runner, load_agent
+from agl_core.runner import LLM_RESOURCE, Runner, load_agent, resolve_mode, run_command
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
 from agl_core.tracing import make_otlp_exporter, setup_tracing
@@ -235,15 +235,25 @@ class _Run:
             f"gateway: {self.gateway.url}/v1 serving {config.model.served_name!r} ({self.serving.kind} backend)"
         )
 
-    def start_runners(self) -> None:
+    def start_runners(self, agent: Any) -> None:
         # The agent's own spans (its framework callback, rewards) go through the global provider, which is
         # what an adapter uses by default.
-        agent = load_agent(self.config.agent, search_paths=(self.config.base_dir,))
+        config = self.config
         self.agent_provider = setup_tracing(self.store_url, service_name="agl-agent")
         self.stack.callback(self.agent_provider.force_flush)
         self.publish()
-        runner = Runner(agent, self.client, self.agent_provider, workers=self.config.runner.workers).start()
-        self.stack.callback(runner.stop)
+        if not config.runner.workers:
+            command = run_command(config.agent, self.store_url, workers=1, mode=config.runner.mode,
+                                  rollout_timeout_s=config.runner.rollout_timeout_s, paths=[config.base_dir])
+            self.display.line(f"runner: none started (runner.workers: 0); start runners with:\n  {command}")
+            return
+        runner = Runner(
+            agent, self.client, self.agent_provider, workers=config.runner.workers, mode=config.runner.mode,
+            rollout_timeout_s=config.runner.rollout_timeout_s, otlp_endpoint=self.store_url,
+        ).start()
+        self.stack.callback(lambda: runner.stop(timeout_s=10.0))
+        timeout = f", {config.runner.rollout_timeout_s:g}s per rollout" if config.runner.rollout_timeout_s else ""
+        self.display.line(f"runner: {runner.workers} worker(s) in {runner.mode} mode{timeout}")
 
     def publish(self) -> None:
         self.client.put_resource(
@@ -344,7 +354,11 @@ class _Run:
         # a timed-out rollout has no episode reward; it is trained only when the config gives it one
         used = done + [r for r in failed if r.status == RolloutStatus.TIMED_OUT
                        and rewards_config.timeout_episode_reward is not None]
-        spans = self.client.all_spans([r.rollout_id for r in used])
+        # a retried rollout keeps the spans of its earlier attempts (even late LLM calls of a timed-out
+        # one); only its last attempt is the episode being trained
+        last_attempts = {r.attempts[-1].attempt_id for r in used if r.attempts}
+        spans = [s for s in self.client.all_spans([r.rollout_id for r in used])
+                 if s.attempt_id is None or s.attempt_id in last_attempts]
         result = spans_to_transitions(spans, timeout_reward=rewards_config.timeout_episode_reward)
         credit = assign_rewards(
             result, spans, strategy=config.algorithm.credit, gamma=config.algorithm.gamma,
@@ -562,7 +576,8 @@ def train(
     # peft asks transformers a deprecated question on every wrap; not actionable for a user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     torch.manual_seed(config.train.seed)
-    load_agent(config.agent, search_paths=(config.base_dir,))  # fail before starting anything
+    agent = load_agent(config.agent, search_paths=(config.base_dir,))
+    resolve_mode(agent, config.runner.mode)  # a bad agent or mode fails before anything starts
     train_tasks, val_tasks = load_splits(config.tasks)
     sampler = TaskSampler(train_tasks, seed=config.train.seed)
     steps = config.train.steps
@@ -581,7 +596,7 @@ def train(
             display.line(f"resumed from {checkpoint} at step {start_step} (policy v{run.serving.policy_version})")
         if checkpoint is not None:
             run.cancel_inflight()  # before any worker can pick up the killed step's rollouts
-        run.start_runners()
+        run.start_runners(agent)
         if checkpoint is None and validating and config.validation.before:
             run.before = run.evaluate(0, val_tasks)
             run.record_eval(run.before, "before training")

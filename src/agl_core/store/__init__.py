@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import NotFoundError, RolloutRequest, Store, StoreError
+from .base import NotFoundError, RolloutRequest, Store, StoreError, StoreUnavailableError
 from .client import AsyncStoreClient, StoreClient
 from .sqlite import SqliteStore
 
@@ -14,6 +14,7 @@ __all__ = [
     "Store",
     "StoreClient",
     "StoreError",
+    "StoreUnavailableError",
     "open_store",
 ]
 

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 
-__all__ = ["NotFoundError", "RolloutRequest", "Store", "StoreError"]
+__all__ = ["NotFoundError", "RolloutRequest", "Store", "StoreError", "StoreUnavailableError"]
 
 
 class StoreError(Exception):
@@ -16,6 +16,10 @@ class StoreError(Exception):
 
 class NotFoundError(StoreError):
     pass
+
+
+class StoreUnavailableError(StoreError):
+    """The store could not be reached or answered "try later" (HTTP 5xx); retrying later may succeed."""
 
 
 RolloutRequest = dict[str, Any]

@@ -15,7 +15,7 @@ import httpx
 from .. import settings
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from . import _wire
-from .base import NotFoundError, RolloutRequest, StoreError
+from .base import NotFoundError, RolloutRequest, StoreError, StoreUnavailableError
 
 __all__ = ["AsyncStoreClient", "StoreClient"]
 
@@ -87,7 +87,11 @@ def _answer(call: _Call, response: httpx.Response) -> Any:
             message = response.json()["error"]["message"]
         except Exception:
             message = response.text[:500]
-        error = NotFoundError if response.status_code == 404 else StoreError
+        error: type[StoreError] = StoreError
+        if response.status_code == 404:
+            error = NotFoundError
+        elif response.status_code >= 500:
+            error = StoreUnavailableError
         raise error(f"{call.method} {call.path} -> HTTP {response.status_code}: {message}")
     return call.parse(response.json())
 
@@ -108,7 +112,7 @@ class StoreClient:
         try:
             response = self._http.request(call.method, call.path, json=call.body)
         except httpx.HTTPError as exc:
-            raise StoreError(f"cannot reach the store at {self.url}: {exc}") from None
+            raise StoreUnavailableError(f"cannot reach the store at {self.url}: {exc}") from None
         return _answer(call, response)
 
     def query_spans(
@@ -193,7 +197,7 @@ class AsyncStoreClient:
         try:
             response = await self._http.request(call.method, call.path, json=call.body)
         except httpx.HTTPError as exc:
-            raise StoreError(f"cannot reach the store at {self.url}: {exc}") from None
+            raise StoreUnavailableError(f"cannot reach the store at {self.url}: {exc}") from None
         return _answer(call, response)
 
     async def query_spans(

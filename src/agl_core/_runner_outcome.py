@@ -1,0 +1,97 @@
+"""How an attempt ended: turning the agent's result, or the runner's verdict, into an outcome and its
+spans. Light on purpose: worker processes import it (and not the store or the gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from .records import RolloutStatus
+from .runner import LLM, RolloutTimeout
+from .tracing import emit_error, emit_reward
+
+logger = logging.getLogger("agl_core.runner")
+
+#: Longest error text stored with an attempt (the end of a traceback says the most).
+_MAX_ERROR_CHARS = 8000
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended, as reported to the store."""
+
+    status: RolloutStatus
+    reward: float | None = None
+    error: str | None = None
+
+
+def failure_text(exc: BaseException) -> str:
+    """The exception with its traceback, as stored on the failed attempt."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-_MAX_ERROR_CHARS:]
+
+
+def call_agent(agent: Callable[..., Any], task_input: Any, llm: LLM) -> tuple[Any, BaseException | None]:
+    """Call a sync agent (or run an async one to completion in a new event loop); returns its result or
+    what it raised. ``SystemExit`` from agent code is a failure like any other, not an exit."""
+    try:
+        result = agent(task_input, llm)
+        if asyncio.iscoroutine(result):
+            result = asyncio.run(result)
+        return result, None
+    except (Exception, SystemExit) as exc:
+        return None, exc
+
+
+def interpret(result: Any, exc: BaseException | None, tracer_provider: trace.TracerProvider | None) -> Outcome:
+    """Turn what the agent returned (or raised) into the attempt's outcome and write its ``agl.reward`` or
+    ``agl.error`` span in the current rollout context."""
+    if exc is None and result is not None:
+        try:
+            reward = float(result)
+        except (TypeError, ValueError):
+            exc = TypeError(
+                f"the agent returned {result!r:.200}, which is not a reward; return a number, or None and "
+                "call agl_core.emit_reward"
+            )
+        else:
+            try:
+                emit_reward(reward, tracer_provider=tracer_provider)
+            except ValueError as bad:
+                exc = bad
+            else:
+                return Outcome(RolloutStatus.SUCCEEDED, reward)
+    if exc is None:
+        return Outcome(RolloutStatus.SUCCEEDED)
+    emit_error(exc, tracer_provider=tracer_provider)
+    text = failure_text(exc) if exc.__traceback__ is not None else f"{type(exc).__name__}: {exc}"
+    return Outcome(RolloutStatus.FAILED, error=text)
+
+
+def end_with_error(
+    span: trace.Span, error: BaseException, status: RolloutStatus, tracer_provider: trace.TracerProvider | None
+) -> Outcome:
+    """Record an outcome the runner decided (timeout, crash, shutdown): an ``agl.error`` span under the
+    rollout span, which is marked failed too."""
+    emit_error(error, tracer_provider=tracer_provider)
+    span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    return Outcome(status, error=f"{type(error).__name__}: {error}")
+
+
+def timeout_outcome(span: trace.Span, limit_s: float, how: str, tracer_provider: trace.TracerProvider | None) -> Outcome:
+    error = RolloutTimeout(
+        f"the agent ran longer than the rollout timeout of {limit_s:g} s and {how}; raise the limit with "
+        "'agl run --rollout-timeout SECONDS' or 'runner.rollout_timeout_s' in the trainer config"
+    )
+    return end_with_error(span, error, RolloutStatus.TIMED_OUT, tracer_provider)
+
+
+def halted_outcome(span: trace.Span, how: str, tracer_provider: trace.TracerProvider | None) -> Outcome:
+    error = RuntimeError(f"the runner was stopped before the agent finished (its grace period ran out) and {how}")
+    return end_with_error(span, error, RolloutStatus.FAILED, tracer_provider)
