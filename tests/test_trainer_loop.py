@@ -1,0 +1,147 @@
+"""``agl train`` end to end on the tiny model, beyond the CPU default: serving through (fake) vLLM,
+rollout timeouts and their rewards reaching the update, and runners started elsewhere with ``agl run``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+AGENT = '''
+import random
+import time
+import openai
+
+def solve(task, llm):
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4)
+    if task.get("hang") and random.random() < 0.5:
+        time.sleep(30)  # past runner.rollout_timeout_s
+    return random.random()
+'''
+
+
+def _job(tmp_path: Path, config: str, tasks: list[dict]) -> Path:
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    (tmp_path / "config.yaml").write_text(config)
+    return tmp_path / "config.yaml"
+
+
+def _train(config: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "agl_core.cli", "train", str(config), *extra],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _rows(out: Path, kind: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def _spans(out: Path):
+    from agl_core.store import SqliteStore
+
+    store = SqliteStore(out / "store.sqlite")
+    try:
+        return store.query_spans(limit=100_000)
+    finally:
+        store.close()
+
+
+def test_training_serves_through_vllm_and_publishes_every_version(tmp_path):
+    from agl_core import semconv
+
+    paths = os.pathsep.join([str(ROOT), str(ROOT / "src"), str(ROOT / "trainer")])
+    config = _job(tmp_path, f"""
+agent: agent:solve
+tasks: tasks.jsonl
+output_dir: {tmp_path / 'run'}
+model: {{source: tiny, lora: {{r: 4, alpha: 8}}}}
+serving:
+  backend: vllm
+  vllm:
+    launch: {{model: {tmp_path / 'base'}, command: [{sys.executable}, -m, tests.fake_vllm, serve],
+              env: {{PYTHONPATH: "{paths}"}}, startup_timeout_s: 120}}
+train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 3}}
+logging: {{plot: false, tensorboard: false}}
+""", [{"id": f"t{i}", "q": f"say {i}"} for i in range(6)])
+    done = _train(config)
+    assert "(vllm backend)" in done.stdout
+    rows = _rows(tmp_path / "run")
+    assert [r["policy_version"] for r in rows] == [1, 2]  # random rewards: every group has a signal
+    assert sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir()) == ["v1", "v2"]
+    gateway = [s for s in _spans(tmp_path / "run") if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
+    assert {s.attributes[semconv.GATEWAY_BACKEND] for s in gateway} == {"vllm"}
+    # step 1's rollouts were served by the base policy, step 2's by the adapter published after step 1
+    assert sorted({s.attributes[semconv.POLICY_VERSION] for s in gateway}) == [0, 1]
+    assert all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in gateway)
+
+
+def test_timed_out_rollouts_are_trained_with_the_configured_penalty(tmp_path):
+    config = _job(tmp_path, f"""
+agent: agent:solve
+tasks: tasks.jsonl
+output_dir: {tmp_path / 'run'}
+model: {{source: tiny, lora: null}}
+gateway: {{default_max_tokens: 4}}
+runner: {{workers: 4, rollout_timeout_s: 2}}
+algorithm: {{rewards: {{timeout: -1.0, timeout_episode_reward: 0.0}}}}
+train: {{steps: 1, tasks_per_step: 2, rollouts_per_task: 6}}
+logging: {{plot: false, tensorboard: false}}
+""", [{"id": "t0", "q": "wait", "hang": True}, {"id": "t1", "q": "wait too", "hang": True}])
+    done = _train(config)
+    (row,) = _rows(tmp_path / "run")
+    timed_out = row["rollouts_failed"]
+    assert timed_out >= 1, done.stdout  # P(no hang in 12 rollouts) = 1/4096
+    assert row["reward_events"].get("timeout") == timed_out
+    assert row["trained_transitions"] == 12  # the timed-out rollouts were trained too, with their penalty
+    assert "timed-out rollouts trained with the timeout episode reward" in done.stdout
+
+
+def test_runners_started_elsewhere_with_agl_run(tmp_path):
+    config = _job(tmp_path, f"""
+agent: agent:solve
+tasks: tasks.jsonl
+output_dir: {tmp_path / 'run'}
+model: {{source: tiny, lora: null}}
+gateway: {{default_max_tokens: 4}}
+runner: {{workers: 0, step_timeout_s: 120}}
+train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 2}}
+logging: {{plot: false, tensorboard: false}}
+""", [{"id": f"t{i}", "q": f"say {i}"} for i in range(4)])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    trainer = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "train", str(config)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env)
+    runner = None
+    lines: list[str] = []
+    try:
+        for line in trainer.stdout:
+            lines.append(line)
+            if "start runners with:" in line:
+                command = shlex.split(next(trainer.stdout).strip())
+                break
+        else:
+            pytest.fail("the trainer printed no agl run command:\n" + "".join(lines))
+        assert command[:2] == ["agl", "run"] and command[2] == "agent:solve"
+        runner = subprocess.Popen([sys.executable, "-m", "agl_core.cli", *command[1:], "--workers", "2"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        rest, _ = trainer.communicate(timeout=300)
+        lines.append(rest)
+        assert trainer.returncode == 0, "".join(lines)[-3000:]
+    finally:
+        trainer.kill()
+        if runner is not None:
+            runner.terminate()
+            runner.wait(30)
+    rows = _rows(tmp_path / "run")
+    assert [r["rollouts"] for r in rows] == [4, 4]
+    assert all(r["transitions"] == 4 for r in rows)
