@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "trainer" / "configs").glob("*.yaml")) + sorted((ROOT / "examples").glob("*/config.yaml"))
 
 
-def test_the_gpu_configs_are_there():
-    assert {"gpu_vllm_lora.yaml", "gpu_verl.yaml"} <= {p.name for p in CONFIGS}
+def test_the_example_configs_are_there():
+    assert {"cpu_smollm2_lora.yaml", "gpu_vllm_lora.yaml", "gpu_verl.yaml"} <= {p.name for p in CONFIGS}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
