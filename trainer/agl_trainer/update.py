@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,6 +72,46 @@ def _autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
+def _selects_logits(model: Any) -> bool:
+    """Whether ``model(..., logits_to_keep=mask)`` takes a boolean (batch, seq) mask: Hugging Face models whose
+    module slices through transformers' ``slice_logits_to_keep`` do (transformers 5)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = sys.modules.get(type(base).__module__)
+    return getattr(module, "slice_logits_to_keep", None) is not None
+
+
+def _takes_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward accepts ``logits_to_keep`` (an int: keep the last positions)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return "logits_to_keep" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _logits_at(model: Any, ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The logits at the positions where ``keep`` (batch, seq) is true, as one (positions, vocab) tensor.
+
+    The vocabulary projection is the costliest layer per position; only the positions that predict a response
+    token go through it where the model allows (never the prompt's), and the logits are gathered in one
+    indexing op (one gradient buffer for the whole micro-batch, not one per sample).
+    """
+    if _selects_logits(model):
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+    elif _takes_logits_to_keep(model):
+        first = int(keep.any(dim=0).nonzero()[0])
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=ids.shape[1] - first).logits
+        logits = logits[keep[:, first:]]
+    else:
+        logits = model(input_ids=ids, attention_mask=mask).logits[keep]
+    if logits.dim() != 2 or logits.shape[0] != int(keep.sum()):
+        raise RuntimeError(
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for {int(keep.sum())} kept "
+            "positions; its forward does not slice logits_to_keep as transformers' models do"
+        )
+    return logits
+
+
 def response_logprobs(
     model: Any, samples: Sequence[Advantaged], pad_id: int, *, bf16: bool = False
 ) -> list[torch.Tensor]:
@@ -79,20 +121,24 @@ def response_logprobs(
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
+    # the token at position p is predicted by the logits at p - 1
+    keep = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (s, seq) in enumerate(zip(samples, seqs)):
+        start = len(s.transition.prompt_ids)
+        if start == 0:
+            raise ValueError(
+                f"transition {s.transition.rollout_id}#{s.transition.call_index} has no prompt tokens; "
+                "its first response token has nothing to be predicted from"
+            )
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
+        keep[i, start - 1 : len(seq) - 1] = True
+    targets = torch.tensor([t for s in samples for t in s.transition.response_ids], dtype=torch.long, device=device)
     with _autocast(device, bf16):
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    out = []
-    for i, s in enumerate(samples):
-        start = len(s.transition.prompt_ids)
-        end = start + len(s.transition.response_ids)
-        # the token at position p is predicted by the logits at p - 1
-        step_logits = logits[i, start - 1 : end - 1].float()
-        targets = torch.tensor(s.transition.response_ids, dtype=torch.long, device=device)
-        out.append(torch.log_softmax(step_logits, dim=-1).gather(1, targets[:, None]).squeeze(1))
-    return out
+        logits = _logits_at(model, ids.to(device), mask.to(device), keep.to(device)).float()
+    # log_softmax(logits)[target] without a second (positions, vocab) tensor kept for the backward pass
+    logprobs = logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    return list(logprobs.split([len(s.transition.response_ids) for s in samples]))
 
 
 def reference_logprobs_fn(model: Any, pad_id: int, reference: Any = None, *, bf16: bool = False) -> ReferenceFn:
