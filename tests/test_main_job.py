@@ -21,7 +21,7 @@ def test_train_example_end_to_end_on_cpu(tmp_path):
     cmd = [
         sys.executable, "-m", "agl_core.cli", "train", str(ROOT / "examples/arith_langchain/config.yaml"),
         "--set", "train.steps=2", "--set", "train.tasks_per_step=2", "--set", "train.rollouts_per_task=4",
-        "--set", f"output_dir={out}",
+        "--set", f"output_dir={out}", "--set", "validation.max_tasks=4",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -30,8 +30,11 @@ def test_train_example_end_to_end_on_cpu(tmp_path):
     for line in lines:
         assert re.search(r"rollouts=8 .*transitions=\d+ .*mean_reward=[\d.]+ .*loss=", line), line
 
-    metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    metrics = [m for m in metrics if m["kind"] == "train"]
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in rows if m["kind"] == "train"]
+    # the held-out split is scored before and after training, and the run ends saying so
+    assert [(m["step"], m["n"]) for m in rows if m["kind"] == "val"] == [(0, 4), (2, 4)]
+    assert "held-out reward: before" in done.stdout and (out / "reward_curve.png").is_file()
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollouts"] == 8 and m["transitions"] == 8 for m in metrics)
     # partial-credit rewards make ties unlikely: at least one real update happened and bumped the policy
@@ -48,5 +51,5 @@ def test_train_example_end_to_end_on_cpu(tmp_path):
     finally:
         store.close()
     gateway_spans = [s for s in spans if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
-    assert len(gateway_spans) == 16 and stats["rollouts_succeeded"] == 16
+    assert len(gateway_spans) == 16 + 8 and stats["rollouts_succeeded"] == 16 + 8  # training + validation
     assert all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in gateway_spans)
