@@ -30,10 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agentic", action="store_true", help="the model makes every search (solve_agentic)")
     parser.add_argument("--show", type=int, default=5, help="print the replies of this many tasks")
     args = parser.parse_args(argv)
+    for flag in ("limit", "workers", "max_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
+        parser.error(f"--adapter {args.adapter} is not a PEFT adapter directory (no adapter_config.json)")
     path = args.split if args.split.is_file() else HERE / args.split
     if not path.is_file():
         parser.error(f"no task file {args.split} (looked here and in {HERE})")
     tasks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][: args.limit]
+
+    import warnings
 
     import torch
 
@@ -44,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     from agl_trainer.model import load_policy
 
     torch.set_num_threads(1)
+    # peft asks transformers a deprecated question when it wraps a model; nothing a user can act on
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     sys.path.insert(0, str(HERE))
     import agent
+    from reward import score
 
     model, tokenizer = load_policy(args.model)
     if args.adapter is not None:
@@ -62,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
             reply = asyncio.run(agent.answer(task, llm, agentic=args.agentic))
         except Exception as exc:  # report, score 0, go on
             reply = f"<{type(exc).__name__}: {exc}>"
-        from reward import score
-
         return task, reply, score(reply, task["answer"])
 
     t0 = time.monotonic()

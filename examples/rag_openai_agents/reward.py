@@ -20,7 +20,8 @@ import string
 from collections import Counter
 
 F1_WEIGHT, FORMAT_WEIGHT = 0.9, 0.1
-_ANSWER = re.compile(r"^\s*\**answer\**\s*:\s*(.*\S)", re.IGNORECASE)
+# "Answer: X", also in markdown bold ("**Answer:** X", "**Answer**: X")
+_ANSWER = re.compile(r"^\s*\**\s*answer\s*\**\s*:\s*\**\s*(.*\S)", re.IGNORECASE)
 _ARTICLES = {"a", "an", "the"}
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
 
