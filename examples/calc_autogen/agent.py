@@ -1,0 +1,100 @@
+"""An AutoGen AgentChat agent that solves arithmetic word problems with a calculator tool.
+
+The agent is ordinary AutoGen code: one ``AssistantAgent`` with a ``calculator`` tool, talking to an
+OpenAI-compatible endpoint through ``OpenAIChatCompletionClient``. The only agl-specific line is
+``agl_autogen.instrument()``. The trainer calls ``solve(task, llm)`` once per rollout; the returned number
+is the reward: 1 for the exact answer, 0 otherwise.
+
+The model is asked to call the calculator with the expression the problem needs; the agent returns the
+calculator's result as its answer (AutoGen's ``reflect_on_tool_use=False``: one model call per problem).
+A model that answers in text instead is scored on the last integer of its reply. A calculator call with an
+invalid expression raises ``ValueError``, which AutoGen reports back as a failed tool call and agl records
+as a tool span with ERROR status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import agl_autogen
+from calc_tool import call_text, calculator, parse_answer
+
+agl_autogen.instrument()
+
+SYSTEM_PROMPT = "You solve arithmetic word problems with a calculator."
+#: A worked example put before the problem: a question and the calculator call that answers it. SmolLM2's
+#: chat template has no tool support, so the gateway describes the tools in the system message and parses
+#: Hermes-style ``<tool_call>`` text from the reply; the example shows the model that text verbatim.
+EXAMPLES = [("Ann has 25 pens and buys 17 more. How many pens does Ann have now?", "25 + 17")]
+#: What AutoGen needs to know about a model it has no built-in entry for.
+MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
+              "structured_output": False}
+#: Sampling settings for training rollouts; ``evaluate.py`` may pass others.
+TEMPERATURE = 0.7
+MAX_TOKENS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one attempt did: the answer it gave and how it got there."""
+
+    answer: float | None
+    reward: float
+    tool_calls: int
+    tool_errors: int
+    final_text: str
+
+
+def example_messages(examples: list[tuple[str, str]] = EXAMPLES) -> list[Any]:
+    """The worked examples as earlier turns of the conversation: the question, then the call as text."""
+    from autogen_core.models import AssistantMessage, UserMessage
+
+    messages: list[Any] = []
+    for question, expression in examples:
+        messages += [UserMessage(content=question, source="user"),
+                     AssistantMessage(content=call_text(expression), source="calculator_agent")]
+    return messages
+
+
+async def run_agent(question: str, answer: int, llm: Any, *, temperature: float = TEMPERATURE,
+                    max_tokens: int = MAX_TOKENS) -> Outcome:
+    """Run the agent on one problem against the endpoint in ``llm`` and score its answer."""
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_core.model_context import UnboundedChatCompletionContext
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    client = OpenAIChatCompletionClient(
+        model=llm.model, base_url=llm.base_url, api_key=llm.api_key, model_info=MODEL_INFO,
+        temperature=temperature, max_tokens=max_tokens, max_retries=0,
+    )
+    try:
+        agent = AssistantAgent("calculator_agent", client, tools=[calculator], system_message=SYSTEM_PROMPT,
+                               reflect_on_tool_use=False,
+                               model_context=UnboundedChatCompletionContext(initial_messages=example_messages()))
+        result = await agent.run(task=question)
+    finally:
+        await client.close()
+    calls = errors = 0
+    value: float | None = None
+    for message in result.messages:
+        kind = type(message).__name__
+        if kind == "ToolCallRequestEvent":
+            calls += len(message.content)
+        elif kind == "ToolCallExecutionEvent":
+            for item in message.content:
+                if item.is_error:
+                    errors += 1
+                else:
+                    value = parse_answer(item.content)
+    final = result.messages[-1]
+    final_text = final.content if isinstance(final.content, str) else str(final.content)
+    if calls == 0:
+        value = parse_answer(final_text)
+    reward = 1.0 if value is not None and value == answer else 0.0
+    return Outcome(value, reward, calls, errors, final_text)
+
+
+def solve(task: dict, llm: Any) -> float:
+    return asyncio.run(run_agent(task["question"], task["answer"], llm)).reward
