@@ -46,3 +46,10 @@ async def scripted_async(task: dict[str, Any], llm: Any) -> Any:
         raise ValueError(task["raise"])
     return task.get("reward")
 
+
+
+def split_reward(task: dict[str, Any], llm: Any) -> float:
+    """Reports the split the runner told it about: 1.0 when evaluating ("val"), 0.5 for "train", else 0."""
+    if llm.evaluating:
+        return 1.0 if llm.split == "val" else -1.0
+    return {"train": 0.5, None: 0.0}.get(llm.split, -1.0)

@@ -151,9 +151,12 @@ def test_rewards_section_becomes_reward_weights(folder):
     config = load_config(_write(folder, GOOD), [
         "algorithm.credit=per_call", "algorithm.rewards.tool_error=-0.5", "algorithm.rewards.malformed_tool_call=-1",
         "algorithm.rewards.timeout=-2", "algorithm.rewards.timeout_episode_reward=0", "algorithm.rewards.explicit=false",
+        "algorithm.rewards.tool_success=0.1",
     ])
     assert config.algorithm.credit == "per_call" and config.algorithm.rewards.timeout_episode_reward == 0.0
-    assert config.algorithm.reward_weights() == RewardWeights(False, -0.5, -1.0, -2.0)
+    assert config.algorithm.reward_weights() == RewardWeights(False, -0.5, -1.0, -2.0, 0.1)
+    with pytest.raises(ConfigError, match="tool_success"):
+        load_config(_write(folder, GOOD), ["algorithm.rewards.tool_success=nan"])
 
 
 VLLM = GOOD + "model: {source: Org/Model-1.5B}\nserving: {backend: vllm}\n"

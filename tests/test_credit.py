@@ -14,6 +14,7 @@ from agl_core.credit import (
     MALFORMED_TOOL_CALL,
     TIMEOUT,
     TOOL_ERROR,
+    TOOL_SUCCESS,
     RewardWeights,
     assign_credit,
     assign_rewards,
@@ -168,7 +169,7 @@ def _solver_with_tools(call_ids=True):
 
 def test_tool_error_goes_to_the_call_that_requested_it_by_tool_call_id():
     r, _ = _solver_with_tools(call_ids=True)
-    assert _events(r.spans) == [(TOOL_ERROR, 0, 1.0, "divide")]
+    assert _events(r.spans) == [(TOOL_SUCCESS, 0, 1.0, "add"), (TOOL_ERROR, 0, 1.0, "divide")]
     assert _rewards(r.spans, weights=ALL_ON) == [0.5, 1.0]
 
 
@@ -176,7 +177,7 @@ def test_tool_error_without_call_id_goes_to_the_last_call_before_the_tool_in_its
     r, _ = _solver_with_tools(call_ids=False)
     other = r.agent("other", 5_000, 9_000)
     r.llm(other, 5_100, 5_900)  # ends after solver's calls, before the tool, but in another agent's step
-    assert _events(r.spans) == [(TOOL_ERROR, 1, 1.0, "divide")]
+    assert _events(r.spans) == [(TOOL_SUCCESS, 1, 1.0, "add"), (TOOL_ERROR, 1, 1.0, "divide")]
 
 
 def test_call_id_found_in_openinference_output_attributes():
@@ -199,6 +200,28 @@ def test_one_failed_tool_call_described_by_several_spans_counts_once():
           agl_tool, 6_100, 6_400, "ERROR")  # the framework's own span, nested in agl's
     r.tool(solver, 6_000, 6_500, error=True, call_id="tc-b", source=R.SOURCE_OPENINFERENCE)
     r.tool(solver, 6_000, 6_500, error=True, call_id="tc-b", source=R.SOURCE_AUTOGEN)
+    assert _events(r.spans) == [(TOOL_SUCCESS, 0, 1.0, "add"), (TOOL_ERROR, 0, 1.0, "divide")]
+
+
+def test_successful_tool_calls_are_rewarded_once_on_the_requesting_call():
+    r, solver = _solver_with_tools(call_ids=True)
+    r.tool(solver, 5_000, 5_500, call_id="tc-a", name="add", source=R.SOURCE_AUTOGEN)  # a second span, same call
+    weights = RewardWeights(tool_success=0.2, tool_error=-0.5)
+    assert _rewards(r.spans, weights=weights) == [pytest.approx(0.7), 1.0]
+    result = spans_to_transitions(r.spans)
+    credit = assign_rewards(result, r.spans, weights=weights)
+    assert credit.counts() == {"tool_error": 1, "tool_success": 1}
+    assert "1 successful tool call (+0.2 each)" in credit.summary()
+    assert _rewards(r.spans, weights=RewardWeights(tool_success=0.2)) == [1.2, 1.0]
+
+
+def test_a_tool_call_that_any_of_its_spans_says_failed_is_not_a_success():
+    r = Rollout()
+    solver = r.agent("solver", 1_000, 90_000)
+    r.llm(solver, 2_000, 3_000, tool_call_ids=("tc-a",))
+    r.tool(solver, 5_000, 5_500, call_id="tc-a", source=R.SOURCE_AUTOGEN)  # the framework's span: OK
+    r.tool(solver, 5_000, 5_600, error=True, call_id="tc-a")  # agl's adapter saw the exception
+    r.reward(1.0, 99_000)
     assert _events(r.spans) == [(TOOL_ERROR, 0, 1.0, "divide")]
 
 

@@ -519,3 +519,25 @@ def test_worker_processes_import_neither_the_store_nor_the_gateway():
             "print([m for m in ('agl_core.store', 'agl_core.gateway', 'httpx', 'starlette') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_agents_are_told_which_split_a_rollout_is_for(store_server, client, mode):
+    client.put_resource(LLM_RESOURCE, {"base_url": "http://127.0.0.1:9", "model": "m"})
+    queued = client.enqueue_rollouts([
+        {"task_id": "a", "input": {"n": 0}, "metadata": {"split": "val", "step": 0}},
+        {"task_id": "b", "input": {"n": 1}, "metadata": {"split": "train", "step": 1}},
+        {"task_id": "c", "input": {"n": 2}},
+        {"task_id": "d", "input": {"n": 3}, "metadata": {"split": 7}},  # not a name: no split
+    ])
+    provider = _provider(store_server.url)
+    runner = Runner(_runner_agents.split_reward, client, provider, workers=2, mode=mode).start()
+    try:
+        done = client.wait_for_rollouts([r.rollout_id for r in queued], timeout_s=60)
+    finally:
+        runner.stop()
+    assert all(r.status == RolloutStatus.SUCCEEDED for r in done), [r.attempts[-1].error for r in done]
+    # the agent encodes what it saw in its reward: 1 = evaluating on "val", 0.5 = "train", 0 = no split
+    rewards = episode_rewards(client.query_spans(rollout_ids=[r.rollout_id for r in done]))
+    assert {r.task_id: rewards[r.rollout_id] for r in done} == {"a": 1.0, "b": 0.5, "c": 0.0, "d": 0.0}
+    provider.shutdown()

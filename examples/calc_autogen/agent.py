@@ -32,7 +32,7 @@ EXAMPLES = [("Ann has 25 pens and buys 17 more. How many pens does Ann have now?
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
               "structured_output": False}
 #: Sampling settings for training rollouts; ``evaluate.py`` may pass others.
-TEMPERATURE = 0.7
+TEMPERATURE = 0.5
 MAX_TOKENS = 40
 
 
@@ -97,4 +97,6 @@ async def run_agent(question: str, answer: int, llm: Any, *, temperature: float 
 
 
 def solve(task: dict, llm: Any) -> float:
-    return asyncio.run(run_agent(task["question"], task["answer"], llm)).reward
+    """One rollout: sampled during training, greedy when the trainer scores the held-out split."""
+    temperature = 0.0 if getattr(llm, "evaluating", False) else TEMPERATURE
+    return asyncio.run(run_agent(task["question"], task["answer"], llm, temperature=temperature)).reward

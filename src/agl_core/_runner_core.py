@@ -18,6 +18,11 @@ from .runner import LLM, LLM_RESOURCE, RunnerCounts
 from .store.base import Store, StoreError, StoreUnavailableError
 
 
+def _split_of(rollout: Rollout) -> str | None:
+    split = (rollout.metadata or {}).get("split")
+    return split if isinstance(split, str) else None
+
+
 class Backoff:
     """Growing waits between retries against an unavailable store: 0.2 s doubling up to ``cap_s``."""
 
@@ -198,6 +203,7 @@ class RunState:
             base_url=rollout_base_url(value["base_url"], rollout.rollout_id, attempt.attempt_id),
             model=value["model"],
             policy_version=value.get("policy_version"),
+            split=_split_of(rollout),
         )
 
     def flush(self) -> None:

@@ -11,6 +11,9 @@ Two layers make a call's reward:
    * ``explicit``: an ``agl.reward`` span whose name is not ``episode`` (``emit_reward(0.3, name="step")``)
      adds its value to one call;
    * ``tool_error``: a tool span with ERROR status, on the call that requested the tool;
+   * ``tool_success``: a tool span that ended without error, on the call that requested the tool (a small
+     positive weight rewards using a tool correctly, so that penalties on failing calls do not teach a
+     policy to avoid the tool altogether);
    * ``malformed_tool_call``: a call whose gateway span says it wrote a tool call that cannot be run
      (``agl.llm.tool_call_malformed``: unparseable, unknown tool, arguments not a JSON object), once per
      malformed call;
@@ -31,8 +34,8 @@ Which call a span is attached to (:func:`reward_events`):
   that attempt made none).
 
 Duplicates are counted once: a tool call described by several spans (an agl adapter and an OpenInference
-instrumentor, or a framework's own telemetry nested in agl's span) is one error; a tool span for a call
-the gateway already flagged as malformed is not also a tool error.
+instrumentor, or a framework's own telemetry nested in agl's span) is one error or one success; a tool
+span for a call the gateway already flagged as malformed is neither a tool error nor a success.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ __all__ = [
     "STRATEGIES",
     "TIMEOUT",
     "TOOL_ERROR",
+    "TOOL_SUCCESS",
     "CreditResult",
     "RewardEvent",
     "RewardWeights",
@@ -73,10 +77,11 @@ STRATEGIES = ("episode", "last", "discounted", "per_call")
 
 EXPLICIT = "explicit"
 TOOL_ERROR = "tool_error"
+TOOL_SUCCESS = "tool_success"
 MALFORMED_TOOL_CALL = "malformed_tool_call"
 TIMEOUT = "timeout"
 #: The kinds of intermediate reward, in report order.
-REWARD_KINDS = (EXPLICIT, TOOL_ERROR, MALFORMED_TOOL_CALL, TIMEOUT)
+REWARD_KINDS = (EXPLICIT, TOOL_ERROR, MALFORMED_TOOL_CALL, TIMEOUT, TOOL_SUCCESS)
 
 _EPISODE = "episode"
 
@@ -133,6 +138,7 @@ class RewardWeights:
     tool_error: float = 0.0
     malformed_tool_call: float = 0.0
     timeout: float = 0.0
+    tool_success: float = 0.0
 
     def __post_init__(self) -> None:
         for kind in REWARD_KINDS[1:]:
@@ -245,23 +251,28 @@ class _Rollout:
         return (same or self.calls)[-1]
 
 
-def _failed_tool_spans(tree: SpanTree) -> list[Span]:
-    """The rollout's failed tool calls, one span each (see the module docstring on duplicates)."""
+def _tool_spans(tree: SpanTree) -> list[Span]:
+    """The rollout's tool calls, one span each (see the module docstring on duplicates).
+
+    Of several spans for one tool call id, a failed one is kept when there is one (an adapter may see the
+    exception that a framework's own span did not), otherwise the first.
+    """
     tools = [s for s in tree.spans if kind_of(s) == TOOL]
     if any(source_of(s) != semconv.SOURCE_OPENINFERENCE for s in tools):
         tools = [s for s in tools if source_of(s) != semconv.SOURCE_OPENINFERENCE]
-    seen_ids: set[str] = set()
-    out = []
+    tools = [s for s in tools if not any(kind_of(a) == TOOL for a in tree.ancestors(s))]
+    chosen: dict[str, Span] = {}
+    out: list[Span | str] = []
     for span in tools:
-        if not span.is_error or any(kind_of(a) == TOOL for a in tree.ancestors(span)):
-            continue
         call_id = span.attributes.get(semconv.GEN_AI_TOOL_CALL_ID)
-        if isinstance(call_id, str) and call_id:
-            if call_id in seen_ids:
-                continue
-            seen_ids.add(call_id)
-        out.append(span)
-    return out
+        if not (isinstance(call_id, str) and call_id):
+            out.append(span)
+        elif call_id not in chosen:
+            chosen[call_id] = span
+            out.append(call_id)
+        elif span.is_error and not chosen[call_id].is_error:
+            chosen[call_id] = span
+    return [chosen[item] if isinstance(item, str) else item for item in out]
 
 
 def _malformed(gateway: Span) -> tuple[list[str], set[str]]:
@@ -316,13 +327,14 @@ def _rollout_events(rollout_id: str, rollout: _Rollout) -> list[RewardEvent]:
         reasons, ids = _malformed(gateway)
         malformed_ids |= ids
         events.extend(RewardEvent(rollout_id, call.index, MALFORMED_TOOL_CALL, gateway.span_id, 1.0, r) for r in reasons)
-    for span in _failed_tool_spans(rollout.tree):
+    for span in _tool_spans(rollout.tree):
         call_id = span.attributes.get(semconv.GEN_AI_TOOL_CALL_ID)
         if call_id in malformed_ids:
             continue  # counted as a malformed tool call already
         call = rollout.by_tool_call_id.get(call_id) if isinstance(call_id, str) else None
         call = call or rollout.attach(span)
-        events.append(RewardEvent(rollout_id, call.index, TOOL_ERROR, span.span_id, 1.0, tool_name(span) or span.name))
+        kind = TOOL_ERROR if span.is_error else TOOL_SUCCESS
+        events.append(RewardEvent(rollout_id, call.index, kind, span.span_id, 1.0, tool_name(span) or span.name))
     for span in rollout.tree.spans:
         value = _explicit_value(span)
         if value is not None:
@@ -339,6 +351,7 @@ def _rollout_events(rollout_id: str, rollout: _Rollout) -> list[RewardEvent]:
 _NOUNS = {
     EXPLICIT: ("explicit reward", "explicit rewards"),
     TOOL_ERROR: ("tool error", "tool errors"),
+    TOOL_SUCCESS: ("successful tool call", "successful tool calls"),
     MALFORMED_TOOL_CALL: ("malformed tool call", "malformed tool calls"),
     TIMEOUT: ("timeout", "timeouts"),
 }

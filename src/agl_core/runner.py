@@ -69,12 +69,23 @@ class RolloutTimeout(TimeoutError):
 
 @dataclasses.dataclass(frozen=True)
 class LLM:
-    """Where the agent sends its LLM calls during a rollout."""
+    """Where the agent sends its LLM calls during a rollout.
+
+    ``split`` is the rollout's ``metadata["split"]`` when it has one: the trainer marks training rollouts
+    ``"train"`` and validation rollouts ``"val"``, so an agent can sample during training and decode
+    greedily when it is being scored (``temperature=0 if llm.split == "val" else 0.7``).
+    """
 
     base_url: str
     model: str
     api_key: str = "agl"
     policy_version: int | None = None
+    split: str | None = None
+
+    @property
+    def evaluating(self) -> bool:
+        """True for validation rollouts (``split == "val"``)."""
+        return self.split == "val"
 
 
 @dataclasses.dataclass(frozen=True)

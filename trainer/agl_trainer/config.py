@@ -88,6 +88,9 @@ class RewardsConfig(_Strict):
     #: Added to the call that requested a tool, per tool call that failed (tool span with ERROR status).
     #: Usually negative (a penalty); 0 = off.
     tool_error: _FiniteFloat = 0.0
+    #: Added to the call that requested a tool, per tool call that ran without error. A small positive
+    #: weight keeps the tool penalties from teaching the policy to stop calling tools; 0 = off.
+    tool_success: _FiniteFloat = 0.0
     #: Added to a call per tool call it wrote that cannot be run (the gateway flags it: unparseable, an
     #: unknown tool, arguments not a JSON object). Usually negative; 0 = off.
     malformed_tool_call: _FiniteFloat = 0.0
@@ -125,7 +128,8 @@ class AlgorithmConfig(_Strict):
     @pydantic.model_validator(mode="after")
     def _per_call_needs_rewards(self) -> AlgorithmConfig:
         r = self.rewards
-        if self.credit == "per_call" and not (r.explicit or r.tool_error or r.malformed_tool_call or r.timeout):
+        if self.credit == "per_call" and not (r.explicit or r.tool_error or r.tool_success or r.malformed_tool_call
+                                              or r.timeout):
             raise ValueError(
                 "credit 'per_call' trains on intermediate rewards only, but every one is off; set"
                 " rewards.explicit: true (and emit named rewards) or a non-zero rewards weight"
@@ -135,7 +139,7 @@ class AlgorithmConfig(_Strict):
     def reward_weights(self) -> RewardWeights:
         """The ``rewards`` section as :class:`agl_core.credit.RewardWeights`."""
         r = self.rewards
-        return RewardWeights(r.explicit, r.tool_error, r.malformed_tool_call, r.timeout)
+        return RewardWeights(r.explicit, r.tool_error, r.malformed_tool_call, r.timeout, r.tool_success)
 
 
 class TasksConfig(_Strict):
