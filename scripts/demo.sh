@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: set up, then train the arithmetic LangChain agent on CPU with SmolLM2-135M + LoRA,
+# The main job: set up, then train the AutoGen calculator agent on CPU with SmolLM2-135M + LoRA,
 # with the embedded SQLite store. Extra arguments go to `agl train` (e.g. --set train.steps=2, or
 # --resume to continue an interrupted run); without --resume a previous run in the output folder is
 # replaced.
@@ -10,4 +10,4 @@ case " $* " in
   *" --resume "*) again=() ;;
   *) again=(--overwrite) ;;
 esac
-exec .venv/bin/agl train examples/arith_langchain/config.yaml "${again[@]}" "$@"
+exec .venv/bin/agl train examples/calc_autogen/config.yaml "${again[@]}" "$@"

@@ -104,6 +104,7 @@ logging: {{plot: false, tensorboard: false}}
     assert timed_out >= 1, done.stdout  # P(no hang in 12 rollouts) = 1/4096
     assert row["reward_events"].get("timeout") == timed_out
     assert row["trained_transitions"] == 12  # the timed-out rollouts were trained too, with their penalty
+    assert row["agents"] == {"(unnamed)": {"calls": 12, "trained": 12}}  # plain OpenAI client: no agent name
     assert "timed-out rollouts trained with the timeout episode reward" in done.stdout
 
 
@@ -145,3 +146,17 @@ logging: {{plot: false, tensorboard: false}}
     rows = _rows(tmp_path / "run")
     assert [r["rollouts"] for r in rows] == [4, 4]
     assert all(r["transitions"] == 4 for r in rows)
+
+
+def test_step_metrics_count_calls_and_trained_transitions_per_agent():
+    from agl_core.records import Transition
+    from agl_trainer.loop import _agent_counts
+
+    def t(agent, i):
+        return Transition("r", None, None, i, (1,), (2,), None, 0.0, agent_name=agent)
+
+    calls = [t("writer", 0), t("checker", 1), t("writer", 2), t(None, 3)]
+    assert _agent_counts(calls, [calls[0], calls[2]]) == {
+        "writer": {"calls": 2, "trained": 2}, "checker": {"calls": 1, "trained": 0},
+        "(unnamed)": {"calls": 1, "trained": 0},
+    }

@@ -3,7 +3,8 @@
 The agent is ordinary AutoGen code: one ``AssistantAgent`` with a ``calculator`` tool, talking to an
 OpenAI-compatible endpoint through ``OpenAIChatCompletionClient``. The only agl-specific line is
 ``agl_autogen.instrument()``. The trainer calls ``solve(task, llm)`` once per rollout; the returned number
-is the reward: 1 for the exact answer, 0 otherwise.
+is the reward: 1 for the exact answer, 0 otherwise. Training rollouts sample (``TEMPERATURE``); validation
+rollouts (``llm.evaluating``) decode greedily, so the before/after scores measure the policy itself.
 
 The model is asked to call the calculator with the expression the problem needs; the agent returns the
 calculator's result as its answer (AutoGen's ``reflect_on_tool_use=False``: one model call per problem).

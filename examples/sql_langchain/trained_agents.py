@@ -36,8 +36,11 @@ class StepAudit:
 
     @property
     def matches_metrics(self) -> bool:
+        per_agent = {name or "(unnamed)": {"calls": self.calls[name], "trained": self.trained[name]}
+                     for name in self.calls}
         return (sum(self.calls.values()) == self.metrics["transitions"]
-                and sum(self.trained.values()) == self.metrics["trained_transitions"])
+                and sum(self.trained.values()) == self.metrics["trained_transitions"]
+                and per_agent == self.metrics.get("agents", per_agent))
 
 
 def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[StepAudit]:

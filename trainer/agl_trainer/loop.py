@@ -25,7 +25,7 @@ from typing import Any
 from agl_core._serve import BackgroundServer
 from agl_core.credit import assign_rewards
 from agl_core.gateway import create_gateway_app
-from agl_core.records import Rollout, RolloutStatus, Task
+from agl_core.records import Rollout, RolloutStatus, Task, Transition
 from agl_core.runner import LLM_RESOURCE, Runner, load_agent, resolve_mode, run_command
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
@@ -72,8 +72,20 @@ class StepMetrics:
     untrained: dict[str, int]
     #: Intermediate rewards applied, by kind (explicit, tool_error, malformed_tool_call, timeout).
     reward_events: dict[str, int]
+    #: Per agent name (``"(unnamed)"`` for calls no agent claimed): its LLM calls in the step's rollouts
+    #: and how many went into the update, ``{"writer": {"calls": 12, "trained": 8}}``.
+    agents: dict[str, dict[str, int]]
     tasks: list[str]
     seconds: float
+
+
+def _agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) -> dict[str, dict[str, int]]:
+    """LLM calls and trained transitions per agent name, in order of first appearance."""
+    counts: dict[str, dict[str, int]] = {}
+    for key, group in (("calls", calls), ("trained", trained)):
+        for t in group:
+            counts.setdefault(t.agent_name or "(unnamed)", {"calls": 0, "trained": 0})[key] += 1
+    return counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +422,7 @@ class _Run:
             problems=result.reasons(),
             untrained=dict(Counter(untrained.values())),
             reward_events=credit.counts(),
+            agents=_agent_counts(result.transitions, [s.transition for s in samples]),
             tasks=[t.task_id for t in tasks],
             seconds=time.monotonic() - step_start,
         )
@@ -418,6 +431,9 @@ class _Run:
             self.display.line(
                 f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal), skipped"
             )
+        if len(metrics.agents) > 1 or config.algorithm.agents:
+            self.display.line("  agents: " + ", ".join(
+                f"{name} {c['trained']}/{c['calls']} calls trained" for name, c in metrics.agents.items()))
         for line in credit.summary():
             self.display.line(f"  {line}")
         call_problems = Counter(p.reason for p in result.problems if p.span_id is not None)
