@@ -127,9 +127,7 @@ class AlgorithmConfig(_Strict):
 
     @pydantic.model_validator(mode="after")
     def _per_call_needs_rewards(self) -> AlgorithmConfig:
-        r = self.rewards
-        if self.credit == "per_call" and not (r.explicit or r.tool_error or r.tool_success or r.malformed_tool_call
-                                              or r.timeout):
+        if self.credit == "per_call" and not self.reward_weights().active:
             raise ValueError(
                 "credit 'per_call' trains on intermediate rewards only, but every one is off; set"
                 " rewards.explicit: true (and emit named rewards) or a non-zero rewards weight"
