@@ -199,6 +199,31 @@ def test_validation_rollouts_decode_greedily(calc_stack):
     assert temperatures == {"train": agent.TEMPERATURE, "val": 0.0}
 
 
+def test_evaluate_reports_the_operators_the_model_wrote_per_reference_operation():
+    import agl_autogen
+
+    try:
+        evaluate = _load("evaluate")
+        agent = sys.modules["agent"]
+        assert agent._expression_of('{"expression": "3 * 4"}') == "3 * 4"
+        assert agent._expression_of("not json") == "" and agent._expression_of('{"x": 1}') == ""
+        tasks = [{"expression": "25 + 17"}, {"expression": "84 / 12"}, {"expression": "(3 + 4) * 2"}]
+        outcome = agent.Outcome
+        outcomes = [
+            outcome(42, 1.0, 1, 0, "42", ("25 + 17",)), outcome(42, 1.0, 1, 0, "42", ("17+25",)),
+            outcome(1008, 0.0, 1, 0, "1008", ("84 * 12",)), outcome(7, 1.0, 0, 0, "It is 7.", ()),
+            outcome(None, 0.0, 1, 1, "", ("",)), outcome(14, 1.0, 1, 0, "14", ("(3 + 4) * 2",)),
+        ]
+        lines = evaluate.operator_report(tasks, outcomes, samples=2).splitlines()
+    finally:
+        agl_autogen.uninstrument()
+        for name in ("agent", "calc_tool", "evaluate"):
+            sys.modules.pop(name, None)
+    rows = {line.split("|")[0].strip(): [cell.strip() for cell in line.split("|")[1:]] for line in lines[1:]}
+    assert rows == {"+": ["2", "1.000", "+ 2"], "/": ["2", "0.500", "* 1, text 1"],
+                    "+*": ["2", "0.500", "none 1, +* 1"]}
+
+
 # --- the reduced training run with the real SmolLM2 -------------------------------------------------------
 @pytest.mark.slow
 def test_train_calc_example_end_to_end_on_cpu(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from typing import Any
 
 import agl_autogen
@@ -28,7 +29,12 @@ SYSTEM_PROMPT = "You solve arithmetic word problems with a calculator."
 #: A worked example put before the problem: a question and the calculator call that answers it. SmolLM2's
 #: chat template has no tool support, so the gateway describes the tools in the system message and parses
 #: Hermes-style ``<tool_call>`` text from the reply; the example shows the model that text verbatim.
-EXAMPLES = [("Ann has 25 pens and buys 17 more. How many pens does Ann have now?", "25 + 17")]
+EXAMPLES = [
+    ("Ann has 25 pens and buys 17 more. How many pens does Ann have now?", "25 + 17"),
+    ("A bus has 48 seats and 19 of them are taken. How many seats are free?", "48 - 19"),
+    ("A hall has 6 rows of 14 chairs. How many chairs are in the hall?", "6 * 14"),
+    ("72 eggs are split equally into 8 cartons. How many eggs are in each carton?", "72 / 8"),
+]
 #: What AutoGen needs to know about a model it has no built-in entry for.
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
               "structured_output": False}
@@ -46,6 +52,8 @@ class Outcome:
     tool_calls: int
     tool_errors: int
     final_text: str
+    #: The expression of each calculator call, in order ("" where the arguments were not JSON).
+    expressions: tuple[str, ...] = ()
 
 
 def example_messages(examples: list[tuple[str, str]] = EXAMPLES) -> list[Any]:
@@ -78,11 +86,13 @@ async def run_agent(question: str, answer: int, llm: Any, *, temperature: float 
     finally:
         await client.close()
     calls = errors = 0
+    expressions: list[str] = []
     value: float | None = None
     for message in result.messages:
         kind = type(message).__name__
         if kind == "ToolCallRequestEvent":
             calls += len(message.content)
+            expressions += [_expression_of(call.arguments) for call in message.content]
         elif kind == "ToolCallExecutionEvent":
             for item in message.content:
                 if item.is_error:
@@ -94,7 +104,15 @@ async def run_agent(question: str, answer: int, llm: Any, *, temperature: float 
     if calls == 0:
         value = parse_answer(final_text)
     reward = 1.0 if value is not None and value == answer else 0.0
-    return Outcome(value, reward, calls, errors, final_text)
+    return Outcome(value, reward, calls, errors, final_text, tuple(expressions))
+
+
+def _expression_of(arguments: str) -> str:
+    try:
+        expression = json.loads(arguments).get("expression", "")
+    except (ValueError, AttributeError):
+        return ""
+    return expression if isinstance(expression, str) else ""
 
 
 def solve(task: dict, llm: Any) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -73,6 +74,26 @@ def paired_difference(before: Evaluation, after: Evaluation) -> tuple[float, flo
     mean = sum(diffs) / n
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
     return mean, se
+
+
+def operators(expression: str) -> str:
+    """The arithmetic operators of an expression in order ("12 * 4 + 3" -> "*+"); "" for none."""
+    return "".join(ch for ch in expression if ch in "+-*/")
+
+
+def operator_report(tasks: Sequence[dict[str, Any]], outcomes: Sequence[calc_agent.Outcome], samples: int) -> str:
+    """Per operation of the reference expression: problems, mean reward and the operators the model wrote."""
+    rows: dict[str, tuple[list[float], collections.Counter]] = {}
+    for i, task in enumerate(tasks):
+        scores, used = rows.setdefault(operators(str(task.get("expression", ""))) or "?", ([], collections.Counter()))
+        for outcome in outcomes[i * samples:(i + 1) * samples]:
+            scores.append(outcome.reward)
+            used[(operators(outcome.expressions[0]) or "none") if outcome.expressions else "text"] += 1
+    lines = ["reference op | attempts | mean reward | operators the model wrote"]
+    for op, (scores, used) in sorted(rows.items()):
+        wrote = ", ".join(f"{k} {v}" for k, v in used.most_common())
+        lines.append(f"{op:>12} | {len(scores):>8} | {sum(scores) / len(scores):>11.3f} | {wrote}")
+    return "\n".join(lines)
 
 
 def load_split(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
@@ -157,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                       max_tokens=args.max_tokens)
     for task, outcome in zip([t for t in tasks for _ in range(args.samples)], result.outcomes[:args.show]):
         print(f"[{outcome.reward:.0f}] {task['question']} (answer {task['answer']}) -> {outcome.final_text!r}")
+    print(operator_report(tasks, result.outcomes, args.samples))
     print(result.summary(f"{args.split.name}{' + ' + str(args.adapter) if args.adapter else ''}"))
 
 
