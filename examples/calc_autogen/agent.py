@@ -26,9 +26,10 @@ from calc_tool import call_text, calculator, parse_answer
 agl_autogen.instrument()
 
 SYSTEM_PROMPT = "You solve arithmetic word problems with a calculator."
-#: A worked example put before the problem: a question and the calculator call that answers it. SmolLM2's
-#: chat template has no tool support, so the gateway describes the tools in the system message and parses
-#: Hermes-style ``<tool_call>`` text from the reply; the example shows the model that text verbatim.
+#: Worked examples put before the problem, one per operation: a question and the calculator call that
+#: answers it. SmolLM2's chat template has no tool support, so the gateway describes the tools in the system
+#: message and parses Hermes-style ``<tool_call>`` text from the reply; the examples show the model that text
+#: verbatim. With only the addition example, training drifted to one operator for every problem (README).
 EXAMPLES = [
     ("Ann has 25 pens and buys 17 more. How many pens does Ann have now?", "25 + 17"),
     ("A bus has 48 seats and 19 of them are taken. How many seats are free?", "48 - 19"),
