@@ -311,16 +311,27 @@ def test_train_rag_example_end_to_end_on_cpu(tmp_path):
     assert [r["step"] for r in val] == [0, 2] and all(r["n"] == 2 for r in val)
     assert [r["step"] for r in train] == [1, 2]
     assert all(r["rollouts"] == 4 and r["transitions"] == 4 for r in train), train
-    # four groups of two sampled answers: at least one pair differs, so the policy was updated
-    assert sum(r["trained_transitions"] for r in train) > 0 and train[-1]["policy_version"] >= 1, train
 
     from agl_core.store import SqliteStore
+    from agl_core.transitions import episode_rewards
 
     store = SqliteStore(out / "store.sqlite")
     try:
         spans = store.query_spans(limit=100_000)
+        records = store.get_rollouts(sorted({s.rollout_id for s in spans if s.rollout_id}))
     finally:
         store.close()
+    # GRPO trains the two transitions of each group whose two sampled answers scored differently, and no
+    # others (a tied group has no advantage); the policy changes exactly when some group differed
+    rewards = episode_rewards(spans)
+    groups: dict[str, list[float]] = {}
+    for rollout in records:
+        if rollout.metadata.get("split") == "train":
+            groups.setdefault(rollout.group_id, []).append(rewards[rollout.rollout_id])
+    assert len(groups) == 4 and all(len(g) == 2 for g in groups.values()), groups
+    differing = sum(len(set(g)) > 1 for g in groups.values())
+    assert sum(r["trained_transitions"] for r in train) == 2 * differing, (groups, train)
+    assert (train[-1]["policy_version"] >= 1) == (differing > 0), (groups, train)
     rollouts = 2 * 2 * 2 + 2 * 2  # training (2 steps x 2 tasks x 2 rollouts) + validation (before, after: 2 tasks)
     searches = [s for s in spans if s.attributes.get(semconv.GEN_AI_TOOL_NAME) == "search"
                 and s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL]
