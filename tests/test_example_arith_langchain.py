@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ._training import metrics_rows, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,19 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_train_example_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("langchain_openai")
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "agl_core.cli", "train", str(ROOT / "examples/arith_langchain/config.yaml"),
+    done = train_cli(
+        ROOT / "examples/arith_langchain/config.yaml",
         "--set", "train.steps=2", "--set", "train.tasks_per_step=2", "--set", "train.rollouts_per_task=4",
-        "--set", f"output_dir={out}", "--set", "validation.max_tasks=4",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        "--set", f"output_dir={out}", "--set", "validation.max_tasks=4", timeout=900,
+    )
     lines = [l for l in done.stdout.splitlines() if l.startswith("step ")]
     assert len(lines) == 2, done.stdout
     for line in lines:
         assert re.search(r"rollouts=8 .*transitions=\d+ .*mean_reward=[\d.]+ .*loss=", line), line
 
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     metrics = [m for m in rows if m["kind"] == "train"]
     # the held-out split is scored before and after training, and the run ends saying so
     assert [(m["step"], m["n"]) for m in rows if m["kind"] == "val"] == [(0, 4), (2, 4)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from typing import Any
 import pytest
 
 from agl_core import semconv
+
+from ._training import metrics_rows, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calc_autogen"
@@ -229,18 +230,17 @@ def test_evaluate_reports_the_operators_the_model_wrote_per_reference_operation(
 def test_train_calc_example_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("autogen_agentchat")
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "agl_core.cli", "train", str(EXAMPLE / "config.yaml"), "--overwrite",
+    done = train_cli(
+        EXAMPLE / "config.yaml", "--overwrite",
         "--set", "train.steps=2", "--set", "train.tasks_per_step=2", "--set", "train.rollouts_per_task=4",
         "--set", "validation.max_tasks=3", "--set", f"output_dir={out}", "--set", "logging.progress=plain",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        timeout=900,
+    )
     assert re.search(r"held-out reward: before [\d.]+ ± [\d.]+ \(SE, n=3 tasks\) -> after [\d.]+", done.stdout), done.stdout
     assert "reward curve: " in done.stdout and (out / "reward_curve.png").is_file()
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"]
+    rows = metrics_rows(out)
+    train = metrics_rows(out, "train")
     assert [(r["kind"], r["step"]) for r in rows] == [("val", 0), ("train", 1), ("train", 2), ("val", 2)]
     assert all(r["rollouts"] == 8 and r["transitions"] == 8 and r["rollouts_failed"] == 0 for r in train), train
 

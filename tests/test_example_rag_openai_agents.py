@@ -7,9 +7,7 @@ import importlib
 import importlib.util
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +16,8 @@ from typing import Any
 import pytest
 
 from agl_core import semconv
+
+from ._training import metrics_rows, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "rag_openai_agents"
@@ -294,20 +294,16 @@ def test_solve_agentic_lets_the_model_search_each_hop(scripted):
 def test_train_rag_example_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("agents")
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "agl_core.cli", "train", str(EXAMPLE / "config.yaml"),
+    done = train_cli(
+        EXAMPLE / "config.yaml",
         "--set", "train.steps=2", "--set", "train.tasks_per_step=2", "--set", "train.rollouts_per_task=2",
         "--set", "validation.max_tasks=2", "--set", "runner.workers=4", "--set", f"output_dir={out}",
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "AGL_CACHE_DIR": os.environ.get("AGL_CACHE_DIR", str(Path.home() / ".cache" / "agl"))}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        timeout=600,
+    )
     assert re.search(r"held-out reward: before [\d.]+ ± [\d.]+ \(SE, n=2 tasks\) -> after [\d.]+", done.stdout), done.stdout
     assert "reward curve: " in done.stdout and (out / "reward_curve.png").is_file()
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    val = [r for r in rows if r["kind"] == "val"]
-    train = [r for r in rows if r["kind"] == "train"]
+    val, train = metrics_rows(out, "val"), metrics_rows(out, "train")
     assert [r["step"] for r in val] == [0, 2] and all(r["n"] == 2 for r in val)
     assert [r["step"] for r in train] == [1, 2]
     assert all(r["rollouts"] == 4 and r["transitions"] == 4 for r in train), train

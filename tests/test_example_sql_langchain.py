@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ._training import metrics_rows, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "sql_langchain"
@@ -76,15 +76,11 @@ def test_train_sql_example_end_to_end_on_cpu(tmp_path):
         "validation.max_tasks=1", f"output_dir={out}", "logging.progress=plain", "logging.tensorboard=false",
         "logging.plot=false",
     )
-    cmd = [sys.executable, "-m", "agl_core.cli", "train", str(EXAMPLE / "config.yaml"), "--overwrite"]
-    for override in overrides:
-        cmd += ["--set", override]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    done = train_cli(EXAMPLE / "config.yaml", "--overwrite", *sets, timeout=900)
     assert "held-out reward: before " in done.stdout, done.stdout
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     assert [(r["kind"], r["step"]) for r in rows] == [("val", 0), ("train", 1), ("val", 1)]
     assert all(r["n"] == 1 for r in rows if r["kind"] == "val")
     step = rows[1]

@@ -8,10 +8,11 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from ._training import metrics_rows, train_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,17 +35,6 @@ def _job(tmp_path: Path, config: str, tasks: list[dict]) -> Path:
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     (tmp_path / "config.yaml").write_text(config)
     return tmp_path / "config.yaml"
-
-
-def _train(config: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "agl_core.cli", "train", str(config), *extra],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
-def _rows(out: Path, kind: str = "train") -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def _spans(out: Path):
@@ -74,9 +64,9 @@ serving:
 train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 3}}
 logging: {{plot: false, tensorboard: false}}
 """, [{"id": f"t{i}", "q": f"say {i}"} for i in range(6)])
-    done = _train(config)
+    done = train_cli(config)
     assert "(vllm backend)" in done.stdout
-    rows = _rows(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run", "train")
     assert [r["policy_version"] for r in rows] == [1, 2]  # random rewards: every group has a signal
     assert sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir()) == ["v1", "v2"]
     gateway = [s for s in _spans(tmp_path / "run") if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
@@ -98,8 +88,8 @@ algorithm: {{rewards: {{timeout: -1.0, timeout_episode_reward: 0.0}}}}
 train: {{steps: 1, tasks_per_step: 2, rollouts_per_task: 6}}
 logging: {{plot: false, tensorboard: false}}
 """, [{"id": "t0", "q": "wait", "hang": True}, {"id": "t1", "q": "wait too", "hang": True}])
-    done = _train(config)
-    (row,) = _rows(tmp_path / "run")
+    done = train_cli(config)
+    (row,) = metrics_rows(tmp_path / "run", "train")
     timed_out = row["rollouts_failed"]
     assert timed_out >= 1, done.stdout  # P(no hang in 12 rollouts) = 1/4096
     assert row["reward_events"].get("timeout") == timed_out
@@ -143,7 +133,7 @@ logging: {{plot: false, tensorboard: false}}
         if runner is not None:
             runner.terminate()
             runner.wait(30)
-    rows = _rows(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run", "train")
     assert [r["rollouts"] for r in rows] == [4, 4]
     assert all(r["transitions"] == 4 for r in rows)
 

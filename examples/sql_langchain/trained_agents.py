@@ -36,7 +36,9 @@ class StepAudit:
 
     @property
     def matches_metrics(self) -> bool:
-        per_agent = {name or "(unnamed)": {"calls": self.calls[name], "trained": self.trained[name]}
+        from agl_trainer.loop import UNNAMED_AGENT
+
+        per_agent = {name or UNNAMED_AGENT: {"calls": self.calls[name], "trained": self.trained[name]}
                      for name in self.calls}
         return (sum(self.calls.values()) == self.metrics["transitions"]
                 and sum(self.trained.values()) == self.metrics["trained_transitions"]

@@ -72,11 +72,15 @@ class StepMetrics:
     untrained: dict[str, int]
     #: Intermediate rewards applied, by kind (``agl_core.credit.REWARD_KINDS``).
     reward_events: dict[str, int]
-    #: Per agent name (``"(unnamed)"`` for calls no agent claimed): its LLM calls in the step's rollouts
+    #: Per agent name (:data:`UNNAMED_AGENT` for calls no agent claimed): its LLM calls in the step's rollouts
     #: and how many went into the update, ``{"writer": {"calls": 12, "trained": 8}}``.
     agents: dict[str, dict[str, int]]
     tasks: list[str]
     seconds: float
+
+
+#: The name ``StepMetrics.agents`` gives to LLM calls no agent claimed.
+UNNAMED_AGENT = "(unnamed)"
 
 
 def _agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) -> dict[str, dict[str, int]]:
@@ -84,7 +88,7 @@ def _agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) ->
     counts: dict[str, dict[str, int]] = {}
     for key, group in (("calls", calls), ("trained", trained)):
         for t in group:
-            counts.setdefault(t.agent_name or "(unnamed)", {"calls": 0, "trained": 0})[key] += 1
+            counts.setdefault(t.agent_name or UNNAMED_AGENT, {"calls": 0, "trained": 0})[key] += 1
     return counts
 
 
