@@ -137,6 +137,8 @@ def test_bad_task_settings_are_named(folder, tasks, message):
         ("checkpoint: {keep: 0}\n", "'checkpoint.keep'"),
         ("logging: {progress: fancy}\n", "'logging.progress'"),
         ("logging: {tensorboard: maybe}\n", "'logging.tensorboard'"),
+        ("train: {resample_rounds: -1}\n", "'train.resample_rounds'"),
+        ("train: {resample_rounds: 2, rollouts_per_task: 1}\n", "set train.rollouts_per_task to 2 or more"),
     ],
 )
 def test_bad_run_settings_are_named(folder, extra, message):

@@ -1,5 +1,6 @@
 """``agl train`` end to end on the tiny model, beyond the CPU default: serving through (fake) vLLM,
-rollout timeouts and their rewards reaching the update, and runners started elsewhere with ``agl run``."""
+rollout timeouts and their rewards reaching the update, runners started elsewhere with ``agl run``, and
+redrawing tasks whose rollouts tie."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def solve(task, llm):
     client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4)
     if task.get("hang") and random.random() < 0.5:
         time.sleep(30)  # past runner.rollout_timeout_s
-    return random.random()
+    return 1.0 if task.get("tie") else random.random()
 '''
 
 
@@ -150,3 +151,40 @@ def test_step_metrics_count_calls_and_trained_transitions_per_agent():
         "writer": {"calls": 2, "trained": 2}, "checker": {"calls": 1, "trained": 0},
         "(unnamed)": {"calls": 1, "trained": 0},
     }
+
+
+def test_tied_groups_are_redrawn_until_the_step_has_its_groups(tmp_path):
+    from agl_core.records import Task
+    from agl_trainer.data import TaskSampler
+
+    # even tasks always score 1.0 (their groups tie, no gradient); odd ones score at random (always differ)
+    tasks = [{"id": f"t{i}", "q": f"say {i}", "tie": i % 2 == 0} for i in range(8)]
+    config = _job(tmp_path, f"""
+agent: agent:solve
+tasks: tasks.jsonl
+output_dir: {tmp_path / 'run'}
+model: {{source: tiny, lora: null}}
+gateway: {{default_max_tokens: 4}}
+train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 2, resample_rounds: 3, seed: 0}}
+logging: {{plot: false, tensorboard: false}}
+""", tasks)
+    done = train_cli(config)
+    rows = metrics_rows(tmp_path / "run", "train")
+    ties = {t["id"] for t in tasks if t["tie"]}
+
+    # what the run should have drawn: the step's tasks, then as many more as groups were missing
+    sampler = TaskSampler([Task(task_id=t["id"], input=t) for t in tasks], seed=0)
+    for row in rows:
+        expected = [t.task_id for t in sampler.sample(2)]
+        rounds = 0
+        while sum(t not in ties for t in expected) < 2 and rounds < 3:
+            rounds += 1
+            expected += [t.task_id for t in sampler.sample(2 - sum(t not in ties for t in expected))]
+        assert row["tasks"] == expected
+        assert row["redrawn_tasks"] == len(expected) - 2
+        assert row["rollouts"] == 2 * len(expected)
+        differing = sum(t not in ties for t in expected)
+        assert row["trained_transitions"] == 2 * differing  # one call per rollout; tied groups skipped
+        assert row["groups_skipped"] == len(expected) - differing
+    assert sum(r["redrawn_tasks"] for r in rows) > 0  # the seed makes some step redraw
+    assert "redrew" in done.stdout

@@ -194,6 +194,19 @@ class TrainConfig(_Strict):
     seed: int = 0
     #: torch threads on CPU; 1 is fastest on small shared machines.
     threads: int = pydantic.Field(1, ge=1, le=256)
+    #: Dynamic sampling (as in DAPO): a task whose rollouts all score the same gives no gradient, so when
+    #: fewer than ``tasks_per_step`` groups differ, draw that many more tasks and roll them out, up to this
+    #: many extra rounds per step. Each round costs a batch of rollouts; 0 turns it off.
+    resample_rounds: int = pydantic.Field(0, ge=0, le=16)
+
+    @pydantic.model_validator(mode="after")
+    def _resampling_needs_groups(self) -> TrainConfig:
+        if self.resample_rounds and self.rollouts_per_task < 2:
+            raise ValueError(
+                "train.resample_rounds redraws tasks whose rollouts all scored the same, which a single rollout"
+                " always does; set train.rollouts_per_task to 2 or more, or resample_rounds to 0"
+            )
+        return self
 
 
 class VLLMLaunchConfig(_Strict):

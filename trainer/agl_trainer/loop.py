@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from agl_core._serve import BackgroundServer
-from agl_core.credit import assign_rewards
+from agl_core.credit import CreditResult, assign_rewards
 from agl_core.gateway import create_gateway_app
 from agl_core.records import Rollout, RolloutStatus, Task, Transition
 from agl_core.runner import LLM_RESOURCE, Runner, load_agent, resolve_mode, run_command
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
 from agl_core.tracing import make_otlp_exporter, setup_tracing
-from agl_core.transitions import episode_rewards, explain_untrained, spans_to_transitions
+from agl_core.transitions import TransitionResult, episode_rewards, explain_untrained, spans_to_transitions
 
-from .algo import compute_advantages
+from .algo import Advantaged, GroupReport, compute_advantages
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
 from .data import TaskSampler, load_splits
@@ -75,12 +75,32 @@ class StepMetrics:
     #: Per agent name (:data:`UNNAMED_AGENT` for calls no agent claimed): its LLM calls in the step's rollouts
     #: and how many went into the update, ``{"writer": {"calls": 12, "trained": 8}}``.
     agents: dict[str, dict[str, int]]
+    #: Every task rolled out this step, the redrawn ones (``train.resample_rounds``) included.
     tasks: list[str]
+    #: Tasks drawn beyond ``tasks_per_step`` because too few groups had differing rewards.
+    redrawn_tasks: int
     seconds: float
 
 
 #: The name ``StepMetrics.agents`` gives to LLM calls no agent claimed.
 UNNAMED_AGENT = "(unnamed)"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    used: list[Rollout]
+    spans: list[Any]
+    result: TransitionResult
+    credit: CreditResult
+    untrained: dict[str, str]
+    samples: list[Advantaged]
+    report: GroupReport
+    group_of: dict[str, str]
+
+    @property
+    def signal_groups(self) -> int:
+        """Groups whose rollouts scored differently: the ones that train."""
+        return self.report.groups - self.report.skipped_no_variance - self.report.skipped_singleton
 
 
 def _agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) -> dict[str, dict[str, int]]:
@@ -355,17 +375,9 @@ class _Run:
 
     # --- one training step ------------------------------------------------------------------------
 
-    def train_step(self, step: int, tasks: list[Task]) -> StepMetrics:
-        from .update import update_step
-
+    def _batch(self, done: list[Rollout], failed: list[Rollout]) -> _Batch:
+        """The step's finished rollouts as training data: transitions, credit and group advantages."""
         config = self.config
-        step_start = time.monotonic()
-        requests = [
-            {"task_id": t.task_id, "input": t.input, "group_id": f"step{step}:{t.task_id}",
-             "metadata": {"split": "train", "step": step}, "max_attempts": config.runner.max_attempts}
-            for t in tasks for _ in range(config.train.rollouts_per_task)
-        ]
-        done, failed, late = self.run_rollouts(f"rollouts of step {step}", requests)
         rewards_config = config.algorithm.rewards
         # a timed-out rollout has no episode reward; it is trained only when the config gives it one
         used = done + [r for r in failed if r.status == RolloutStatus.TIMED_OUT
@@ -381,11 +393,42 @@ class _Run:
             weights=config.algorithm.reward_weights(), agents=config.algorithm.agents,
         )
         transitions = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
-        untrained = explain_untrained([r.rollout_id for r in used], result, transitions)
-        samples, report = compute_advantages(
-            transitions, {r.rollout_id: r.group_id or r.rollout_id for r in used}, config.algorithm.name,
-            scores=credit.scores,
-        )
+        group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
+        samples, report = compute_advantages(transitions, group_of, config.algorithm.name, scores=credit.scores)
+        return _Batch(used, spans, result, credit, explain_untrained([r.rollout_id for r in used], result, transitions),
+                      samples, report, group_of)
+
+    def train_step(self, step: int, tasks: list[Task], draw: Callable[[int], list[Task]] | None = None) -> StepMetrics:
+        """Roll out ``tasks``, update the policy on the result and publish it. With ``train.resample_rounds``,
+        ``draw(n)`` gives ``n`` more tasks when fewer than ``tasks_per_step`` groups have differing rewards."""
+        from .update import update_step
+
+        config = self.config
+        step_start = time.monotonic()
+        done: list[Rollout] = []
+        failed: list[Rollout] = []
+        late: list[Rollout] = []
+        drawn, extra_rounds = list(tasks), 0
+        while True:
+            prefix = f"step{step}" if not extra_rounds else f"step{step}.{extra_rounds}"
+            requests = [
+                {"task_id": t.task_id, "input": t.input, "group_id": f"{prefix}:{t.task_id}",
+                 "metadata": {"split": "train", "step": step, "round": extra_rounds},
+                 "max_attempts": config.runner.max_attempts}
+                for t in tasks for _ in range(config.train.rollouts_per_task)
+            ]
+            label = f"rollouts of step {step}" + (f" (redraw {extra_rounds})" if extra_rounds else "")
+            round_done, round_failed, round_late = self.run_rollouts(label, requests)
+            done, failed, late = done + round_done, failed + round_failed, late + round_late
+            batch = self._batch(done, failed)
+            missing = config.train.tasks_per_step - batch.signal_groups
+            if draw is None or missing <= 0 or extra_rounds >= config.train.resample_rounds:
+                break
+            extra_rounds += 1
+            tasks = draw(missing)
+            drawn += tasks
+        used, spans, result, credit = batch.used, batch.spans, batch.result, batch.credit
+        untrained, samples, report = batch.untrained, batch.samples, batch.report
         rewards = list(_rewards(done, lambda ids: spans).values())
         stats, update_s = None, 0.0
         if samples:
@@ -403,7 +446,7 @@ class _Run:
                     )
                     self.serving.publish(self.model, version)
             else:
-                stats = self.updater.update(samples, group_of={r.rollout_id: r.group_id or r.rollout_id for r in used})
+                stats = self.updater.update(samples, group_of=batch.group_of)
                 self.serving.publish_adapter(self.updater.export_adapter(version), version)
             update_s = time.monotonic() - t0
             self.publish()
@@ -427,10 +470,16 @@ class _Run:
             untrained=dict(Counter(untrained.values())),
             reward_events=credit.counts(),
             agents=_agent_counts(result.transitions, [s.transition for s in samples]),
-            tasks=[t.task_id for t in tasks],
+            tasks=[t.task_id for t in drawn],
+            redrawn_tasks=len(drawn) - config.train.tasks_per_step,
             seconds=time.monotonic() - step_start,
         )
         self.display.line(_format(metrics, config.train.steps))
+        if metrics.redrawn_tasks:
+            self.display.line(
+                f"  redrew {metrics.redrawn_tasks} tasks in {extra_rounds} round(s) for groups with differing"
+                f" rewards: {batch.signal_groups} of {report.groups} groups train"
+            )
         if report.skipped_no_variance:
             self.display.line(
                 f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal), skipped"
@@ -623,7 +672,7 @@ def train(
         last_saved: Path | None = checkpoint
         for step in range(start_step, steps + 1):
             display.start_step(step, step - 1)
-            metrics = run.train_step(step, sampler.sample(config.train.tasks_per_step))
+            metrics = run.train_step(step, sampler.sample(config.train.tasks_per_step), draw=sampler.sample)
             run.record_step(metrics)
             every = config.validation.every_steps
             if validating and every and step % every == 0 and step != steps:
