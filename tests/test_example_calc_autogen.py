@@ -242,7 +242,9 @@ def test_train_calc_example_end_to_end_on_cpu(tmp_path):
     rows = metrics_rows(out)
     train = metrics_rows(out, "train")
     assert [(r["kind"], r["step"]) for r in rows] == [("val", 0), ("train", 1), ("train", 2), ("val", 2)]
-    assert all(r["rollouts"] == 8 and r["transitions"] == 8 and r["rollouts_failed"] == 0 for r in train), train
+    # two tasks a step, plus those the config's resample_rounds redrew for groups that tied
+    assert all(r["rollouts"] == 4 * len(r["tasks"]) == 8 + 4 * r["redrawn_tasks"] and r["transitions"] == r["rollouts"]
+               and r["rollouts_failed"] == 0 for r in train), train
 
     from agl_core.store import SqliteStore
 
@@ -253,7 +255,7 @@ def test_train_calc_example_end_to_end_on_cpu(tmp_path):
         rollouts = {r.rollout_id: r for r in store.get_rollouts(sorted({c.rollout_id for c in calls}))}
     finally:
         store.close()
-    assert len(calls) == 16 + 6 and all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in calls)
+    assert len(calls) == sum(r["rollouts"] for r in train) + 6 and all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in calls)
     # training rollouts sample, validation rollouts decode greedily
     by_split = {}
     for call in calls:
