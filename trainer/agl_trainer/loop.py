@@ -88,8 +88,6 @@ UNNAMED_AGENT = "(unnamed)"
 
 @dataclasses.dataclass(frozen=True)
 class _Batch:
-    used: list[Rollout]
-    spans: list[Any]
     result: TransitionResult
     credit: CreditResult
     untrained: dict[str, str]
@@ -375,10 +373,9 @@ class _Run:
 
     # --- one training step ------------------------------------------------------------------------
 
-    def _batch(self, done: list[Rollout], failed: list[Rollout]) -> _Batch:
-        """The step's finished rollouts as training data: transitions, credit and group advantages."""
-        config = self.config
-        rewards_config = config.algorithm.rewards
+    def _episodes(self, done: list[Rollout], failed: list[Rollout]) -> tuple[list[Rollout], list[Any]]:
+        """The finished rollouts to train on, and the spans of their last attempts."""
+        rewards_config = self.config.algorithm.rewards
         # a timed-out rollout has no episode reward; it is trained only when the config gives it one
         used = done + [r for r in failed if r.status == RolloutStatus.TIMED_OUT
                        and rewards_config.timeout_episode_reward is not None]
@@ -387,7 +384,12 @@ class _Run:
         last_attempts = {r.attempts[-1].attempt_id for r in used if r.attempts}
         spans = [s for s in self.client.all_spans([r.rollout_id for r in used])
                  if s.attempt_id is None or s.attempt_id in last_attempts]
-        result = spans_to_transitions(spans, timeout_reward=rewards_config.timeout_episode_reward)
+        return used, spans
+
+    def _batch(self, used: list[Rollout], spans: list[Any]) -> _Batch:
+        """The step's episodes as training data: transitions, credit and group advantages."""
+        config = self.config
+        result = spans_to_transitions(spans, timeout_reward=config.algorithm.rewards.timeout_episode_reward)
         credit = assign_rewards(
             result, spans, strategy=config.algorithm.credit, gamma=config.algorithm.gamma,
             weights=config.algorithm.reward_weights(), agents=config.algorithm.agents,
@@ -395,7 +397,7 @@ class _Run:
         transitions = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
         group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
         samples, report = compute_advantages(transitions, group_of, config.algorithm.name, scores=credit.scores)
-        return _Batch(used, spans, result, credit, explain_untrained([r.rollout_id for r in used], result, transitions),
+        return _Batch(result, credit, explain_untrained([r.rollout_id for r in used], result, transitions),
                       samples, report, group_of)
 
     def train_step(self, step: int, tasks: list[Task], draw: Callable[[int], list[Task]] | None = None) -> StepMetrics:
@@ -408,7 +410,9 @@ class _Run:
         done: list[Rollout] = []
         failed: list[Rollout] = []
         late: list[Rollout] = []
-        drawn, extra_rounds = list(tasks), 0
+        used: list[Rollout] = []
+        spans: list[Any] = []
+        drawn, first_draw, extra_rounds = list(tasks), len(tasks), 0
         while True:
             prefix = f"step{step}" if not extra_rounds else f"step{step}.{extra_rounds}"
             requests = [
@@ -420,15 +424,17 @@ class _Run:
             label = f"rollouts of step {step}" + (f" (redraw {extra_rounds})" if extra_rounds else "")
             round_done, round_failed, round_late = self.run_rollouts(label, requests)
             done, failed, late = done + round_done, failed + round_failed, late + round_late
-            batch = self._batch(done, failed)
+            # each round fetches only its own spans; the batch is rebuilt over all rounds' episodes
+            round_used, round_spans = self._episodes(round_done, round_failed)
+            used, spans = used + round_used, spans + round_spans
+            batch = self._batch(used, spans)
             missing = config.train.tasks_per_step - batch.signal_groups
             if draw is None or missing <= 0 or extra_rounds >= config.train.resample_rounds:
                 break
             extra_rounds += 1
             tasks = draw(missing)
             drawn += tasks
-        used, spans, result, credit = batch.used, batch.spans, batch.result, batch.credit
-        untrained, samples, report = batch.untrained, batch.samples, batch.report
+        result, credit, untrained, samples, report = batch.result, batch.credit, batch.untrained, batch.samples, batch.report
         rewards = list(_rewards(done, lambda ids: spans).values())
         stats, update_s = None, 0.0
         if samples:
@@ -471,7 +477,7 @@ class _Run:
             reward_events=credit.counts(),
             agents=_agent_counts(result.transitions, [s.transition for s in samples]),
             tasks=[t.task_id for t in drawn],
-            redrawn_tasks=len(drawn) - config.train.tasks_per_step,
+            redrawn_tasks=len(drawn) - first_draw,
             seconds=time.monotonic() - step_start,
         )
         self.display.line(_format(metrics, config.train.steps))
