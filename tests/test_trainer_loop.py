@@ -32,9 +32,13 @@ def solve(task, llm):
 
 
 def _job(tmp_path: Path, config: str, tasks: list[dict]) -> Path:
+    """A job of AGENT over ``tasks`` writing to ``tmp_path/run``; ``config`` adds the test's own sections."""
     (tmp_path / "agent.py").write_text(AGENT)
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    (tmp_path / "config.yaml").write_text(config)
+    (tmp_path / "config.yaml").write_text(
+        f"agent: agent:solve\ntasks: tasks.jsonl\noutput_dir: {tmp_path / 'run'}\n"
+        "logging: {plot: false, tensorboard: false}\n" + config
+    )
     return tmp_path / "config.yaml"
 
 
@@ -53,9 +57,6 @@ def test_training_serves_through_vllm_and_publishes_every_version(tmp_path):
 
     paths = os.pathsep.join([str(ROOT), str(ROOT / "src"), str(ROOT / "trainer")])
     config = _job(tmp_path, f"""
-agent: agent:solve
-tasks: tasks.jsonl
-output_dir: {tmp_path / 'run'}
 model: {{source: tiny, lora: {{r: 4, alpha: 8}}}}
 serving:
   backend: vllm
@@ -63,7 +64,6 @@ serving:
     launch: {{model: {tmp_path / 'base'}, command: [{sys.executable}, -m, tests.fake_vllm, serve],
               env: {{PYTHONPATH: "{paths}"}}, startup_timeout_s: 120}}
 train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 3}}
-logging: {{plot: false, tensorboard: false}}
 """, [{"id": f"t{i}", "q": f"say {i}"} for i in range(6)])
     done = train_cli(config)
     assert "(vllm backend)" in done.stdout
@@ -78,16 +78,12 @@ logging: {{plot: false, tensorboard: false}}
 
 
 def test_timed_out_rollouts_are_trained_with_the_configured_penalty(tmp_path):
-    config = _job(tmp_path, f"""
-agent: agent:solve
-tasks: tasks.jsonl
-output_dir: {tmp_path / 'run'}
-model: {{source: tiny, lora: null}}
-gateway: {{default_max_tokens: 4}}
-runner: {{workers: 4, rollout_timeout_s: 2}}
-algorithm: {{rewards: {{timeout: -1.0, timeout_episode_reward: 0.0}}}}
-train: {{steps: 1, tasks_per_step: 2, rollouts_per_task: 6}}
-logging: {{plot: false, tensorboard: false}}
+    config = _job(tmp_path, """
+model: {source: tiny, lora: null}
+gateway: {default_max_tokens: 4}
+runner: {workers: 4, rollout_timeout_s: 2}
+algorithm: {rewards: {timeout: -1.0, timeout_episode_reward: 0.0}}
+train: {steps: 1, tasks_per_step: 2, rollouts_per_task: 6}
 """, [{"id": "t0", "q": "wait", "hang": True}, {"id": "t1", "q": "wait too", "hang": True}])
     done = train_cli(config)
     (row,) = metrics_rows(tmp_path / "run", "train")
@@ -100,15 +96,11 @@ logging: {{plot: false, tensorboard: false}}
 
 
 def test_runners_started_elsewhere_with_agl_run(tmp_path):
-    config = _job(tmp_path, f"""
-agent: agent:solve
-tasks: tasks.jsonl
-output_dir: {tmp_path / 'run'}
-model: {{source: tiny, lora: null}}
-gateway: {{default_max_tokens: 4}}
-runner: {{workers: 0, step_timeout_s: 120}}
-train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 2}}
-logging: {{plot: false, tensorboard: false}}
+    config = _job(tmp_path, """
+model: {source: tiny, lora: null}
+gateway: {default_max_tokens: 4}
+runner: {workers: 0, step_timeout_s: 120}
+train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2}
 """, [{"id": f"t{i}", "q": f"say {i}"} for i in range(4)])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     trainer = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "train", str(config)], stdout=subprocess.PIPE,
@@ -159,14 +151,10 @@ def test_tied_groups_are_redrawn_until_the_step_has_its_groups(tmp_path):
 
     # even tasks always score 1.0 (their groups tie, no gradient); odd ones score at random (always differ)
     tasks = [{"id": f"t{i}", "q": f"say {i}", "tie": i % 2 == 0} for i in range(8)]
-    config = _job(tmp_path, f"""
-agent: agent:solve
-tasks: tasks.jsonl
-output_dir: {tmp_path / 'run'}
-model: {{source: tiny, lora: null}}
-gateway: {{default_max_tokens: 4}}
-train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 2, resample_rounds: 3, seed: 0}}
-logging: {{plot: false, tensorboard: false}}
+    config = _job(tmp_path, """
+model: {source: tiny, lora: null}
+gateway: {default_max_tokens: 4}
+train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2, resample_rounds: 3, seed: 0}
 """, tasks)
     done = train_cli(config)
     rows = metrics_rows(tmp_path / "run", "train")
