@@ -47,25 +47,54 @@ API_KEY = "sk-bench-" + "5e" * 24
 
 # -- the instant upstream (raw asyncio HTTP, so its own cost is small and the same for every path) -------
 
+
 def _entry(i: int) -> dict[str, Any]:
-    return {"token": TOKENS[i], "logprob": -0.1 * (i + 1), "bytes": list(TOKENS[i].encode()), "top_logprobs": []}
+    return {
+        "token": TOKENS[i],
+        "logprob": -0.1 * (i + 1),
+        "bytes": list(TOKENS[i].encode()),
+        "top_logprobs": [],
+    }
 
 
 def _upstream_bodies(model: str) -> tuple[bytes, list[bytes], bytes]:
     whole = {
-        "id": "chatcmpl-instant", "object": "chat.completion", "created": 0, "model": model,
+        "id": "chatcmpl-instant",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
         "prompt_token_ids": PROMPT_IDS,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(TOKENS)}, "finish_reason": "stop",
-                     "logprobs": {"content": [_entry(i) for i in range(len(TOKENS))]}, "token_ids": TOKEN_IDS}],
-        "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": len(TOKENS), "total_tokens": len(PROMPT_IDS) + len(TOKENS)},
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(TOKENS)},
+                "finish_reason": "stop",
+                "logprobs": {"content": [_entry(i) for i in range(len(TOKENS))]},
+                "token_ids": TOKEN_IDS,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(PROMPT_IDS),
+            "completion_tokens": len(TOKENS),
+            "total_tokens": len(PROMPT_IDS) + len(TOKENS),
+        },
     }
     chunks = []
     for i in range(len(TOKENS)):
         chunk: dict[str, Any] = {
-            "id": "chatcmpl-instant", "object": "chat.completion.chunk", "created": 0, "model": model,
-            "choices": [{"index": 0, "delta": {"content": TOKENS[i], **({"role": "assistant"} if i == 0 else {})},
-                         "logprobs": {"content": [_entry(i)]}, "token_ids": [TOKEN_IDS[i]],
-                         "finish_reason": "stop" if i == len(TOKENS) - 1 else None}],
+            "id": "chatcmpl-instant",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": TOKENS[i], **({"role": "assistant"} if i == 0 else {})},
+                    "logprobs": {"content": [_entry(i)]},
+                    "token_ids": [TOKEN_IDS[i]],
+                    "finish_reason": "stop" if i == len(TOKENS) - 1 else None,
+                }
+            ],
         }
         if i == 0:
             chunk["prompt_token_ids"] = PROMPT_IDS
@@ -76,7 +105,9 @@ def _upstream_bodies(model: str) -> tuple[bytes, list[bytes], bytes]:
 
 
 def _http(status: str, body: bytes, content_type: str = "application/json") -> bytes:
-    return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 def _chunked(chunks: Sequence[bytes]) -> bytes:
@@ -86,8 +117,12 @@ def _chunked(chunks: Sequence[bytes]) -> bytes:
 
 async def _serve_upstream(port: int) -> None:
     whole, chunks, models = _upstream_bodies("policy")
-    answers = {"whole": _http("200 OK", whole), "stream": _chunked(chunks), "models": _http("200 OK", models),
-               "health": _http("200 OK", b"{}")}
+    answers = {
+        "whole": _http("200 OK", whole),
+        "stream": _chunked(chunks),
+        "models": _http("200 OK", models),
+        "health": _http("200 OK", b"{}"),
+    }
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -118,6 +153,7 @@ async def _serve_upstream(port: int) -> None:
 
 # -- the gateway under test ----------------------------------------------------------------------------
 
+
 class InstantBackend:
     """An in-process backend that answers at once with the same canned tokens (no upstream hop)."""
 
@@ -132,9 +168,15 @@ class InstantBackend:
         if request.stream:
             for tok in TOKENS:
                 yield ChoiceDelta(0, tok)
-        yield Completion(text="".join(TOKENS), finish_reason="stop", prompt_ids=tuple(PROMPT_IDS),
-                         response_ids=tuple(TOKEN_IDS), response_logprobs=tuple(-0.1 * (i + 1) for i in range(8)),
-                         policy_version=0, response_tokens=tuple(TOKENS))
+        yield Completion(
+            text="".join(TOKENS),
+            finish_reason="stop",
+            prompt_ids=tuple(PROMPT_IDS),
+            response_ids=tuple(TOKEN_IDS),
+            response_logprobs=tuple(-0.1 * (i + 1) for i in range(8)),
+            policy_version=0,
+            response_tokens=tuple(TOKENS),
+        )
 
 
 def _serve_gateway(port: int, upstream: str | None) -> None:
@@ -157,11 +199,20 @@ def _serve_gateway(port: int, upstream: str | None) -> None:
 
 # -- the load generator ----------------------------------------------------------------------------------
 
+
 def _request(port: int, stream: bool) -> bytes:
-    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
-                       **({"stream": True} if stream else {})}).encode()
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\ncontent-type: application/json\r\n"
-            f"authorization: Bearer {API_KEY}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    body = json.dumps(
+        {
+            "model": "policy",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8,
+            **({"stream": True} if stream else {}),
+        }
+    ).encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {API_KEY}\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 async def _read_response(reader: asyncio.StreamReader) -> int:
@@ -222,6 +273,7 @@ def _measure(port: int, stream: bool, clients: int, total: int) -> tuple[float, 
 
 # -- processes ---------------------------------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
@@ -258,15 +310,27 @@ def _litellm(executable: str, upstream: str, port: int) -> subprocess.Popen[byte
         f"general_settings:\n  master_key: {API_KEY}\n"
     )
     env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
-    return _spawn([executable, "--config", str(config), "--host", HOST, "--port", str(port), "--num_workers", "1"],
-                  port, "litellm", env=env, stderr=subprocess.DEVNULL)
+    return _spawn(
+        [executable, "--config", str(config), "--host", HOST, "--port", str(port), "--num_workers", "1"],
+        port,
+        "litellm",
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000, help="calls per measurement (default: %(default)s)")
-    parser.add_argument("--litellm", default=str(ROOT / ".venv-litellm" / "bin" / "litellm"),
-                        help="LiteLLM proxy executable to compare with (skipped when missing)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="calls per measurement (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--litellm",
+        default=str(ROOT / ".venv-litellm" / "bin" / "litellm"),
+        help="LiteLLM proxy executable to compare with (skipped when missing)",
+    )
     parser.add_argument("--role", choices=["upstream", "gateway"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default=None, help=argparse.SUPPRESS)
@@ -283,10 +347,25 @@ def main() -> int:
     upstream_url = f"http://{HOST}:{ports['upstream']}"
     processes = []
     try:
-        processes.append(_spawn([*me, "--role", "upstream", "--port", str(ports["upstream"])], ports["upstream"], "upstream"))
-        processes.append(_spawn([*me, "--role", "gateway", "--port", str(ports["gateway"]), "--upstream", upstream_url],
-                                ports["gateway"], "gateway"))
-        processes.append(_spawn([*me, "--role", "gateway", "--port", str(ports["instant"])], ports["instant"], "gateway (instant backend)"))
+        processes.append(
+            _spawn(
+                [*me, "--role", "upstream", "--port", str(ports["upstream"])], ports["upstream"], "upstream"
+            )
+        )
+        processes.append(
+            _spawn(
+                [*me, "--role", "gateway", "--port", str(ports["gateway"]), "--upstream", upstream_url],
+                ports["gateway"],
+                "gateway",
+            )
+        )
+        processes.append(
+            _spawn(
+                [*me, "--role", "gateway", "--port", str(ports["instant"])],
+                ports["instant"],
+                "gateway (instant backend)",
+            )
+        )
         litellm = None
         if Path(args.litellm).is_file():
             litellm = _litellm(args.litellm, upstream_url, ports["litellm"])
@@ -294,30 +373,44 @@ def main() -> int:
 
         rows = []
         headline = None
-        print(f"{'path':<26}{'mode':<8}{'clients':>8}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'calls/s':>10}")
-        proxies = [("agl gateway (vllm)", ports["gateway"])] + ([("litellm proxy", ports["litellm"])] if litellm else [])
+        print(
+            f"{'path':<26}{'mode':<8}{'clients':>8}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'calls/s':>10}"
+        )
+        proxies = [("agl gateway (vllm)", ports["gateway"])] + (
+            [("litellm proxy", ports["litellm"])] if litellm else []
+        )
         for stream in (False, True):
             for clients in (1, 32):
                 total = args.requests if clients == 1 else args.requests * 2
                 direct = _measure(ports["upstream"], stream, clients, total)
                 mode = "stream" if stream else "whole"
-                print(f"{'direct to upstream':<26}{mode:<8}{clients:>8}{direct[0]:>9.3f}{direct[1]:>9.3f}{'':>11}{'':>11}{direct[2]:>10.0f}")
+                print(
+                    f"{'direct to upstream':<26}{mode:<8}{clients:>8}{direct[0]:>9.3f}{direct[1]:>9.3f}{'':>11}{'':>11}{direct[2]:>10.0f}"
+                )
                 for name, port in proxies:
                     via = _measure(port, stream, clients, total)
                     added = (via[0] - direct[0], via[1] - direct[1])
                     rows.append((name, mode, clients, via, added))
-                    print(f"{name:<26}{mode:<8}{clients:>8}{via[0]:>9.3f}{via[1]:>9.3f}{added[0]:>+11.3f}{added[1]:>+11.3f}{via[2]:>10.0f}")
+                    print(
+                        f"{name:<26}{mode:<8}{clients:>8}{via[0]:>9.3f}{via[1]:>9.3f}{added[0]:>+11.3f}{added[1]:>+11.3f}{via[2]:>10.0f}"
+                    )
                     if name.startswith("agl") and not stream and clients == 1:
                         headline = added[0]
         for stream in (False, True):
             mode = "stream" if stream else "whole"
             instant = _measure(ports["instant"], stream, 32, args.requests * 2)
-            print(f"{'agl gateway (in-process)':<26}{mode:<8}{32:>8}{instant[0]:>9.3f}{instant[1]:>9.3f}{'':>11}{'':>11}{instant[2]:>10.0f}")
+            print(
+                f"{'agl gateway (in-process)':<26}{mode:<8}{32:>8}{instant[0]:>9.3f}{instant[1]:>9.3f}{'':>11}{'':>11}{instant[2]:>10.0f}"
+            )
         agl_tp = next(r[3][2] for r in rows if r[0].startswith("agl") and r[1] == "whole" and r[2] == 32)
         if litellm:
-            lite_tp = next(r[3][2] for r in rows if r[0] == "litellm proxy" and r[1] == "whole" and r[2] == 32)
-            print(f"throughput in front of the instant upstream, 32 clients: agl {agl_tp:.0f} calls/s,"
-                  f" LiteLLM proxy {lite_tp:.0f} calls/s ({agl_tp / lite_tp:.1f}x)")
+            lite_tp = next(
+                r[3][2] for r in rows if r[0] == "litellm proxy" and r[1] == "whole" and r[2] == 32
+            )
+            print(
+                f"throughput in front of the instant upstream, 32 clients: agl {agl_tp:.0f} calls/s,"
+                f" LiteLLM proxy {lite_tp:.0f} calls/s ({agl_tp / lite_tp:.1f}x)"
+            )
         else:
             print(f"LiteLLM proxy not found at {args.litellm}: no comparison (see --litellm)")
     finally:
@@ -330,8 +423,10 @@ def main() -> int:
                 process.kill()
     assert headline is not None
     ok = headline < TARGET_ADDED_P50_MS
-    print(f"gateway: {headline:.3f} ms p50 added per call (non-streamed, 1 client), target < {TARGET_ADDED_P50_MS:g} ms:"
-          f" {'ok' if ok else 'MISSED'}")
+    print(
+        f"gateway: {headline:.3f} ms p50 added per call (non-streamed, 1 client), target < {TARGET_ADDED_P50_MS:g} ms:"
+        f" {'ok' if ok else 'MISSED'}"
+    )
     return 0 if ok else 1
 
 

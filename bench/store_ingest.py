@@ -54,8 +54,12 @@ def _rss_mib(pid: int) -> float:
 
 
 def _attributes(rng: random.Random, rollout: str) -> dict[str, object]:
-    attrs: dict[str, object] = {"agl.rollout.id": rollout, "agl.attempt.id": rollout + "-a1",
-                                "gen_ai.operation.name": "chat", "gen_ai.request.model": "policy"}
+    attrs: dict[str, object] = {
+        "agl.rollout.id": rollout,
+        "agl.attempt.id": rollout + "-a1",
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": "policy",
+    }
     for i in range(16):
         attrs[f"app.field_{i:02d}"] = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(48))
     return attrs  # 20 attributes, ~1 KB encoded
@@ -73,7 +77,9 @@ def make_batch(sender: int, batch_no: int, size: int, rng: random.Random) -> byt
         span = scope.spans.add(
             trace_id=sender.to_bytes(4, "big") + (n // 20 + 1).to_bytes(12, "big"),
             span_id=(sender << 40 | n + 1).to_bytes(8, "big"),
-            name="chat policy", start_time_unix_nano=now, end_time_unix_nano=now + 1000,
+            name="chat policy",
+            start_time_unix_nano=now,
+            end_time_unix_nano=now + 1000,
         )
         for key, value in _attributes(rng, rollout).items():
             span.attributes.add(key=key).value.string_value = str(value)
@@ -84,9 +90,21 @@ class Server:
     def __init__(self, db: str) -> None:
         self.port, self.grpc_port = _free_port(), _free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", db, "--http-port", str(self.port),
-             "--grpc-port", str(self.grpc_port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "agl_core.cli",
+                "store",
+                "serve",
+                "--db",
+                db,
+                "--http-port",
+                str(self.port),
+                "--grpc-port",
+                str(self.grpc_port),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 30
@@ -138,7 +156,11 @@ def raw_http(server: Server, senders: int, batch: int, seconds: float, offset: i
         if i >= per_sender:
             time.sleep(0.01)
             return 0
-        r = clients[k].post(server.url + "/v1/traces", content=bodies[k][i], headers={"content-type": "application/x-protobuf"})
+        r = clients[k].post(
+            server.url + "/v1/traces",
+            content=bodies[k][i],
+            headers={"content-type": "application/x-protobuf"},
+        )
         return batch if r.status_code == 200 else 0
 
     spans, elapsed = run_senders(senders, seconds, send)
@@ -155,7 +177,9 @@ def sdk(server: Server, protocol: str, senders: int, batch: int, seconds: float)
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Exporter
 
-        exporters = [Exporter(endpoint=f"127.0.0.1:{server.grpc_port}", insecure=True) for _ in range(senders)]
+        exporters = [
+            Exporter(endpoint=f"127.0.0.1:{server.grpc_port}", insecure=True) for _ in range(senders)
+        ]
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Exporter
 
@@ -180,9 +204,11 @@ def sdk(server: Server, protocol: str, senders: int, batch: int, seconds: float)
         provider.add_span_processor(SimpleSpanProcessor(collect))
         tracer = provider.get_tracer("bench")
         for n in range(expected * batch):
-            with tracer.start_as_current_span("chat policy", attributes=_attributes(rng, f"ro-sdk-{protocol}-{k}-{n // 20}")):
+            with tracer.start_as_current_span(
+                "chat policy", attributes=_attributes(rng, f"ro-sdk-{protocol}-{k}-{n // 20}")
+            ):
                 pass
-        batches.append([collect.spans[i:i + batch] for i in range(0, len(collect.spans), batch)])
+        batches.append([collect.spans[i : i + batch] for i in range(0, len(collect.spans), batch)])
 
     def send(k: int, i: int) -> int:
         if i >= len(batches[k]):
@@ -215,8 +241,11 @@ def fill_and_read(server: Server, total: int, batch: int) -> tuple[list[float], 
                 span.trace_id = (200).to_bytes(4, "big") + (n // 20 + 1).to_bytes(12, "big")
                 span.span_id = (n + 1 + (1 << 50)).to_bytes(8, "big")
                 span.attributes[0].value.string_value = f"ro-fill-{n // 20}"
-            r = http.post(server.url + "/v1/traces", content=request.SerializeToString(),
-                          headers={"content-type": "application/x-protobuf"})
+            r = http.post(
+                server.url + "/v1/traces",
+                content=request.SerializeToString(),
+                headers={"content-type": "application/x-protobuf"},
+            )
             if r.status_code == 200:
                 have += batch
                 filled += batch
@@ -238,12 +267,17 @@ def fill_and_read(server: Server, total: int, batch: int) -> tuple[list[float], 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--senders", type=int, default=4)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--fill", type=int, default=1_000_000)
-    parser.add_argument("--postgres", default=os.environ.get("AGL_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test"))
+    parser.add_argument(
+        "--postgres",
+        default=os.environ.get("AGL_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test"),
+    )
     parser.add_argument("--skip-sdk", action="store_true")
     args = parser.parse_args()
 
@@ -254,8 +288,12 @@ def main() -> int:
             raw = raw_http(server, args.senders, args.batch, args.seconds)
             rows.append(("raw-http", "sqlite", raw))
             if not args.skip_sdk:
-                rows.append(("sdk-http", "sqlite", sdk(server, "http", args.senders, args.batch, args.seconds)))
-                rows.append(("sdk-grpc", "sqlite", sdk(server, "grpc", args.senders, args.batch, args.seconds)))
+                rows.append(
+                    ("sdk-http", "sqlite", sdk(server, "http", args.senders, args.batch, args.seconds))
+                )
+                rows.append(
+                    ("sdk-grpc", "sqlite", sdk(server, "grpc", args.senders, args.batch, args.seconds))
+                )
             rss, read_ms, stored = fill_and_read(server, args.fill, args.batch)
         finally:
             server.stop()
@@ -268,7 +306,13 @@ def main() -> int:
                 conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
             pg = Server(dsn)
             try:
-                rows.append(("raw-http", "postgresql", raw_http(pg, args.senders, args.batch, args.seconds, offset=50)))
+                rows.append(
+                    (
+                        "raw-http",
+                        "postgresql",
+                        raw_http(pg, args.senders, args.batch, args.seconds, offset=50),
+                    )
+                )
             finally:
                 pg.stop()
                 with psycopg.connect(args.postgres, autocommit=True) as conn:
@@ -277,14 +321,20 @@ def main() -> int:
     print(f"{'path':<10} {'backend':<11} {'spans/s':>9} {'vs reference':>13}")
     for path, backend, rate in rows:
         print(f"{path:<10} {backend:<11} {rate:>9.0f} {rate / REFERENCE_SPANS_PER_S:>12.1f}x")
-    print(f"server RSS while filling to {stored:,} spans (MiB, each 10%): {', '.join(f'{m:.0f}' for m in rss)}")
-    print(f"read one rollout (20 spans) via the API at {stored:,} stored: median {read_ms:.2f} ms (target < {READ_TARGET_MS} ms)")
+    print(
+        f"server RSS while filling to {stored:,} spans (MiB, each 10%): {', '.join(f'{m:.0f}' for m in rss)}"
+    )
+    print(
+        f"read one rollout (20 spans) via the API at {stored:,} stored: median {read_ms:.2f} ms (target < {READ_TARGET_MS} ms)"
+    )
     headline = rows[0][2]
     flat = rss[-1] - rss[len(rss) // 2] < 64 if len(rss) >= 2 else True
     ok = headline >= TARGET_SPANS_PER_S and read_ms < READ_TARGET_MS and flat
     print(
         f"ingest: {headline:.0f} spans/s durable (raw-http, sqlite), target >= {TARGET_SPANS_PER_S}: "
-        f"{'ok' if ok else 'missed'}" + ("" if flat else " (memory grew)") + ("" if read_ms < READ_TARGET_MS else " (read slow)")
+        f"{'ok' if ok else 'missed'}"
+        + ("" if flat else " (memory grew)")
+        + ("" if read_ms < READ_TARGET_MS else " (read slow)")
     )
     return 0 if ok else 1
 

@@ -43,8 +43,14 @@ _COMPLETION = {
     "object": "chat.completion",
     "created": 0,
     "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop",
-                 "logprobs": None}],
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Paris."},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ],
     "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14},
 }
 
@@ -101,8 +107,13 @@ def _langchain(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]
 
     from agl_langchain import AglCallbackHandler
 
-    llm = ChatOpenAI(model="m", api_key="x", base_url="http://backend/v1", max_retries=0,
-                     http_client=httpx.Client(transport=httpx.MockTransport(_answer)))
+    llm = ChatOpenAI(
+        model="m",
+        api_key="x",
+        base_url="http://backend/v1",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(_answer)),
+    )
     chain = ChatPromptTemplate.from_messages([("user", "Capital of {country}?")]) | llm | StrOutputParser()
     handler = AglCallbackHandler(tracer_provider=provider)
     config: dict[str, Any] = {"callbacks": []}
@@ -123,9 +134,17 @@ def _openai_agents(provider: TracerProvider) -> tuple[Runner, Callable[[bool], N
 
     import agl_openai_agents
 
-    client = AsyncOpenAI(base_url="http://backend/v1", api_key="x", max_retries=0,
-                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)))
-    agent = Agent(name="geo", instructions="Answer briefly.", model=OpenAIChatCompletionsModel(model="m", openai_client=client))
+    client = AsyncOpenAI(
+        base_url="http://backend/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)),
+    )
+    agent = Agent(
+        name="geo",
+        instructions="Answer briefly.",
+        model=OpenAIChatCompletionsModel(model="m", openai_client=client),
+    )
 
     async def call() -> None:
         await Runner.run(agent, "Capital of France?")
@@ -140,9 +159,21 @@ def _autogen(provider: TracerProvider) -> tuple[Runner, Callable[[bool], None]]:
 
     import agl_autogen
 
-    info = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown", "structured_output": False}
-    client = OpenAIChatCompletionClient(model="m", base_url="http://backend/v1", api_key="x", model_info=info, max_retries=0,
-                                        http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)))
+    info = {
+        "vision": False,
+        "function_calling": True,
+        "json_output": False,
+        "family": "unknown",
+        "structured_output": False,
+    }
+    client = OpenAIChatCompletionClient(
+        model="m",
+        base_url="http://backend/v1",
+        api_key="x",
+        model_info=info,
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(_answer)),
+    )
     agent = AssistantAgent("geo", client, system_message="Answer briefly.")
 
     async def call() -> None:
@@ -161,7 +192,9 @@ def measure(framework: str, blocks: int, calls: int) -> dict[str, float]:
     provider.add_span_processor(RolloutSpanProcessor())
     # Export happens between blocks (force_flush, untimed), never during one: the figure is the adapter's
     # cost on the agent's thread, not the exporter's.
-    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16, schedule_delay_millis=60_000))
+    provider.add_span_processor(
+        BatchSpanProcessor(exporter, max_queue_size=1 << 16, schedule_delay_millis=60_000)
+    )
     run, switch = MAKERS[framework](provider)
     bare: list[float] = []
     traced: list[float] = []
@@ -172,7 +205,7 @@ def measure(framework: str, blocks: int, calls: int) -> dict[str, float]:
         switch(False)
         for block in range(blocks):
             # alternate which variant goes first, so drift on a busy machine hits both alike
-            for on in ((False, True) if block % 2 == 0 else (True, False)):
+            for on in (False, True) if block % 2 == 0 else (True, False):
                 switch(on)
                 provider.force_flush()
                 gc.collect()
@@ -202,27 +235,37 @@ def _measure_in_subprocess(framework: str, blocks: int, calls: int) -> dict[str,
     """Each framework in a process of its own: only its own imports on the heap, nothing left over."""
     out = subprocess.run(
         [sys.executable, __file__, "--one", framework, "--blocks", str(blocks), "--calls", str(calls)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--blocks", type=int, default=60)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--one", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        logging.getLogger("openai.agents").setLevel(logging.ERROR)  # "OPENAI_API_KEY is not set" from its exporter
+        logging.getLogger("openai.agents").setLevel(
+            logging.ERROR
+        )  # "OPENAI_API_KEY is not set" from its exporter
         print(json.dumps(measure(args.one, args.blocks, args.calls)))
         return 0
     frameworks = [f for f in args.frameworks.split(",") if f]
     results = {f: _measure_in_subprocess(f, args.blocks, args.calls) for f in frameworks}
-    print(f"{'adapter':<15} {'bare ms/call':>13} {'traced ms/call':>15} {'added ms/call':>14} {'spans/call':>11}")
+    print(
+        f"{'adapter':<15} {'bare ms/call':>13} {'traced ms/call':>15} {'added ms/call':>14} {'spans/call':>11}"
+    )
     for name, r in results.items():
-        print(f"{name:<15} {r['bare_ms']:>13.3f} {r['traced_ms']:>15.3f} {r['overhead_ms']:>14.3f} {r['spans_per_call']:>11.1f}")
+        print(
+            f"{name:<15} {r['bare_ms']:>13.3f} {r['traced_ms']:>15.3f} {r['overhead_ms']:>14.3f} {r['spans_per_call']:>11.1f}"
+        )
     ok = all(r["overhead_ms"] < TARGET_MS for r in results.values())
     worst = max(r["overhead_ms"] for r in results.values())
     figures = ", ".join(f"{name} {r['overhead_ms']:+.3f} ms" for name, r in results.items())

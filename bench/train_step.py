@@ -61,6 +61,7 @@ TAG = "@@train-step "
 
 # -- the shared batch ------------------------------------------------------------------------------------
 
+
 def make_batch(args: argparse.Namespace) -> dict[str, Any]:
     """Fixed token ids and rewards: ``groups`` prompts, ``group_size`` completions each, distinct rewards."""
     rng = random.Random(args.seed)
@@ -76,6 +77,7 @@ def make_batch(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- TRL's side (runs in .venv-trl; imports nothing from agl) ---------------------------------------------
+
 
 def _emit(payload: dict[str, Any]) -> None:
     sys.stdout.write(TAG + json.dumps(payload) + "\n")
@@ -144,9 +146,15 @@ def trl_worker(spec_path: str) -> int:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             seconds, cpu_seconds = time.perf_counter() - self.started, time.process_time() - self.started_cpu
-            _emit({"seconds": seconds - trainer.generate_s, "cpu_seconds": cpu_seconds - trainer.generate_cpu_s,
-                   "generate_seconds": trainer.generate_s, "threads": self.threads,
-                   "tokens": state.num_input_tokens_seen - self.tokens_before})
+            _emit(
+                {
+                    "seconds": seconds - trainer.generate_s,
+                    "cpu_seconds": cpu_seconds - trainer.generate_cpu_s,
+                    "generate_seconds": trainer.generate_s,
+                    "threads": self.threads,
+                    "tokens": state.num_input_tokens_seen - self.tokens_before,
+                }
+            )
 
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
     if tokenizer.pad_token_id is None:
@@ -182,17 +190,38 @@ def trl_worker(spec_path: str) -> int:
         disable_tqdm=True,
         log_completions=False,
     )
-    lora = peft.LoraConfig(r=spec["lora_r"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
-                           target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=spec["lora_r"],
+        lora_alpha=spec["lora_alpha"],
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
     dataset = datasets.Dataset.from_dict({"prompt": [f"group-{g}" for g in range(groups)]})
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                               processing_class=tokenizer, peft_config=lora, rollout_func=rollout,
-                               callbacks=[Pace()])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        rollout_func=rollout,
+        callbacks=[Pace()],
+    )
     lora_params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     before = {n: p.detach().clone() for n, p in lora_params.items()}
-    _emit({"ready": True, "trainable": sum(p.numel() for p in lora_params.values()),
-           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "peft": peft.__version__, "trl": trl.__version__}})
+    _emit(
+        {
+            "ready": True,
+            "trainable": sum(p.numel() for p in lora_params.values()),
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "peft": peft.__version__,
+                "trl": trl.__version__,
+            },
+        }
+    )
     trainer.train()
     changed = max(float((p.detach() - before[n]).abs().max()) for n, p in lora_params.items())
     _emit({"done": True, "lora_max_change": changed})
@@ -200,6 +229,7 @@ def trl_worker(spec_path: str) -> int:
 
 
 # -- agl's side ------------------------------------------------------------------------------------------
+
 
 class AglSide:
     def __init__(self, args: argparse.Namespace, batch: dict[str, Any]) -> None:
@@ -216,17 +246,30 @@ class AglSide:
         torch.manual_seed(args.seed)
         lora = AglLora()
         if lora.target_modules != LORA_TARGETS:
-            raise SystemExit(f"agl's default LoRA targets changed to {lora.target_modules}; update LORA_TARGETS")
+            raise SystemExit(
+                f"agl's default LoRA targets changed to {lora.target_modules}; update LORA_TARGETS"
+            )
         self.lora_r, self.lora_alpha = lora.r, lora.alpha
         model, tokenizer = load_policy("smollm2")
         # where load_policy read them from: TRL's side loads the same files
         self.model_dir, self.tokenizer_dir = model.name_or_path, tokenizer.name_or_path
-        self.model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+        self.model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                task_type="CAUSAL_LM",
+            ),
+        )
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         algorithm = AlgorithmConfig()
         self.learning_rate, self.clip_eps, self.max_grad_norm = (
-            algorithm.learning_rate, algorithm.clip_eps, algorithm.max_grad_norm)
+            algorithm.learning_rate,
+            algorithm.clip_eps,
+            algorithm.max_grad_norm,
+        )
         self.optimizer = torch.optim.AdamW(list(self.trainable.values()), lr=self.learning_rate)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         transitions, group_of = [], {}
@@ -234,8 +277,18 @@ class AglSide:
             for k, completion in enumerate(batch["completions"][g]):
                 rollout_id = f"ro-{g}-{k}"
                 group_of[rollout_id] = f"group-{g}"
-                transitions.append(Transition(rollout_id, None, f"task-{g}", 0, tuple(prompt), tuple(completion),
-                                              None, batch["rewards"][g][k]))
+                transitions.append(
+                    Transition(
+                        rollout_id,
+                        None,
+                        f"task-{g}",
+                        0,
+                        tuple(prompt),
+                        tuple(completion),
+                        None,
+                        batch["rewards"][g][k],
+                    )
+                )
         samples, _ = compute_advantages(transitions, group_of, "grpo")
         if len(samples) != args.sequences:
             raise SystemExit(f"expected {args.sequences} samples with advantages, got {len(samples)}")
@@ -243,7 +296,9 @@ class AglSide:
         with torch.no_grad():
             behaviour = response_logprobs(self.model, samples, self.pad_id)
         self.samples = [
-            dataclasses.replace(s, transition=dataclasses.replace(s.transition, response_logprobs=tuple(lp.tolist())))
+            dataclasses.replace(
+                s, transition=dataclasses.replace(s.transition, response_logprobs=tuple(lp.tolist()))
+            )
             for s, lp in zip(samples, behaviour)
         ]
         self.micro_batch_tokens = args.micro_batch * (args.prompt_tokens + args.completion_tokens)
@@ -254,8 +309,15 @@ class AglSide:
         from agl_trainer.update import update_step
 
         start, start_cpu = time.perf_counter(), time.process_time()
-        stats = update_step(self.model, self.optimizer, self.samples, clip_eps=self.clip_eps, pad_id=self.pad_id,
-                            max_grad_norm=self.max_grad_norm, micro_batch_tokens=self.micro_batch_tokens)
+        stats = update_step(
+            self.model,
+            self.optimizer,
+            self.samples,
+            clip_eps=self.clip_eps,
+            pad_id=self.pad_id,
+            max_grad_norm=self.max_grad_norm,
+            micro_batch_tokens=self.micro_batch_tokens,
+        )
         return time.perf_counter() - start, time.process_time() - start_cpu, stats.tokens
 
     def lora_max_change(self) -> float:
@@ -263,6 +325,7 @@ class AglSide:
 
 
 # -- the comparison --------------------------------------------------------------------------------------
+
 
 class TrlSide:
     def __init__(self, python: str, spec: dict[str, Any]) -> None:
@@ -272,7 +335,11 @@ class TrlSide:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="agl-bench-trl-", delete=False)
         self.process = subprocess.Popen(
             [python, str(Path(__file__).resolve()), "--worker", self.spec_file.name],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=tempfile.gettempdir(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=tempfile.gettempdir(),
         )
         self.ready = self._read()
 
@@ -280,11 +347,13 @@ class TrlSide:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if line.startswith(TAG):
-                return json.loads(line[len(TAG):])
+                return json.loads(line[len(TAG) :])
         self.process.wait()
         self.log.seek(0)
         tail = self.log.read()[-4000:]
-        raise SystemExit(f"TRL worker exited ({self.process.returncode}) before answering; its stderr ends:\n{tail}")
+        raise SystemExit(
+            f"TRL worker exited ({self.process.returncode}) before answering; its stderr ends:\n{tail}"
+        )
 
     def step(self) -> dict[str, Any]:
         assert self.process.stdin is not None
@@ -314,19 +383,28 @@ def _positive(value: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sequences", type=_positive, default=8, help="sequences per step (batch)")
     parser.add_argument("--group-size", type=_positive, default=4, help="completions per prompt (GRPO group)")
     parser.add_argument("--prompt-tokens", type=_positive, default=64)
     parser.add_argument("--completion-tokens", type=_positive, default=64)
-    parser.add_argument("--micro-batch", type=_positive, default=None,
-                        help="sequences per forward/backward pass (default: the whole batch)")
+    parser.add_argument(
+        "--micro-batch",
+        type=_positive,
+        default=None,
+        help="sequences per forward/backward pass (default: the whole batch)",
+    )
     parser.add_argument("--threads", type=_positive, default=1, help="torch threads on both sides")
     parser.add_argument("--repeats", type=_positive, default=5, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
-                        help="interpreter with TRL installed (see bench/setup_trl_env.sh)")
+    parser.add_argument(
+        "--trl-python",
+        default=str(ROOT / ".venv-trl" / "bin" / "python"),
+        help="interpreter with TRL installed (see bench/setup_trl_env.sh)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -337,12 +415,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sequences % args.group_size:
         parser.error(f"--sequences ({args.sequences}) must be a multiple of --group-size ({args.group_size})")
     if args.sequences % args.micro_batch:
-        parser.error(f"--sequences ({args.sequences}) must be a multiple of --micro-batch ({args.micro_batch})")
+        parser.error(
+            f"--sequences ({args.sequences}) must be a multiple of --micro-batch ({args.micro_batch})"
+        )
     if args.warmup < 0:
         parser.error(f"--warmup must be 0 or more, got {args.warmup}")
     if not Path(args.trl_python).is_file():
-        parser.error(f"no TRL environment at {args.trl_python}: create it with "
-                     f"`bash bench/setup_trl_env.sh {sys.executable}` or pass --trl-python")
+        parser.error(
+            f"no TRL environment at {args.trl_python}: create it with "
+            f"`bash bench/setup_trl_env.sh {sys.executable}` or pass --trl-python"
+        )
     return args
 
 
@@ -365,10 +447,20 @@ def main(argv: list[str] | None = None) -> int:
     batch = make_batch(args)
     agl = AglSide(args, batch)  # converts the model into agl's cache on first use
     steps = args.warmup + args.repeats
-    spec = {"batch": batch, "model_dir": agl.model_dir, "tokenizer_dir": agl.tokenizer_dir,
-            "threads": args.threads, "seed": args.seed, "steps": steps, "micro_batch": args.micro_batch,
-            "learning_rate": agl.learning_rate, "clip_eps": agl.clip_eps, "max_grad_norm": agl.max_grad_norm,
-            "lora_r": agl.lora_r, "lora_alpha": agl.lora_alpha}
+    spec = {
+        "batch": batch,
+        "model_dir": agl.model_dir,
+        "tokenizer_dir": agl.tokenizer_dir,
+        "threads": args.threads,
+        "seed": args.seed,
+        "steps": steps,
+        "micro_batch": args.micro_batch,
+        "learning_rate": agl.learning_rate,
+        "clip_eps": agl.clip_eps,
+        "max_grad_norm": agl.max_grad_norm,
+        "lora_r": agl.lora_r,
+        "lora_alpha": agl.lora_alpha,
+    }
     step_tokens = args.sequences * (args.prompt_tokens + args.completion_tokens)
     completion_tokens = args.sequences * args.completion_tokens
     # per side: wall seconds and CPU seconds of each timed step
@@ -376,28 +468,43 @@ def main(argv: list[str] | None = None) -> int:
     trl_generate_s: list[float] = []
     trl_side = TrlSide(args.trl_python, spec)
     try:
-        ours = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+        ours = {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+        }
         theirs = trl_side.ready["versions"]
         mismatched = [k for k in ours if ours[k] != theirs[k]]
         if mismatched:
-            print("warning: the environments differ: " + ", ".join(f"{k} {ours[k]} vs {theirs[k]}" for k in mismatched))
+            print(
+                "warning: the environments differ: "
+                + ", ".join(f"{k} {ours[k]} vs {theirs[k]}" for k in mismatched)
+            )
         trainable = sum(p.numel() for p in agl.trainable.values())
         if trainable != trl_side.ready["trainable"]:
-            raise SystemExit(f"the LoRA adapters differ: {trainable} trainable parameters (agl) vs "
-                             f"{trl_side.ready['trainable']} (TRL)")
+            raise SystemExit(
+                f"the LoRA adapters differ: {trainable} trainable parameters (agl) vs "
+                f"{trl_side.ready['trainable']} (TRL)"
+            )
         for i in range(steps):
             # alternate who goes first, so neither side always runs right after the other
             for side in ("agl", "trl") if i % 2 == 0 else ("trl", "agl"):
                 if side == "agl":
                     seconds, cpu_seconds, trained = agl.step()
                     if trained != completion_tokens:
-                        raise SystemExit(f"agl trained {trained} response tokens, expected {completion_tokens}")
+                        raise SystemExit(
+                            f"agl trained {trained} response tokens, expected {completion_tokens}"
+                        )
                 else:
                     result = trl_side.step()
                     if result["tokens"] != step_tokens:
-                        raise SystemExit(f"TRL took {result['tokens']} tokens in a step, expected {step_tokens}")
+                        raise SystemExit(
+                            f"TRL took {result['tokens']} tokens in a step, expected {step_tokens}"
+                        )
                     if result["threads"] != args.threads:
-                        raise SystemExit(f"TRL ran with {result['threads']} torch threads, expected {args.threads}")
+                        raise SystemExit(
+                            f"TRL ran with {result['threads']} torch threads, expected {args.threads}"
+                        )
                     seconds, cpu_seconds = result["seconds"], result["cpu_seconds"]
                     if i >= args.warmup:
                         trl_generate_s.append(result["generate_seconds"])
@@ -410,33 +517,51 @@ def main(argv: list[str] | None = None) -> int:
 
     changes = {"agl": agl.lora_max_change(), "trl": done["lora_max_change"]}
     names = {"agl": "agl update_step", "trl": "TRL GRPOTrainer"}
-    print(f"SmolLM2-135M-Instruct + LoRA (r={agl.lora_r}, alpha={agl.lora_alpha:g}, {'/'.join(LORA_TARGETS)}), "
-          f"{trainable:,} trainable parameters; CPU, {args.threads} torch thread(s) per side")
-    print(f"batch: {args.sequences} sequences ({args.sequences // args.group_size} prompts x {args.group_size}), "
-          f"{args.prompt_tokens} prompt + {args.completion_tokens} completion tokens each = {step_tokens} tokens, "
-          f"{args.micro_batch} sequences per forward pass")
-    print(f"medians over {args.repeats} steps per side after {args.warmup} warm-up; torch {ours['torch']}, "
-          f"transformers {ours['transformers']}, peft {ours['peft']}, trl {theirs['trl']}")
+    print(
+        f"SmolLM2-135M-Instruct + LoRA (r={agl.lora_r}, alpha={agl.lora_alpha:g}, {'/'.join(LORA_TARGETS)}), "
+        f"{trainable:,} trainable parameters; CPU, {args.threads} torch thread(s) per side"
+    )
+    print(
+        f"batch: {args.sequences} sequences ({args.sequences // args.group_size} prompts x {args.group_size}), "
+        f"{args.prompt_tokens} prompt + {args.completion_tokens} completion tokens each = {step_tokens} tokens, "
+        f"{args.micro_batch} sequences per forward pass"
+    )
+    print(
+        f"medians over {args.repeats} steps per side after {args.warmup} warm-up; torch {ours['torch']}, "
+        f"transformers {ours['transformers']}, peft {ours['peft']}, trl {theirs['trl']}"
+    )
     print()
-    print(f"{'update step':<17} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'compl. tok/s':>13}"
-          f" {'CPU s':>7} {'tokens/CPU s':>13} {'LoRA max |dw|':>14}")
+    print(
+        f"{'update step':<17} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9} {'compl. tok/s':>13}"
+        f" {'CPU s':>7} {'tokens/CPU s':>13} {'LoRA max |dw|':>14}"
+    )
     wall = {side: statistics.median(w) for side, (w, _) in times.items()}
     cpu = {side: statistics.median(c) for side, (_, c) in times.items()}
     for side, (w, _) in times.items():
-        print(f"{names[side]:<17} {wall[side]:>9.3f} {min(w):>7.3f} {max(w):>7.3f} {step_tokens / wall[side]:>9.1f}"
-              f" {completion_tokens / wall[side]:>13.1f} {cpu[side]:>7.3f} {step_tokens / cpu[side]:>13.1f}"
-              f" {changes[side]:>14.2e}")
-    print(f"TRL's fixed rollout, reward and advantages: median {statistics.median(trl_generate_s) * 1000:.1f} ms per "
-          "step, left out of its times above")
-    print(f"per CPU second (less sensitive to other load on the machine): ratio {cpu['trl'] / cpu['agl']:.2f}x")
-    problems = [f"{names[side]} did not change its LoRA weights" for side, change in changes.items() if not change > 0]
+        print(
+            f"{names[side]:<17} {wall[side]:>9.3f} {min(w):>7.3f} {max(w):>7.3f} {step_tokens / wall[side]:>9.1f}"
+            f" {completion_tokens / wall[side]:>13.1f} {cpu[side]:>7.3f} {step_tokens / cpu[side]:>13.1f}"
+            f" {changes[side]:>14.2e}"
+        )
+    print(
+        f"TRL's fixed rollout, reward and advantages: median {statistics.median(trl_generate_s) * 1000:.1f} ms per "
+        "step, left out of its times above"
+    )
+    print(
+        f"per CPU second (less sensitive to other load on the machine): ratio {cpu['trl'] / cpu['agl']:.2f}x"
+    )
+    problems = [
+        f"{names[side]} did not change its LoRA weights" for side, change in changes.items() if not change > 0
+    ]
     for problem in problems:
         print(f"error: {problem}")
     agl_rate, trl_rate = step_tokens / wall["agl"], step_tokens / wall["trl"]
     ratio = agl_rate / trl_rate
     ok = ratio >= TARGET_RATIO and not problems
-    print(f"train step: {agl_rate:.0f} tokens/s (agl) vs {trl_rate:.0f} (TRL GRPOTrainer), ratio {ratio:.2f}x, "
-          f"target >= {TARGET_RATIO}x: {'ok' if ok else 'missed'}")
+    print(
+        f"train step: {agl_rate:.0f} tokens/s (agl) vs {trl_rate:.0f} (TRL GRPOTrainer), ratio {ratio:.2f}x, "
+        f"target >= {TARGET_RATIO}x: {'ok' if ok else 'missed'}"
+    )
     return 0 if ok else 1
 
 

@@ -29,7 +29,15 @@ def rollout_spans(i: int) -> list[Span]:
 
     def span(name, attrs, parent=None):
         n = next(counter)
-        return Span(trace, f"{i * 100 + n:016x}", parent.span_id if parent else None, name, n * 10, n * 10 + 5, {**ids, **attrs})
+        return Span(
+            trace,
+            f"{i * 100 + n:016x}",
+            parent.span_id if parent else None,
+            name,
+            n * 10,
+            n * 10 + 5,
+            {**ids, **attrs},
+        )
 
     root = span(S.SPAN_ROLLOUT, {S.TASK_ID: f"task-{i % 50}"})
     out = [root]
@@ -39,11 +47,19 @@ def rollout_spans(i: int) -> list[Span]:
         parent = steps[k % 3]
         rid_k = f"chatcmpl-{i}-{k}"
         out.append(span("chat m", {S.GEN_AI_OPERATION_NAME: S.OP_CHAT, S.GEN_AI_RESPONSE_ID: rid_k}, parent))
-        out.append(span("chat m", {
-            S.SOURCE: S.SOURCE_GATEWAY, S.GEN_AI_RESPONSE_ID: rid_k, S.POLICY_VERSION: 1,
-            S.PROMPT_TOKEN_IDS: list(range(200)), S.RESPONSE_TOKEN_IDS: list(range(50)),
-            S.RESPONSE_LOGPROBS: [-0.5] * 50,
-        }))
+        out.append(
+            span(
+                "chat m",
+                {
+                    S.SOURCE: S.SOURCE_GATEWAY,
+                    S.GEN_AI_RESPONSE_ID: rid_k,
+                    S.POLICY_VERSION: 1,
+                    S.PROMPT_TOKEN_IDS: list(range(200)),
+                    S.RESPONSE_TOKEN_IDS: list(range(50)),
+                    S.RESPONSE_LOGPROBS: [-0.5] * 50,
+                },
+            )
+        )
     for k in range(7):
         out.append(span("execute_tool t", {S.GEN_AI_OPERATION_NAME: S.OP_EXECUTE_TOOL}, steps[k % 3]))
     out.append(span(S.SPAN_REWARD, {S.REWARD_VALUE: 1.0, S.REWARD_NAME: "episode"}, root))
@@ -52,7 +68,9 @@ def rollout_spans(i: int) -> list[Span]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rollouts", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -66,7 +84,9 @@ def main() -> int:
     median = statistics.median(times)
     ms_per_trace = median * 1000 / args.rollouts
     print(f"{'rollouts':>10} {'spans':>8} {'median s':>9} {'transitions/s':>14} {'ms/20-span trace':>17}")
-    print(f"{args.rollouts:>10} {len(spans):>8} {median:>9.3f} {4 * args.rollouts / median:>14.0f} {ms_per_trace:>17.3f}")
+    print(
+        f"{args.rollouts:>10} {len(spans):>8} {median:>9.3f} {4 * args.rollouts / median:>14.0f} {ms_per_trace:>17.3f}"
+    )
     ok = ms_per_trace <= REFERENCE_MS_PER_TRACE
     print(
         f"transitions: {ms_per_trace:.3f} ms per 20-span trace, reference {REFERENCE_MS_PER_TRACE} ms "

@@ -18,7 +18,11 @@ from typing import Any
 SOLVER_PROMPT = "ROLE=solver You solve arithmetic with your tools."
 TRIAGE_PROMPT = "ROLE=triage You route questions to the right agent."
 AUTOGEN_MODEL_INFO = {
-    "vision": False, "function_calling": True, "json_output": False, "family": "unknown", "structured_output": False,
+    "vision": False,
+    "function_calling": True,
+    "json_output": False,
+    "family": "unknown",
+    "structured_output": False,
 }
 
 
@@ -72,8 +76,15 @@ def _openai_agents(base_url: str) -> tuple[Any, Any]:
     from agents import Agent, OpenAIChatCompletionsModel, function_tool
     from openai import AsyncOpenAI
 
-    model = OpenAIChatCompletionsModel(model="tiny", openai_client=AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0))
-    solver = Agent(name="solver", instructions=SOLVER_PROMPT, model=model, tools=[function_tool(add), function_tool(divide)])
+    model = OpenAIChatCompletionsModel(
+        model="tiny", openai_client=AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+    )
+    solver = Agent(
+        name="solver",
+        instructions=SOLVER_PROMPT,
+        model=model,
+        tools=[function_tool(add), function_tool(divide)],
+    )
     triage = Agent(name="triage", instructions=TRIAGE_PROMPT, model=model, handoffs=[solver])
     return solver, triage
 
@@ -97,10 +108,17 @@ def _autogen_solver(base_url: str) -> tuple[Any, Any]:
     from autogen_agentchat.agents import AssistantAgent
     from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-    client = OpenAIChatCompletionClient(model="tiny", base_url=base_url, api_key="x", model_info=AUTOGEN_MODEL_INFO,
-                                        max_retries=0)
-    solver = AssistantAgent("solver", client, tools=[add, divide], system_message=SOLVER_PROMPT,
-                            reflect_on_tool_use=True, max_tool_iterations=3)
+    client = OpenAIChatCompletionClient(
+        model="tiny", base_url=base_url, api_key="x", model_info=AUTOGEN_MODEL_INFO, max_retries=0
+    )
+    solver = AssistantAgent(
+        "solver",
+        client,
+        tools=[add, divide],
+        system_message=SOLVER_PROMPT,
+        reflect_on_tool_use=True,
+        max_tool_iterations=3,
+    )
     return client, solver
 
 
@@ -124,7 +142,9 @@ def autogen_team(kind: str, base_url: str) -> Any:
     triage = AssistantAgent("triage", client, system_message=TRIAGE_PROMPT)
     if kind == "round_robin":
         return RoundRobinGroupChat([triage, solver], termination_condition=stop)
-    return SelectorGroupChat([triage, solver], model_client=client, termination_condition=stop, allow_repeated_speaker=True)
+    return SelectorGroupChat(
+        [triage, solver], model_client=client, termination_condition=stop, allow_repeated_speaker=True
+    )
 
 
 async def autogen_team_async(kind: str, base_url: str, question: str) -> str:

@@ -47,7 +47,6 @@ async def scripted_async(task: dict[str, Any], llm: Any) -> Any:
     return task.get("reward")
 
 
-
 def split_reward(task: dict[str, Any], llm: Any) -> float:
     """Reports the split the runner told it about: 1.0 when evaluating ("val"), 0.5 for "train", else 0."""
     if llm.evaluating:

@@ -65,14 +65,17 @@ class ScriptedBackend:
             for call in m.get("tool_calls") or []:
                 fn = call.get("function") or {}
                 args = fn.get("arguments") or "{}"
-                content += render_tool_call(fn.get("name", ""), json.loads(args) if isinstance(args, str) else args)
+                content += render_tool_call(
+                    fn.get("name", ""), json.loads(args) if isinstance(args, str) else args
+                )
             out.append({"role": str(m["role"]), "content": content})
         return out
 
     def chat(self, model: str, request: ChatRequest) -> Completion:
         self.calls += 1
-        prompt_ids = self.tokenizer.apply_chat_template(self.render(request.messages), add_generation_prompt=True,
-                                                        tokenize=True)
+        prompt_ids = self.tokenizer.apply_chat_template(
+            self.render(request.messages), add_generation_prompt=True, tokenize=True
+        )
         if isinstance(prompt_ids, Mapping) or hasattr(prompt_ids, "input_ids"):
             prompt_ids = prompt_ids["input_ids"]
         text = self.script(request.messages, request.tools)
@@ -129,7 +132,10 @@ def _parse_tool_calls(raw: bytes) -> bytes:
             {
                 "id": f"call_{payload['id'][-8:]}_{i}",
                 "type": "function",
-                "function": {"name": json.loads(c)["name"], "arguments": json.dumps(json.loads(c)["arguments"])},
+                "function": {
+                    "name": json.loads(c)["name"],
+                    "arguments": json.dumps(json.loads(c)["arguments"]),
+                },
             }
             for i, c in enumerate(calls)
         ]
@@ -159,7 +165,10 @@ def scenario_script(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
     A prompt asking to pick the next speaker (a selector team) gets the solver's name."""
     system = " ".join(str(m.get("content") or "") for m in messages if m.get("role") == "system")
     tool_names = [(t.get("function") or {}).get("name", "") for t in tools or []]
-    if "select the next role" in system.lower() or "select the next role" in str(messages[-1].get("content", "")).lower():
+    if (
+        "select the next role" in system.lower()
+        or "select the next role" in str(messages[-1].get("content", "")).lower()
+    ):
         return "solver"
     if "ROLE=triage" in system:
         handoff = next((n for n in tool_names if n.startswith("transfer_to_")), None)

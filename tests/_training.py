@@ -12,8 +12,13 @@ from pathlib import Path
 
 def train_cli(config: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``agl train CONFIG ARGS...`` to completion; fails the test with the output's tail if it exits non-zero."""
-    done = subprocess.run([sys.executable, "-m", "agl_core.cli", "train", str(config), *args],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "train", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

@@ -43,7 +43,9 @@ from agl_core.gateway.tools import parse_tool_calls
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
+    )
 
 
 class FakeVLLM:
@@ -83,7 +85,9 @@ class FakeVLLM:
             name = tools[0]["function"]["name"]
             text = f'<tool_call>\n{{"name": "{name}", "arguments": {{"city": "Paris"}}}}\n</tool_call>'
         else:
-            last = next((m for m in reversed(body["messages"]) if m["role"] in ("user", "tool")), {"content": ""})
+            last = next(
+                (m for m in reversed(body["messages"]) if m["role"] in ("user", "tool")), {"content": ""}
+            )
             text = f"echo: {last.get('content') or ''}"
         if model != self.served_model_name:
             text = f"[{model}] {text}"
@@ -94,13 +98,17 @@ class FakeVLLM:
             prompt = body["prompt"]
             return list(prompt) if isinstance(prompt, list) else list(self.tokenizer.encode(prompt))
         messages = [{**m, "content": m.get("content") or ""} for m in body["messages"]]
-        ids = self.tokenizer.apply_chat_template(messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=True
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if self.extra_prompt_token is not None:
             ids.insert(1, self.extra_prompt_token)
         return ids
 
-    def _generate(self, body: dict[str, Any], prompt_len: int, model: str, index: int) -> tuple[list[int], str]:
+    def _generate(
+        self, body: dict[str, Any], prompt_len: int, model: str, index: int
+    ) -> tuple[list[int], str]:
         ids = list(self.tokenizer.encode(self._reply(body, model, index))) + [self.end_id]
         limit = body.get("max_tokens") or (self.max_model_len - prompt_len)
         if len(ids) > limit:
@@ -119,8 +127,27 @@ class FakeVLLM:
         return Response(status_code=200)
 
     async def models(self, request: Request) -> Response:
-        data = [{"id": self.served_model_name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model_path, "parent": None}]
-        data += [{"id": n, "object": "model", "created": 0, "owned_by": "vllm", "root": p, "parent": self.served_model_name} for n, p in self.loras.items()]
+        data = [
+            {
+                "id": self.served_model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": self.model_path,
+                "parent": None,
+            }
+        ]
+        data += [
+            {
+                "id": n,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": p,
+                "parent": self.served_model_name,
+            }
+            for n, p in self.loras.items()
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def load_lora(self, request: Request) -> Response:
@@ -164,17 +191,24 @@ class FakeVLLM:
         if model != self.served_model_name and model not in self.loras:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
         if chat and body.get("tools") and body.get("tool_choice", "auto") == "auto" and not self.auto_tools:
-            return _error(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+            return _error(
+                400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+            )
         prompt_ids = self._prompt_ids(body)
         if body.get("max_tokens") and len(prompt_ids) + body["max_tokens"] > self.max_model_len:
-            return _error(400, (
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested"
-                f" {len(prompt_ids) + body['max_tokens']} tokens ({len(prompt_ids)} in the messages,"
-                f" {body['max_tokens']} in the completion). Please reduce the length of the messages or completion."
-            ))
+            return _error(
+                400,
+                (
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested"
+                    f" {len(prompt_ids) + body['max_tokens']} tokens ({len(prompt_ids)} in the messages,"
+                    f" {body['max_tokens']} in the completion). Please reduce the length of the messages or completion."
+                ),
+            )
         choices = [self._generate(body, len(prompt_ids), model, i) for i in range(body.get("n") or 1)]
         if body.get("stream"):
-            return StreamingResponse(self._stream(body, chat, model, prompt_ids, choices), media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream(body, chat, model, prompt_ids, choices), media_type="text/event-stream"
+            )
         return JSONResponse(self._whole(body, chat, model, prompt_ids, choices))
 
     def _tools_of(self, body: dict[str, Any], text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -183,7 +217,14 @@ class FakeVLLM:
         content, calls = parse_tool_calls(text, "hermes")
         return (content.strip() or None, calls) if calls else (text, [])
 
-    def _whole(self, body: dict[str, Any], chat: bool, model: str, prompt_ids: list[int], choices: list[tuple[list[int], str]]) -> dict[str, Any]:
+    def _whole(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        model: str,
+        prompt_ids: list[int],
+        choices: list[tuple[list[int], str]],
+    ) -> dict[str, Any]:
         want_ids = bool(body.get("return_token_ids"))
         out_choices = []
         for index, (ids, finish) in enumerate(choices):
@@ -191,25 +232,47 @@ class FakeVLLM:
             if chat:
                 top = int(body.get("top_logprobs") or 0)
                 content, calls = self._tools_of(body, text)
-                message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls, "reasoning_content": None}
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": calls,
+                    "reasoning_content": None,
+                }
                 choice: dict[str, Any] = {
-                    "index": index, "message": message, "finish_reason": "tool_calls" if calls else finish,
-                    "logprobs": {"content": [self._entry(t, p, top) for p, t in enumerate(ids)]} if body.get("logprobs") else None,
+                    "index": index,
+                    "message": message,
+                    "finish_reason": "tool_calls" if calls else finish,
+                    "logprobs": {"content": [self._entry(t, p, top) for p, t in enumerate(ids)]}
+                    if body.get("logprobs")
+                    else None,
                     "stop_reason": None,
                 }
                 if want_ids:
                     choice["token_ids"] = ids
             else:
-                choice = {"index": index, "text": text, "finish_reason": finish, "stop_reason": None,
-                          "logprobs": self._text_logprobs(ids, body.get("logprobs")), "prompt_logprobs": None}
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "logprobs": self._text_logprobs(ids, body.get("logprobs")),
+                    "prompt_logprobs": None,
+                }
                 choice["prompt_token_ids"] = prompt_ids if want_ids else None
                 choice["token_ids"] = ids if want_ids else None
             out_choices.append(choice)
         completion_tokens = sum(len(ids) for ids, _ in choices)
         out = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": out_choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens, "total_tokens": len(prompt_ids) + completion_tokens},
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": out_choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
         }
         if chat and want_ids:
             out["prompt_token_ids"] = prompt_ids
@@ -223,10 +286,21 @@ class FakeVLLM:
         for e in entries:
             offsets.append(at)
             at += len(e["token"])
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries], "text_offset": offsets}
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
 
-    async def _stream(self, body: dict[str, Any], chat: bool, model: str, prompt_ids: list[int], choices: list[tuple[list[int], str]]) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        model: str,
+        prompt_ids: list[int],
+        choices: list[tuple[list[int], str]],
+    ) -> AsyncIterator[bytes]:
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         want_ids = bool(body.get("return_token_ids"))
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -234,21 +308,36 @@ class FakeVLLM:
         want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
 
         def chunk(choice_list: list[dict[str, Any]], first: bool = False) -> bytes:
-            out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                   "created": int(time.time()), "model": model, "choices": choice_list}
+            out: dict[str, Any] = {
+                "id": cid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": choice_list,
+            }
             if first and want_ids and chat:
                 out["prompt_token_ids"] = prompt_ids
             return b"data: " + json.dumps(out).encode() + b"\n\n"
 
         for index, (ids, finish) in enumerate(choices):
             if chat:
-                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], first=index == 0)
+                yield chunk(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    first=index == 0,
+                )
             text_so_far = ""
             full = self.tokenizer.decode(ids, skip_special_tokens=True)
             content, calls = self._tools_of(body, full) if chat else (full, [])
             for position, token in enumerate(ids):
                 text = self.tokenizer.decode(ids[: position + 1], skip_special_tokens=True)
-                piece, text_so_far = text[len(text_so_far):], text
+                piece, text_so_far = text[len(text_so_far) :], text
                 if calls:  # the hermes parser holds tool-call text back; the tokens still stream
                     piece = ""
                 last = position == len(ids) - 1
@@ -257,13 +346,26 @@ class FakeVLLM:
                     delta: dict[str, Any] = {"content": piece} if piece else {}
                     if last and calls:
                         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                    choice: dict[str, Any] = {"index": index, "delta": delta,
-                                              "logprobs": {"content": [entry]} if want_lp else None,
-                                              "finish_reason": ("tool_calls" if calls else finish) if last else None}
+                    choice: dict[str, Any] = {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": {"content": [entry]} if want_lp else None,
+                        "finish_reason": ("tool_calls" if calls else finish) if last else None,
+                    }
                 else:
-                    choice = {"index": index, "text": piece, "finish_reason": finish if last else None,
-                              "logprobs": {"tokens": [entry["token"]], "token_logprobs": [entry["logprob"]],
-                                           "top_logprobs": [{entry["token"]: entry["logprob"]}], "text_offset": [0]} if want_lp else None}
+                    choice = {
+                        "index": index,
+                        "text": piece,
+                        "finish_reason": finish if last else None,
+                        "logprobs": {
+                            "tokens": [entry["token"]],
+                            "token_logprobs": [entry["logprob"]],
+                            "top_logprobs": [{entry["token"]: entry["logprob"]}],
+                            "text_offset": [0],
+                        }
+                        if want_lp
+                        else None,
+                    }
                     if position == 0 and want_ids:
                         choice["prompt_token_ids"] = prompt_ids
                 if want_ids:
@@ -271,8 +373,18 @@ class FakeVLLM:
                 yield chunk([choice])
         if usage:
             n = sum(len(ids) for ids, _ in choices)
-            tail = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-                    "model": model, "choices": [], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}}
+            tail = {
+                "id": cid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": n,
+                    "total_tokens": len(prompt_ids) + n,
+                },
+            }
             yield b"data: " + json.dumps(tail).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
@@ -309,15 +421,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args(argv)
+    from agl_core._serve import serve_forever
     from agl_trainer.model import load_tokenizer
 
-    from agl_core._serve import serve_forever
-
     fake = FakeVLLM(
-        load_tokenizer("tiny"), served_model_name=args.served_model_name or args.model, max_model_len=args.max_model_len,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        allow_runtime_lora=args.enable_lora and os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
-        model_path=args.model, max_lora_rank=args.max_lora_rank or 16,
+        load_tokenizer("tiny"),
+        served_model_name=args.served_model_name or args.model,
+        max_model_len=args.max_model_len,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        allow_runtime_lora=args.enable_lora
+        and os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        model_path=args.model,
+        max_lora_rank=args.max_lora_rank or 16,
     )
     print(f"fake vllm serving {args.model} on {args.host}:{args.port}", file=sys.stderr, flush=True)
     serve_forever(fake.app(), args.host, args.port, log_level="warning")

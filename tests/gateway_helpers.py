@@ -47,7 +47,11 @@ class Script:
             reply = next((r for trigger, r in self.rules if trigger in text), None)
             self._targets[key] = None if reply is None else [*self.tokenizer.encode(reply), self.end]
         target = self._targets[key]
-        if target is None or len(response_ids) >= len(target) or list(response_ids) != target[: len(response_ids)]:
+        if (
+            target is None
+            or len(response_ids) >= len(target)
+            or list(response_ids) != target[: len(response_ids)]
+        ):
             return logits
         forced = logits.new_full(logits.shape, float("-inf"))
         forced[target[len(response_ids)]] = 0.0
@@ -69,7 +73,11 @@ class Gateway:
         return self.url + "/v1"
 
     def spans(self, response_id: str | None = None) -> list[ReadableSpan]:
-        spans = [s for s in self.exporter.get_finished_spans() if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
+        spans = [
+            s
+            for s in self.exporter.get_finished_spans()
+            if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY
+        ]
         if response_id is not None:
             spans = [s for s in spans if s.attributes.get(semconv.GEN_AI_RESPONSE_ID) == response_id]
         return sorted(spans, key=lambda s: s.attributes.get(semconv.CHOICE_INDEX, 0))

@@ -14,10 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from agl_trainer.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from agl_trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from agl_trainer.model import load_policy
 
-AGENT = '''
+AGENT = """
 import time
 import openai
 
@@ -27,7 +33,7 @@ def solve(task, llm):
         model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4)
     time.sleep(0.05)
     return float(len(out.choices[0].message.content or "") % 3) / 2
-'''
+"""
 
 CONFIG = """
 agent: agent:solve
@@ -44,13 +50,24 @@ logging: {plot: false, tensorboard: false}
 @pytest.fixture
 def job(tmp_path: Path) -> Path:
     (tmp_path / "agent.py").write_text(AGENT)
-    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": f"t{i}", "q": f"say {i}"}) + "\n" for i in range(20)))
+    (tmp_path / "tasks.jsonl").write_text(
+        "".join(json.dumps({"id": f"t{i}", "q": f"say {i}"}) + "\n" for i in range(20))
+    )
     (tmp_path / "config.yaml").write_text(CONFIG)
     return tmp_path
 
 
 def _cmd(job: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "agl_core.cli", "train", str(job / "config.yaml"), "--set", f"output_dir={out}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "agl_core.cli",
+        "train",
+        str(job / "config.yaml"),
+        "--set",
+        f"output_dir={out}",
+        *extra,
+    ]
 
 
 def _rows(out: Path) -> list[dict]:
@@ -65,7 +82,9 @@ def _lora_model():
     from peft import LoraConfig, get_peft_model
 
     model, _ = load_policy("tiny", seed=0)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    return get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
 
 
 def test_lora_checkpoint_round_trip(tmp_path):
@@ -77,7 +96,9 @@ def test_lora_checkpoint_round_trip(tmp_path):
     saved = _lora_tensors(model)
     rng = torch.get_rng_state()
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, model=model, optimizer=optimizer, state={"policy_version": step}, keep=2)
+        save_checkpoint(
+            tmp_path, step, model=model, optimizer=optimizer, state={"policy_version": step}, keep=2
+        )
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
     assert (latest_checkpoint(tmp_path) / "adapter" / "adapter_config.json").is_file()  # a PEFT adapter dir
 
@@ -98,7 +119,9 @@ def test_checkpoint_kind_must_match_the_run(tmp_path):
     save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, state={})
     full, _ = load_policy("tiny", seed=0)
     with pytest.raises(CheckpointError, match="holds a LoRA adapter, but this run trains all weights"):
-        load_checkpoint(latest_checkpoint(tmp_path), model=full, optimizer=torch.optim.AdamW(full.parameters()))
+        load_checkpoint(
+            latest_checkpoint(tmp_path), model=full, optimizer=torch.optim.AdamW(full.parameters())
+        )
 
 
 def test_a_half_written_checkpoint_is_ignored(tmp_path):
@@ -114,8 +137,12 @@ def test_existing_run_needs_resume_or_overwrite(job, tmp_path):
     done = subprocess.run(_cmd(job, out), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "already holds a training run; pass --resume" in done.stderr
     done = subprocess.run(_cmd(job, out, "--resume"), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "nothing to resume" in done.stderr and "before its first one" in done.stderr
-    done = subprocess.run(_cmd(job, out, "--resume", "--overwrite"), capture_output=True, text=True, timeout=120)
+    assert (
+        done.returncode == 2 and "nothing to resume" in done.stderr and "before its first one" in done.stderr
+    )
+    done = subprocess.run(
+        _cmd(job, out, "--resume", "--overwrite"), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "not allowed with argument" in done.stderr
 
 
@@ -156,7 +183,9 @@ def test_resume_after_sigkill_continues_the_same_run(job, tmp_path):
     versions = [r["policy_version"] for r in train_rows]
     assert versions == sorted(versions)  # the policy version continues from the checkpoint
     val_rows = [r for r in rows if r["kind"] == "val"]
-    assert [r["step"] for r in val_rows][0] == 0 and val_rows[-1]["step"] == 5  # before once, after at the end
+    assert [r["step"] for r in val_rows][0] == 0 and val_rows[-1][
+        "step"
+    ] == 5  # before once, after at the end
     assert "held-out reward: before" in done.stdout
 
     from agl_core.store import SqliteStore
@@ -166,4 +195,6 @@ def test_resume_after_sigkill_continues_the_same_run(job, tmp_path):
         stats = store.stats()
     finally:
         store.close()
-    assert stats.get("rollouts_queued", 0) == 0 and stats.get("rollouts_running", 0) == 0  # the killed step's work was cancelled
+    assert (
+        stats.get("rollouts_queued", 0) == 0 and stats.get("rollouts_running", 0) == 0
+    )  # the killed step's work was cancelled

@@ -27,9 +27,15 @@ from .fake_vllm import FakeVLLM
         (["--backend", "openai", "--upstream", "http://h/v1"], "needs --upstream-model"),
         (["--backend", "openai", "--upstream", "ftp://h/v1", "--upstream-model", "m"], "http(s) URL"),
         (["--backend", "vllm"], "--upstream URL (a running 'vllm serve') or --model"),
-        (["--backend", "vllm", "--upstream", "http://h/v1", "--vllm-arg=--enforce-eager"], "only applies when the gateway launches"),
+        (
+            ["--backend", "vllm", "--upstream", "http://h/v1", "--vllm-arg=--enforce-eager"],
+            "only applies when the gateway launches",
+        ),
         (["--backend", "hf", "--upstream", "http://h/v1"], "do not apply to --backend hf"),
-        (["--backend", "openai", "--upstream", "http://h/v1", "--upstream-model", "m", "--max-batch", "4"], "only apply to --backend hf"),
+        (
+            ["--backend", "openai", "--upstream", "http://h/v1", "--upstream-model", "m", "--max-batch", "4"],
+            "only apply to --backend hf",
+        ),
     ],
 )
 def test_bad_flag_combinations_are_explained(argv, fragment, capsys):
@@ -57,9 +63,27 @@ def test_serve_in_front_of_vllm_sends_spans_to_the_store(tiny_policy, store_serv
     port = _free_port()
     with BackgroundServer(fake.app()) as upstream:
         process = subprocess.Popen(
-            [sys.executable, "-m", "agl_core.cli", "gateway", "serve", "--backend", "vllm", "--upstream", upstream.url + "/v1",
-             "--served-name", "policy", "--port", str(port), "--store", store_server.url],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "-m",
+                "agl_core.cli",
+                "gateway",
+                "serve",
+                "--backend",
+                "vllm",
+                "--upstream",
+                upstream.url + "/v1",
+                "--served-name",
+                "policy",
+                "--port",
+                str(port),
+                "--store",
+                store_server.url,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
             url = f"http://127.0.0.1:{port}"
@@ -83,7 +107,10 @@ def test_serve_in_front_of_vllm_sends_spans_to_the_store(tiny_policy, store_serv
     (span,) = client.query_spans(rollout_ids=["ro-cli"])
     assert span.attempt_id == "at-cli"
     assert span.attributes[semconv.GEN_AI_RESPONSE_ID] == reply.id
-    assert tiny_policy[1].decode(list(span.attributes[semconv.RESPONSE_TOKEN_IDS]), skip_special_tokens=True) == "echo: ping"
+    assert (
+        tiny_policy[1].decode(list(span.attributes[semconv.RESPONSE_TOKEN_IDS]), skip_special_tokens=True)
+        == "echo: ping"
+    )
 
 
 def test_gateway_modules_and_cli_stay_light():
@@ -91,5 +118,7 @@ def test_gateway_modules_and_cli_stay_light():
         "import sys, agl_core.cli, agl_core.gateway.vllm_backend, agl_core.gateway.openai_backend, agl_core.gateway._cli\n"
         "print([m for m in ('torch', 'transformers', 'vllm', 'peft', 'openai') if m in sys.modules])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert out.strip() == "[]"

@@ -37,7 +37,10 @@ def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "PYTHONPATH": str(Path(agl_core.__file__).resolve().parent.parent)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "agl_core.cli", "run", AGENT, "--path", str(ROOT), *args],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path, env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+        env=env,
     )
     return proc, log
 
@@ -56,8 +59,9 @@ def test_agl_run_serves_rollouts_with_spans_and_kills_a_hung_agent(store, tmp_pa
         [{"task_id": f"t{i}", "input": {"reward": i / 4}} for i in range(3)]
         + [{"task_id": "hang", "input": {"hang": True, "pid_file": str(pids)}}]
     )
-    proc, log = _start(tmp_path, "--store", url, "--mode", "process", "--rollout-timeout", "0.6",
-                       "--report-every", "0.1")
+    proc, log = _start(
+        tmp_path, "--store", url, "--mode", "process", "--rollout-timeout", "0.6", "--report-every", "0.1"
+    )
     try:
         done = client.wait_for_rollouts([r.rollout_id for r in queued], timeout_s=20, poll_s=0.05)
         by_task = {r.task_id: r for r in done}
@@ -69,7 +73,9 @@ def test_agl_run_serves_rollouts_with_spans_and_kills_a_hung_agent(store, tmp_pa
         spans = client.query_spans(rollout_ids=[r.rollout_id for r in done])
         rewards = [s for s in spans if s.name == semconv.SPAN_REWARD]
         assert sorted(s.attributes[semconv.REWARD_VALUE] for s in rewards) == [0.0, 0.25, 0.5]
-        assert [s.attributes[semconv.ERROR_TYPE] for s in spans if s.name == semconv.SPAN_ERROR] == ["RolloutTimeout"]
+        assert [s.attributes[semconv.ERROR_TYPE] for s in spans if s.name == semconv.SPAN_ERROR] == [
+            "RolloutTimeout"
+        ]
         assert len([s for s in spans if s.name == semconv.SPAN_ROLLOUT]) == 4
         _wait_for(lambda: "3 done, 0 failed, 1 timed out" in log.read_text(), "a periodic report", 5)
         proc.send_signal(signal.SIGINT)
@@ -87,7 +93,9 @@ def test_agl_run_stops_gracefully_on_sigterm(store, tmp_path):
     (running,) = client.enqueue_rollouts([{"task_id": "last", "input": {"sleep": 0.6, "reward": 1.0}}])
     proc, log = _start(tmp_path, "--store", url, "--grace", "5")
     try:
-        _wait_for(lambda: client.get_rollouts([running.rollout_id])[0].status == RolloutStatus.RUNNING, "it to run")
+        _wait_for(
+            lambda: client.get_rollouts([running.rollout_id])[0].status == RolloutStatus.RUNNING, "it to run"
+        )
         proc.send_signal(signal.SIGTERM)
         (after_stop,) = client.enqueue_rollouts([{"task_id": "after", "input": {"reward": 1.0}}])
         assert proc.wait(timeout=10) == 0
@@ -117,7 +125,9 @@ def test_agl_run_second_signal_exits_at_once(store, tmp_path):
     (hung,) = client.enqueue_rollouts([{"task_id": "hang", "input": {"hang": True}}])
     proc, log = _start(tmp_path, "--store", url, "--grace", "60")
     try:
-        _wait_for(lambda: client.get_rollouts([hung.rollout_id])[0].status == RolloutStatus.RUNNING, "it to run")
+        _wait_for(
+            lambda: client.get_rollouts([hung.rollout_id])[0].status == RolloutStatus.RUNNING, "it to run"
+        )
         proc.send_signal(signal.SIGINT)
         _wait_for(lambda: "taking no more rollouts" in log.read_text(), "the graceful stop to begin")
         start = time.monotonic()
@@ -135,10 +145,16 @@ def test_agl_run_second_signal_exits_at_once(store, tmp_path):
     [
         (["--workers", "0"], "argument --workers: must be between 1 and 1024, got 0"),
         (["--workers", "two"], "argument --workers: must be a whole number, got 'two'"),
-        (["--store", "localhost:4318"], "argument --store: must be the store's http(s) URL, like http://127.0.0.1:4318"),
+        (
+            ["--store", "localhost:4318"],
+            "argument --store: must be the store's http(s) URL, like http://127.0.0.1:4318",
+        ),
         (["--store", "ftp://h:1"], "argument --store: must be the store's http(s) URL"),
         (["--rollout-timeout", "0"], "argument --rollout-timeout: must be > 0 seconds, got '0'"),
-        (["--rollout-timeout", "soon"], "argument --rollout-timeout: must be a number of seconds, got 'soon'"),
+        (
+            ["--rollout-timeout", "soon"],
+            "argument --rollout-timeout: must be a number of seconds, got 'soon'",
+        ),
         (["--lease", "-1"], "argument --lease: must be > 0 seconds"),
         (["--grace", "nan"], "argument --grace: must be >= 0 seconds"),
         (["--mode", "fork"], "argument --mode: invalid choice: 'fork'"),
@@ -163,7 +179,10 @@ def test_agl_run_explains_agents_and_stores_it_cannot_use(store, tmp_path, capsy
 
     (tmp_path / "broken_agent.py").write_text("raise RuntimeError('bad import-time code')\n")
     assert main(["run", "broken_agent:run", "--store", url]) == 2
-    assert "importing agent module 'broken_agent' failed: RuntimeError: bad import-time code" in capsys.readouterr().err
+    assert (
+        "importing agent module 'broken_agent' failed: RuntimeError: bad import-time code"
+        in capsys.readouterr().err
+    )
 
     assert main(["run", "tests._runner_agents:nope", "--store", url]) == 2
     assert "module 'tests._runner_agents' has no callable 'nope'" in capsys.readouterr().err
@@ -189,4 +208,3 @@ def test_agl_run_explains_agents_and_stores_it_cannot_use(store, tmp_path, capsy
     monkeypatch.setenv("AGL_STORE_URL", "not a url")
     assert main(["run", AGENT]) == 2
     assert "AGL_STORE_URL must be the store's http(s) URL" in capsys.readouterr().err
-

@@ -25,9 +25,22 @@ def test_store_serve_process_ingests_and_reports_stats(tmp_path):
     port, grpc_port = _free_port(), _free_port()
     db = tmp_path / "s.sqlite"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port),
-         "--grpc-port", str(grpc_port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "agl_core.cli",
+            "store",
+            "serve",
+            "--db",
+            str(db),
+            "--http-port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -48,21 +61,48 @@ def test_store_serve_process_ingests_and_reports_stats(tmp_path):
         provider.shutdown()
         stats = subprocess.run(
             [sys.executable, "-m", "agl_core.cli", "store", "stats", "--url", url],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert stats.returncode == 0, stats.stderr
         assert '"spans": 3' in stats.stdout
         # a second server on the same port fails with a clear message instead of a traceback
         clash = subprocess.run(
-            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "o.sqlite"), "--http-port", str(port),
-             "--no-grpc"],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "agl_core.cli",
+                "store",
+                "serve",
+                "--db",
+                str(tmp_path / "o.sqlite"),
+                "--http-port",
+                str(port),
+                "--no-grpc",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert clash.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in clash.stderr
         grpc_clash = subprocess.run(
-            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "p.sqlite"),
-             "--http-port", str(_free_port()), "--grpc-port", str(grpc_port)],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "agl_core.cli",
+                "store",
+                "serve",
+                "--db",
+                str(tmp_path / "p.sqlite"),
+                "--http-port",
+                str(_free_port()),
+                "--grpc-port",
+                str(grpc_port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert grpc_clash.returncode == 2 and f"{grpc_port} for OTLP/gRPC" in grpc_clash.stderr
     finally:
@@ -74,7 +114,9 @@ def test_store_serve_process_ingests_and_reports_stats(tmp_path):
 def test_store_stats_reports_unreachable_store():
     done = subprocess.run(
         [sys.executable, "-m", "agl_core.cli", "store", "stats", "--url", f"http://127.0.0.1:{_free_port()}"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1 and "cannot reach the store" in done.stderr
 
@@ -89,7 +131,12 @@ def test_inspect_reads_an_embedded_stores_sqlite_file(tmp_path, capsys):
     ids = {semconv.ROLLOUT_ID: "ro-file", semconv.ATTEMPT_ID: "at-1"}
     store = SqliteStore(tmp_path / "store.sqlite")
     try:
-        store.add_spans([make_span(semconv.SPAN_ROLLOUT, ids), make_span(semconv.SPAN_REWARD, {**ids, semconv.REWARD_VALUE: 1.0})])
+        store.add_spans(
+            [
+                make_span(semconv.SPAN_ROLLOUT, ids),
+                make_span(semconv.SPAN_REWARD, {**ids, semconv.REWARD_VALUE: 1.0}),
+            ]
+        )
     finally:
         store.close()
     assert main(["inspect", "ro-file", "--store", str(tmp_path / "store.sqlite")]) == 0

@@ -39,8 +39,14 @@ def test_valid_config_resolves_paths_and_defaults(folder):
 def test_runner_settings(folder):
     default = load_config(_write(folder, GOOD)).runner
     assert (default.workers, default.mode, default.rollout_timeout_s) == (2, "auto", None)
-    config = load_config(_write(folder, GOOD + "runner: {workers: 0, mode: process, rollout_timeout_s: 90}\n"))
-    assert (config.runner.workers, config.runner.mode, config.runner.rollout_timeout_s) == (0, "process", 90.0)
+    config = load_config(
+        _write(folder, GOOD + "runner: {workers: 0, mode: process, rollout_timeout_s: 90}\n")
+    )
+    assert (config.runner.workers, config.runner.mode, config.runner.rollout_timeout_s) == (
+        0,
+        "process",
+        90.0,
+    )
 
 
 def test_overrides_are_typed_and_validated(folder):
@@ -65,12 +71,27 @@ def test_overrides_are_typed_and_validated(folder):
         (GOOD + "model: {source: ./no-model-here}\n", "'model.source'"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("agent: [unclosed\n", "not valid YAML"),
-        (GOOD + "algorithm: {rewards: {tool_errors: -1}}\n", "unknown key 'algorithm.rewards.tool_errors' (did you mean 'tool_error'?)"),
-        (GOOD + "algorithm: {rewards: {timeout: .nan}}\n", "'algorithm.rewards.timeout': Input should be a finite number"),
+        (
+            GOOD + "algorithm: {rewards: {tool_errors: -1}}\n",
+            "unknown key 'algorithm.rewards.tool_errors' (did you mean 'tool_error'?)",
+        ),
+        (
+            GOOD + "algorithm: {rewards: {timeout: .nan}}\n",
+            "'algorithm.rewards.timeout': Input should be a finite number",
+        ),
         (GOOD + "algorithm: {credit: rewards}\n", "'algorithm.credit'"),
-        (GOOD + "algorithm: {credit: per_call, rewards: {explicit: false}}\n", "credit 'per_call' trains on intermediate rewards only"),
-        (GOOD + "runner: {mode: fork}\n", "'runner.mode': Input should be 'auto', 'thread', 'process' or 'async'"),
-        (GOOD + "runner: {rollout_timeout_s: 0}\n", "'runner.rollout_timeout_s': Input should be greater than 0"),
+        (
+            GOOD + "algorithm: {credit: per_call, rewards: {explicit: false}}\n",
+            "credit 'per_call' trains on intermediate rewards only",
+        ),
+        (
+            GOOD + "runner: {mode: fork}\n",
+            "'runner.mode': Input should be 'auto', 'thread', 'process' or 'async'",
+        ),
+        (
+            GOOD + "runner: {rollout_timeout_s: 0}\n",
+            "'runner.rollout_timeout_s': Input should be greater than 0",
+        ),
         (GOOD + "runner: {workers: -1}\n", "'runner.workers': Input should be greater than or equal to 0"),
         (GOOD + "runner: {timeout: 5}\n", "unknown key 'runner.timeout'"),
     ],
@@ -85,30 +106,47 @@ def test_bad_configs_name_the_key_and_the_file(folder, text, message):
 
 def test_cli_refuses_a_bad_config_before_starting_anything(folder):
     path = _write(folder, GOOD.replace("steps: 3", "stpes: 3") + "output_dir: " + str(folder / "out") + "\n")
-    done = subprocess.run([sys.executable, "-m", "agl_core.cli", "train", str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "train", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "unknown key 'train.stpes'" in done.stderr and str(path) in done.stderr
     assert not (folder / "out").exists()
 
 
 def test_cli_rejects_bad_flags():
-    done = subprocess.run([sys.executable, "-m", "agl_core.cli", "store", "serve", "--http-port", "99999"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--http-port", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "outside 0-65535" in done.stderr
 
 
 def test_print_config_shows_defaults(folder):
-    done = subprocess.run([sys.executable, "-m", "agl_core.cli", "train", str(_write(folder, GOOD)), "--print-config"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "train", str(_write(folder, GOOD)), "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert '"clip_eps": 0.2' in done.stdout and '"steps": 3' in done.stdout
 
 
 def test_tasks_with_a_validation_split(folder):
     (folder / "val.jsonl").write_text('{"id": "v1"}\n')
-    config = load_config(_write(folder, GOOD.replace("tasks: tasks.jsonl", "tasks: {train: tasks.jsonl, val: val.jsonl}")))
+    config = load_config(
+        _write(folder, GOOD.replace("tasks: tasks.jsonl", "tasks: {train: tasks.jsonl, val: val.jsonl}"))
+    )
     assert config.tasks.train == folder / "tasks.jsonl" and config.tasks.val == folder / "val.jsonl"
-    config = load_config(_write(folder, GOOD.replace("tasks: tasks.jsonl", "tasks: {train: tasks.jsonl, val_fraction: 0.25}")))
+    config = load_config(
+        _write(folder, GOOD.replace("tasks: tasks.jsonl", "tasks: {train: tasks.jsonl, val_fraction: 0.25}"))
+    )
     assert config.tasks.val_fraction == 0.25
 
 
@@ -116,7 +154,10 @@ def test_tasks_with_a_validation_split(folder):
     "tasks, message",
     [
         ("{train: tasks.jsonl, val: nope.jsonl}", "'tasks.val': file"),
-        ("{train: tasks.jsonl, val: val.jsonl, val_fraction: 0.1}", "either 'val' (a file) or 'val_fraction'"),
+        (
+            "{train: tasks.jsonl, val: val.jsonl, val_fraction: 0.1}",
+            "either 'val' (a file) or 'val_fraction'",
+        ),
         ("{train: tasks.jsonl, val_fraction: 1.5}", "'tasks.val_fraction'"),
         ("{val: val.jsonl}", "missing required key 'tasks.train'"),
         ("tasks.csv", "must be a .jsonl or .parquet file"),
@@ -150,11 +191,18 @@ def test_rewards_section_becomes_reward_weights(folder):
     from agl_core.credit import RewardWeights
 
     assert load_config(_write(folder, GOOD)).algorithm.reward_weights() == RewardWeights()
-    config = load_config(_write(folder, GOOD), [
-        "algorithm.credit=per_call", "algorithm.rewards.tool_error=-0.5", "algorithm.rewards.malformed_tool_call=-1",
-        "algorithm.rewards.timeout=-2", "algorithm.rewards.timeout_episode_reward=0", "algorithm.rewards.explicit=false",
-        "algorithm.rewards.tool_success=0.1",
-    ])
+    config = load_config(
+        _write(folder, GOOD),
+        [
+            "algorithm.credit=per_call",
+            "algorithm.rewards.tool_error=-0.5",
+            "algorithm.rewards.malformed_tool_call=-1",
+            "algorithm.rewards.timeout=-2",
+            "algorithm.rewards.timeout_episode_reward=0",
+            "algorithm.rewards.explicit=false",
+            "algorithm.rewards.tool_success=0.1",
+        ],
+    )
     assert config.algorithm.credit == "per_call" and config.algorithm.rewards.timeout_episode_reward == 0.0
     assert config.algorithm.reward_weights() == RewardWeights(False, -0.5, -1.0, -2.0, 0.1)
     with pytest.raises(ConfigError, match="tool_success"):
@@ -166,33 +214,70 @@ VLLM = GOOD + "model: {source: Org/Model-1.5B}\nserving: {backend: vllm}\n"
 
 def test_gpu_backends_accept_hub_names_and_keep_them(folder):
     config = load_config(_write(folder, VLLM))
-    assert config.model.source == "Org/Model-1.5B" and config.serving.vllm.launch.gpu_memory_utilization == 0.9
-    verl = load_config(_write(folder, VLLM + "update: {backend: verl}\nverl: {trainer: {n_gpus_per_node: 2}}\n"))
+    assert (
+        config.model.source == "Org/Model-1.5B" and config.serving.vllm.launch.gpu_memory_utilization == 0.9
+    )
+    verl = load_config(
+        _write(folder, VLLM + "update: {backend: verl}\nverl: {trainer: {n_gpus_per_node: 2}}\n")
+    )
     assert verl.update.backend == "verl" and verl.verl == {"trainer": {"n_gpus_per_node": 2}}
     (folder / "models" / "m").mkdir(parents=True)
     (folder / "models" / "m" / "config.json").write_text("{}")
     local = load_config(_write(folder, VLLM.replace("Org/Model-1.5B", "models/m")))
-    assert local.model.source == str(folder.resolve() / "models" / "m")  # a local directory wins over a Hub name
+    assert local.model.source == str(
+        folder.resolve() / "models" / "m"
+    )  # a local directory wins over a Hub name
 
 
 @pytest.mark.parametrize(
     "text, message",
     [
-        (GOOD + "model: {source: Org/Model}\n", "a Hub name (org/model) is accepted with serving.backend vllm or update.backend verl"),
-        (VLLM.replace("serving: {backend: vllm}", "serving: {backend: vllm}\nmodel: {source: Org/M, lora: null}").replace("model: {source: Org/Model-1.5B}\n", ""),
-         "serving.backend vllm needs model.lora"),
-        (GOOD + "serving: {vllm: {url: 'http://gpu:8000/v1'}}\n", "serving.vllm applies only with serving.backend: vllm"),
-        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {url: 'http://gpu:8000/v1', launch: {tensor_parallel_size: 2}}}"),
-         "set either 'url' (a running server) or 'launch' (start one), not both"),
-        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {upstream_model: x}}"), "serving.vllm.upstream_model names the model of a running server"),
-        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {url: 'gpu:8000'}}"), "'serving.vllm.url': String should match pattern"),
-        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {launch: {gpu_memory_utilization: 1.5}}}"), "'serving.vllm.launch.gpu_memory_utilization'"),
-        (VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {launch: {tensor_paralel_size: 2}}}"),
-         "unknown key 'serving.vllm.launch.tensor_paralel_size' (did you mean 'tensor_parallel_size'?)"),
-        (GOOD + "serving: {backend: vllm}\n", "serving.vllm.launch.model: 'vllm serve' needs a model directory or a Hub name"),
+        (
+            GOOD + "model: {source: Org/Model}\n",
+            "a Hub name (org/model) is accepted with serving.backend vllm or update.backend verl",
+        ),
+        (
+            VLLM.replace(
+                "serving: {backend: vllm}", "serving: {backend: vllm}\nmodel: {source: Org/M, lora: null}"
+            ).replace("model: {source: Org/Model-1.5B}\n", ""),
+            "serving.backend vllm needs model.lora",
+        ),
+        (
+            GOOD + "serving: {vllm: {url: 'http://gpu:8000/v1'}}\n",
+            "serving.vllm applies only with serving.backend: vllm",
+        ),
+        (
+            VLLM.replace(
+                "{backend: vllm}",
+                "{backend: vllm, vllm: {url: 'http://gpu:8000/v1', launch: {tensor_parallel_size: 2}}}",
+            ),
+            "set either 'url' (a running server) or 'launch' (start one), not both",
+        ),
+        (
+            VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {upstream_model: x}}"),
+            "serving.vllm.upstream_model names the model of a running server",
+        ),
+        (
+            VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {url: 'gpu:8000'}}"),
+            "'serving.vllm.url': String should match pattern",
+        ),
+        (
+            VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {launch: {gpu_memory_utilization: 1.5}}}"),
+            "'serving.vllm.launch.gpu_memory_utilization'",
+        ),
+        (
+            VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {launch: {tensor_paralel_size: 2}}}"),
+            "unknown key 'serving.vllm.launch.tensor_paralel_size' (did you mean 'tensor_parallel_size'?)",
+        ),
+        (
+            GOOD + "serving: {backend: vllm}\n",
+            "serving.vllm.launch.model: 'vllm serve' needs a model directory or a Hub name",
+        ),
         (GOOD + "update: {backend: verl}\n", "update.backend verl needs serving.backend vllm"),
-        (GOOD + "serving: {backend: vllm, vllm: {url: 'http://gpu:8000/v1'}}\nupdate: {backend: verl}\n",
-         "update.backend verl needs a Hugging Face model"),
+        (
+            GOOD + "serving: {backend: vllm, vllm: {url: 'http://gpu:8000/v1'}}\nupdate: {backend: verl}\n",
+            "update.backend verl needs a Hugging Face model",
+        ),
         (GOOD + "verl: {trainer: {nnodes: 2}}\n", "the verl: section applies only with update.backend: verl"),
         (GOOD + "update: {device: gpu}\n", "'update.device': String should match pattern"),
     ],

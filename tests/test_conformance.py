@@ -34,11 +34,25 @@ from agl_core.tracing import RolloutSpanProcessor, emit_reward, make_otlp_export
 from agl_core.transitions import spans_to_transitions
 
 from . import _agents
-from ._scripted import FINAL_ANSWER, ROUTE_TEXT, ScriptedBackend, render_tool_call, scenario_script, with_tool_call_parsing
+from ._scripted import (
+    FINAL_ANSWER,
+    ROUTE_TEXT,
+    ScriptedBackend,
+    render_tool_call,
+    scenario_script,
+    with_tool_call_parsing,
+)
 
-for module in ("langchain_openai", "langgraph", "agents", "autogen_agentchat", "autogen_ext.models.openai",
-               "openinference.instrumentation.langchain", "openinference.instrumentation.openai_agents",
-               "openinference.instrumentation.autogen_agentchat"):
+for module in (
+    "langchain_openai",
+    "langgraph",
+    "agents",
+    "autogen_agentchat",
+    "autogen_ext.models.openai",
+    "openinference.instrumentation.langchain",
+    "openinference.instrumentation.openai_agents",
+    "openinference.instrumentation.autogen_agentchat",
+):
     pytest.importorskip(module)
 
 FRAMEWORKS = ("langchain", "openai_agents", "autogen")
@@ -90,8 +104,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     agent_provider.add_span_processor(RolloutSpanProcessor())
     with BackgroundServer(create_store_app(store)) as store_server, StoreClient(store_server.url) as client:
         gateway_provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-        agent_provider.add_span_processor(BatchSpanProcessor(make_otlp_exporter(store_server.url), schedule_delay_millis=50))
-        app = with_tool_call_parsing(create_gateway_app(ScriptedBackend(tokenizer, scenario_script), tracer_provider=gateway_provider))
+        agent_provider.add_span_processor(
+            BatchSpanProcessor(make_otlp_exporter(store_server.url), schedule_delay_millis=50)
+        )
+        app = with_tool_call_parsing(
+            create_gateway_app(ScriptedBackend(tokenizer, scenario_script), tracer_provider=gateway_provider)
+        )
         with BackgroundServer(app) as gateway:
             yield Stack(client, gateway.url, agent_provider, tokenizer)
         agent_provider.shutdown()
@@ -146,8 +164,14 @@ def _openinference(framework: str) -> Any:
     return AutogenAgentChatInstrumentor()
 
 
-def run_rollout(stack: Stack, framework: str, scenario: str, rollout_id: str, callbacks: Sequence[Any],
-                question: str = QUESTION) -> str:
+def run_rollout(
+    stack: Stack,
+    framework: str,
+    scenario: str,
+    rollout_id: str,
+    callbacks: Sequence[Any],
+    question: str = QUESTION,
+) -> str:
     with rollout_scope(rollout_id, f"{rollout_id}-a1", f"task-{scenario}", tracer_provider=stack.provider):
         base_url = rollout_base_url(stack.gateway_url, rollout_id, f"{rollout_id}-a1")
         output = _agents.RUNNERS[framework][scenario](base_url, question, callbacks)
@@ -176,18 +200,31 @@ def seen_by_framework(span: Span) -> Any:
         (message,) = json.loads(attrs[semconv.GEN_AI_OUTPUT_MESSAGES])
         calls = message.get("tool_calls") or []
         if calls:
-            return [((c.get("function") or c)["name"], _args((c.get("function") or c)["arguments"])) for c in calls]
+            return [
+                ((c.get("function") or c)["name"], _args((c.get("function") or c)["arguments"]))
+                for c in calls
+            ]
         return message.get("content")
     prefix = "llm.output_messages.0.message."  # OpenInference: flattened attributes
     names = sorted(k for k in attrs if k.startswith(prefix + "tool_calls.") and k.endswith("function.name"))
     if names:
-        return [(attrs[k], _args(attrs.get(k.replace("function.name", "function.arguments"), "{}"))) for k in names]
+        return [
+            (attrs[k], _args(attrs.get(k.replace("function.name", "function.arguments"), "{}")))
+            for k in names
+        ]
     return attrs.get(prefix + "content")
 
 
 # --- the checks -----------------------------------------------------------------------------------------
-def check_rollout(stack: Stack, spans: list[Span], framework: str, source: str, scenario: str, output: str,
-                  question: str = QUESTION) -> list[Transition]:
+def check_rollout(
+    stack: Stack,
+    spans: list[Span],
+    framework: str,
+    source: str,
+    scenario: str,
+    output: str,
+    question: str = QUESTION,
+) -> list[Transition]:
     expected = EXPECTED[(framework, scenario)]
     result = spans_to_transitions(spans)
     assert result.problems == (), result.problems
@@ -204,7 +241,8 @@ def check_rollout(stack: Stack, spans: list[Span], framework: str, source: str, 
     # ... and to what each source's framework span says the framework saw, call by call
     tree = SpanTree(spans)
     sources = {"agl": [AGL_SOURCE[framework]], "openinference": [semconv.SOURCE_OPENINFERENCE]}.get(
-        source, [AGL_SOURCE[framework], semconv.SOURCE_OPENINFERENCE])
+        source, [AGL_SOURCE[framework], semconv.SOURCE_OPENINFERENCE]
+    )
     for name in sources:
         calls = [s for s in tree.spans if kind_of(s) == LLM and source_of(s) == name]
         assert len(calls) == len(transitions), name
@@ -221,7 +259,11 @@ def check_rollout(stack: Stack, spans: list[Span], framework: str, source: str, 
     for name in sources:
         tools = {}
         for span in tree.spans:
-            if kind_of(span) == TOOL and source_of(span) == name and span.name.split(" ")[-1].split(".")[-1] in ("add", "divide"):
+            if (
+                kind_of(span) == TOOL
+                and source_of(span) == name
+                and span.name.split(" ")[-1].split(".")[-1] in ("add", "divide")
+            ):
                 tools[span.name.split(" ")[-1].split(".")[-1]] = span
         assert set(tools) == {"add", "divide"}, name
         for tool in tools.values():
@@ -262,9 +304,14 @@ def test_sixteen_concurrent_rollouts_never_mix(stack: Stack, framework: str, sou
     prefix = f"ro-par-{framework}-{source}"
     with instrumented(framework, source, stack.provider) as callbacks:
         with ThreadPoolExecutor(n) as pool:
-            outputs = list(pool.map(
-                lambda i: run_rollout(stack, framework, "single", f"{prefix}-t{i}", callbacks, f"{QUESTION} (#t{i})"),
-                range(n)))
+            outputs = list(
+                pool.map(
+                    lambda i: run_rollout(
+                        stack, framework, "single", f"{prefix}-t{i}", callbacks, f"{QUESTION} (#t{i})"
+                    ),
+                    range(n),
+                )
+            )
         if framework in _agents.ASYNC_SINGLE:
             outputs += asyncio.run(_async_rollouts(stack, framework, prefix, n))
     assert outputs == [FINAL_ANSWER] * len(outputs)
@@ -275,7 +322,9 @@ def test_sixteen_concurrent_rollouts_never_mix(stack: Stack, framework: str, sou
             spans = stack.spans(rollout_id)
             check_rollout(stack, spans, framework, source, "single", FINAL_ANSWER, f"{QUESTION} (#{kind}{i})")
             root = next(s for s in spans if s.name == semconv.SPAN_ROLLOUT)
-            framework_spans = [s for s in spans if source_of(s) not in ("", semconv.SOURCE_GATEWAY, semconv.SOURCE_RUNNER)]
+            framework_spans = [
+                s for s in spans if source_of(s) not in ("", semconv.SOURCE_GATEWAY, semconv.SOURCE_RUNNER)
+            ]
             assert {s.trace_id for s in framework_spans} == {root.trace_id}
 
 
@@ -305,12 +354,16 @@ class _ExplodingProvider:
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_failing_hook_never_breaks_the_agent(stack: Stack, framework: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_hook_never_breaks_the_agent(
+    stack: Stack, framework: str, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.ERROR)
     with instrumented(framework, "agl", _ExplodingProvider()) as callbacks:
         output = run_rollout(stack, framework, "multi", f"ro-explode-{framework}", callbacks)
     assert output == FINAL_ANSWER
-    failures = [r.getMessage() for r in caplog.records if "agl:" in r.getMessage() and "failed" in r.getMessage()]
+    failures = [
+        r.getMessage() for r in caplog.records if "agl:" in r.getMessage() and "failed" in r.getMessage()
+    ]
     assert failures and len(failures) == len(set(failures)), failures  # each failing hook logged once
 
 
@@ -321,9 +374,13 @@ def _autogen_bindings() -> dict[tuple[Any, str], Any]:
     from autogen_agentchat.teams import BaseGroupChat
     from autogen_ext.models.openai import BaseOpenAIChatCompletionClient
 
-    found = {(module, attr): value for name, module in list(sys.modules.items())
-             if module is not None and name.startswith(("autogen_agentchat", "autogen_core"))
-             for attr, value in vars(module).items() if attr in ("trace_invoke_agent_span", "trace_tool_span")}
+    found = {
+        (module, attr): value
+        for name, module in list(sys.modules.items())
+        if module is not None and name.startswith(("autogen_agentchat", "autogen_core"))
+        for attr, value in vars(module).items()
+        if attr in ("trace_invoke_agent_span", "trace_tool_span")
+    }
     for cls in (BaseGroupChat, BaseOpenAIChatCompletionClient):
         for attr in ("run_stream", "create", "create_stream"):
             if attr in cls.__dict__:
@@ -363,7 +420,11 @@ def test_instrument_twice_is_harmless_and_uninstrument_restores(stack: Stack, fr
     # nothing of agl's is recorded after uninstrument
     output = run_rollout(stack, framework, "single", f"ro-after-{framework}", [])
     assert output == FINAL_ANSWER
-    assert {source_of(s) for s in stack.spans(f"ro-after-{framework}")} <= {semconv.SOURCE_RUNNER, semconv.SOURCE_GATEWAY, ""}
+    assert {source_of(s) for s in stack.spans(f"ro-after-{framework}")} <= {
+        semconv.SOURCE_RUNNER,
+        semconv.SOURCE_GATEWAY,
+        "",
+    }
 
 
 @pytest.mark.parametrize("kind", ["round_robin", "selector", "swarm"])
@@ -374,7 +435,9 @@ def test_autogen_teams_name_their_agents(stack: Stack, kind: str) -> None:
     agl_autogen.instrument(tracer_provider=stack.provider)
     try:
         with rollout_scope(rollout_id, tracer_provider=stack.provider):
-            output = asyncio.run(_agents.autogen_team_async(kind, rollout_base_url(stack.gateway_url, rollout_id), QUESTION))
+            output = asyncio.run(
+                _agents.autogen_team_async(kind, rollout_base_url(stack.gateway_url, rollout_id), QUESTION)
+            )
             emit_reward(1.0, tracer_provider=stack.provider)
     finally:
         agl_autogen.uninstrument()
@@ -405,7 +468,9 @@ def test_autogen_uninstrumented_out_of_order_keeps_the_other_instrumentor_workin
             setattr(owner, attr, value)
 
 
-def test_agl_inspect_prints_the_tree_the_transitions_and_why_a_call_made_none(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
+def test_agl_inspect_prints_the_tree_the_transitions_and_why_a_call_made_none(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
     from langchain_openai import ChatOpenAI
 
     from agl_core.cli import main

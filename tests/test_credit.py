@@ -42,32 +42,83 @@ class Rollout:
     def ids(self) -> dict[str, str]:
         return {R.ROLLOUT_ID: self.id, R.ATTEMPT_ID: self.attempt_id}
 
-    def add(self, name: str, attrs: dict, parent: Span | None, start: int, end: int, status: str = "UNSET") -> Span:
+    def add(
+        self, name: str, attrs: dict, parent: Span | None, start: int, end: int, status: str = "UNSET"
+    ) -> Span:
         span = make_span(name, {**self.ids(), **attrs}, parent=parent, start=start, status=status)
-        span = dataclasses.replace(span, end_ns=end, trace_id=self.spans[0].trace_id if self.spans else span.trace_id)
+        span = dataclasses.replace(
+            span, end_ns=end, trace_id=self.spans[0].trace_id if self.spans else span.trace_id
+        )
         self.spans.append(span)
         return span
 
     def agent(self, name: str, start: int, end: int, parent: Span | None = None) -> Span:
-        return self.add(f"invoke_agent {name}", {R.GEN_AI_OPERATION_NAME: R.OP_INVOKE_AGENT, R.GEN_AI_AGENT_NAME: name},
-                        parent or self.root, start, end)
+        return self.add(
+            f"invoke_agent {name}",
+            {R.GEN_AI_OPERATION_NAME: R.OP_INVOKE_AGENT, R.GEN_AI_AGENT_NAME: name},
+            parent or self.root,
+            start,
+            end,
+        )
 
-    def llm(self, parent: Span, start: int, end: int, tool_call_ids: tuple[str, ...] = (), **gateway_extra) -> Span:
+    def llm(
+        self, parent: Span, start: int, end: int, tool_call_ids: tuple[str, ...] = (), **gateway_extra
+    ) -> Span:
         """A framework LLM span under ``parent`` and its gateway span (joined by completion id)."""
         self._calls += 1
         response_id = f"{self.id}-{self.attempt_id}-c{self._calls}"
-        output = json.dumps([{"role": "assistant", "content": None,
-                              "tool_calls": [{"id": i, "type": "function", "function": {"name": "t", "arguments": "{}"}}
-                                             for i in tool_call_ids]}])
-        framework = self.add("chat m", {R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: response_id,
-                                        R.SOURCE: R.SOURCE_LANGCHAIN, R.GEN_AI_OUTPUT_MESSAGES: output}, parent, start, end)
-        self.add("chat m", {R.SOURCE: R.SOURCE_GATEWAY, R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: response_id,
-                            R.PROMPT_TOKEN_IDS: [1, 2], R.RESPONSE_TOKEN_IDS: [3], R.RESPONSE_LOGPROBS: [-0.1], **gateway_extra},
-                 None, start + 10, end - 10)
+        output = json.dumps(
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": i, "type": "function", "function": {"name": "t", "arguments": "{}"}}
+                        for i in tool_call_ids
+                    ],
+                }
+            ]
+        )
+        framework = self.add(
+            "chat m",
+            {
+                R.GEN_AI_OPERATION_NAME: R.OP_CHAT,
+                R.GEN_AI_RESPONSE_ID: response_id,
+                R.SOURCE: R.SOURCE_LANGCHAIN,
+                R.GEN_AI_OUTPUT_MESSAGES: output,
+            },
+            parent,
+            start,
+            end,
+        )
+        self.add(
+            "chat m",
+            {
+                R.SOURCE: R.SOURCE_GATEWAY,
+                R.GEN_AI_OPERATION_NAME: R.OP_CHAT,
+                R.GEN_AI_RESPONSE_ID: response_id,
+                R.PROMPT_TOKEN_IDS: [1, 2],
+                R.RESPONSE_TOKEN_IDS: [3],
+                R.RESPONSE_LOGPROBS: [-0.1],
+                **gateway_extra,
+            },
+            None,
+            start + 10,
+            end - 10,
+        )
         return framework
 
-    def tool(self, parent: Span, start: int, end: int, *, error: bool = False, call_id: str | None = None,
-             source: str = R.SOURCE_LANGCHAIN, name: str = "divide") -> Span:
+    def tool(
+        self,
+        parent: Span,
+        start: int,
+        end: int,
+        *,
+        error: bool = False,
+        call_id: str | None = None,
+        source: str = R.SOURCE_LANGCHAIN,
+        name: str = "divide",
+    ) -> Span:
         attrs = {R.GEN_AI_OPERATION_NAME: R.OP_EXECUTE_TOOL, R.GEN_AI_TOOL_NAME: name}
         if source == R.SOURCE_OPENINFERENCE:
             attrs = {R.OPENINFERENCE_SPAN_KIND: R.OPENINFERENCE_KIND_TOOL, R.OI_TOOL_NAME: name}
@@ -78,7 +129,9 @@ class Rollout:
         return self.add(f"execute_tool {name}", attrs, parent, start, end, "ERROR" if error else "UNSET")
 
     def reward(self, value: float, at: int, parent: Span | None = None, name: str = "episode") -> Span:
-        return self.add(R.SPAN_REWARD, {R.REWARD_VALUE: value, R.REWARD_NAME: name}, parent or self.root, at, at + 1)
+        return self.add(
+            R.SPAN_REWARD, {R.REWARD_VALUE: value, R.REWARD_NAME: name}, parent or self.root, at, at + 1
+        )
 
     def error(self, error_type: str, at: int) -> Span:
         return self.add(R.SPAN_ERROR, {R.ERROR_TYPE: error_type}, self.root, at, at + 1, "ERROR")
@@ -186,8 +239,13 @@ def test_call_id_found_in_openinference_output_attributes():
     first = r.llm(solver, 2_000, 3_000)
     r.llm(solver, 3_100, 4_000)
     r.spans[r.spans.index(first)] = dataclasses.replace(
-        first, attributes={**first.attributes, R.GEN_AI_OUTPUT_MESSAGES: "[]",
-                           "llm.output_messages.0.message.tool_calls.0.tool_call.id": "oi-1"})
+        first,
+        attributes={
+            **first.attributes,
+            R.GEN_AI_OUTPUT_MESSAGES: "[]",
+            "llm.output_messages.0.message.tool_calls.0.tool_call.id": "oi-1",
+        },
+    )
     r.tool(solver, 5_000, 5_500, error=True, call_id="oi-1")
     r.reward(1.0, 99_000)
     assert _events(r.spans) == [(TOOL_ERROR, 0, 1.0, "divide")]
@@ -196,8 +254,14 @@ def test_call_id_found_in_openinference_output_attributes():
 def test_one_failed_tool_call_described_by_several_spans_counts_once():
     r, solver = _solver_with_tools(call_ids=True)
     agl_tool = next(s for s in r.spans if s.is_error)
-    r.add("execute_tool divide", {R.GEN_AI_OPERATION_NAME: R.OP_EXECUTE_TOOL, R.GEN_AI_TOOL_CALL_ID: "tc-b"},
-          agl_tool, 6_100, 6_400, "ERROR")  # the framework's own span, nested in agl's
+    r.add(
+        "execute_tool divide",
+        {R.GEN_AI_OPERATION_NAME: R.OP_EXECUTE_TOOL, R.GEN_AI_TOOL_CALL_ID: "tc-b"},
+        agl_tool,
+        6_100,
+        6_400,
+        "ERROR",
+    )  # the framework's own span, nested in agl's
     r.tool(solver, 6_000, 6_500, error=True, call_id="tc-b", source=R.SOURCE_OPENINFERENCE)
     r.tool(solver, 6_000, 6_500, error=True, call_id="tc-b", source=R.SOURCE_AUTOGEN)
     assert _events(r.spans) == [(TOOL_SUCCESS, 0, 1.0, "add"), (TOOL_ERROR, 0, 1.0, "divide")]
@@ -205,7 +269,9 @@ def test_one_failed_tool_call_described_by_several_spans_counts_once():
 
 def test_successful_tool_calls_are_rewarded_once_on_the_requesting_call():
     r, solver = _solver_with_tools(call_ids=True)
-    r.tool(solver, 5_000, 5_500, call_id="tc-a", name="add", source=R.SOURCE_AUTOGEN)  # a second span, same call
+    r.tool(
+        solver, 5_000, 5_500, call_id="tc-a", name="add", source=R.SOURCE_AUTOGEN
+    )  # a second span, same call
     weights = RewardWeights(tool_success=0.2, tool_error=-0.5)
     assert _rewards(r.spans, weights=weights) == [pytest.approx(0.7), 1.0]
     result = spans_to_transitions(r.spans)
@@ -240,16 +306,31 @@ def test_openinference_tool_spans_count_when_no_agl_adapter_describes_tools():
 def test_malformed_tool_calls_flagged_by_the_gateway():
     r = Rollout()
     solver = r.agent("solver", 1_000, 90_000)
-    r.llm(solver, 2_000, 3_000, **{R.TOOL_CALL_MALFORMED: True, R.TOOL_CALL_MALFORMED_REASONS: [R.TOOL_CALL_UNPARSEABLE]})
-    r.llm(solver, 3_100, 4_000, tool_call_ids=("tc-1", "tc-2"),
-          **{R.TOOL_CALL_MALFORMED: True, R.TOOL_CALL_MALFORMED_REASONS: [R.TOOL_CALL_UNKNOWN_TOOL, R.TOOL_CALL_INVALID_ARGUMENTS],
-             R.TOOL_CALL_MALFORMED_IDS: ["tc-1", "tc-2"]})
+    r.llm(
+        solver,
+        2_000,
+        3_000,
+        **{R.TOOL_CALL_MALFORMED: True, R.TOOL_CALL_MALFORMED_REASONS: [R.TOOL_CALL_UNPARSEABLE]},
+    )
+    r.llm(
+        solver,
+        3_100,
+        4_000,
+        tool_call_ids=("tc-1", "tc-2"),
+        **{
+            R.TOOL_CALL_MALFORMED: True,
+            R.TOOL_CALL_MALFORMED_REASONS: [R.TOOL_CALL_UNKNOWN_TOOL, R.TOOL_CALL_INVALID_ARGUMENTS],
+            R.TOOL_CALL_MALFORMED_IDS: ["tc-1", "tc-2"],
+        },
+    )
     r.llm(solver, 5_000, 6_000, **{R.TOOL_CALL_MALFORMED: False})
     r.tool(solver, 4_500, 4_600, error=True, call_id="tc-2")  # the framework ran it and failed: counted once
     r.reward(1.0, 99_000)
-    assert _events(r.spans) == [(MALFORMED_TOOL_CALL, 0, 1.0, R.TOOL_CALL_UNPARSEABLE),
-                                (MALFORMED_TOOL_CALL, 1, 1.0, R.TOOL_CALL_UNKNOWN_TOOL),
-                                (MALFORMED_TOOL_CALL, 1, 1.0, R.TOOL_CALL_INVALID_ARGUMENTS)]
+    assert _events(r.spans) == [
+        (MALFORMED_TOOL_CALL, 0, 1.0, R.TOOL_CALL_UNPARSEABLE),
+        (MALFORMED_TOOL_CALL, 1, 1.0, R.TOOL_CALL_UNKNOWN_TOOL),
+        (MALFORMED_TOOL_CALL, 1, 1.0, R.TOOL_CALL_INVALID_ARGUMENTS),
+    ]
     assert _rewards(r.spans, weights=ALL_ON) == [0.0, -1.0, 1.0]
 
 
@@ -274,13 +355,18 @@ def test_a_timed_out_rollout_is_trained_only_when_a_timeout_episode_reward_is_gi
     credit = assign_rewards(result, spans, weights=ALL_ON)
     assert [t.reward for t in credit.transitions] == [0.0, -2.0]  # the penalty on the last call
     assert credit.timeout_rewarded == ("ro-1",)
-    assert credit.summary() == ["1 timeout (-2 each)", "1 timed-out rollouts trained with the timeout episode reward"]
+    assert credit.summary() == [
+        "1 timeout (-2 each)",
+        "1 timed-out rollouts trained with the timeout episode reward",
+    ]
     with pytest.raises(ValueError, match="finite"):
         spans_to_transitions(spans, timeout_reward=float("nan"))
 
 
-@pytest.mark.parametrize("error_type, is_timeout", [("RolloutTimeout", True), ("ReadTimeout", True),
-                                                    ("TimeoutError", True), ("ValueError", False)])
+@pytest.mark.parametrize(
+    "error_type, is_timeout",
+    [("RolloutTimeout", True), ("ReadTimeout", True), ("TimeoutError", True), ("ValueError", False)],
+)
 def test_which_errors_are_timeouts(error_type, is_timeout):
     spans = _timed_out(error_type, reward=1.0).spans
     assert _events(spans) == ([(TIMEOUT, 1, 1.0, error_type)] if is_timeout else [])
@@ -328,7 +414,9 @@ def test_base_strategy_then_intermediate_rewards(strategy, expected):
 def test_zero_weights_change_nothing(strategy):
     spans = _combined()
     result = spans_to_transitions(spans)
-    credit = assign_rewards(result, spans, strategy=strategy, gamma=0.5, weights=RewardWeights(explicit=False))
+    credit = assign_rewards(
+        result, spans, strategy=strategy, gamma=0.5, weights=RewardWeights(explicit=False)
+    )
     assert list(credit.transitions) == assign_credit(result.transitions, strategy, gamma=0.5)
     assert credit.applied == () and credit.counts() == {} and credit.summary() == []
 
@@ -358,7 +446,11 @@ def test_report_counts_each_kind():
     credit = assign_rewards(spans_to_transitions(spans), spans, weights=ALL_ON)
     assert credit.counts() == {EXPLICIT: 1, TOOL_ERROR: 1, TIMEOUT: 1}
     assert credit.added() == {EXPLICIT: 0.25, TOOL_ERROR: -0.5, TIMEOUT: -2.0}
-    assert credit.summary() == ["1 explicit reward (+0.25 in all)", "1 tool error (-0.5 each)", "1 timeout (-2 each)"]
+    assert credit.summary() == [
+        "1 explicit reward (+0.25 in all)",
+        "1 tool error (-0.5 each)",
+        "1 timeout (-2 each)",
+    ]
 
 
 # --- agent selection --------------------------------------------------------------------------------------
@@ -415,8 +507,15 @@ def test_selecting_after_assignment_differs_for_last():
 
 
 # --- validation -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [{"tool_error": float("nan")}, {"timeout": float("inf")}, {"malformed_tool_call": "x"},
-                                 {"tool_error": True}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"tool_error": float("nan")},
+        {"timeout": float("inf")},
+        {"malformed_tool_call": "x"},
+        {"tool_error": True},
+    ],
+)
 def test_weights_must_be_finite_numbers(bad):
     with pytest.raises(ValueError, match="must be a finite number"):
         RewardWeights(**bad)
@@ -425,4 +524,3 @@ def test_weights_must_be_finite_numbers(bad):
 def test_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="per_call"):
         assign_credit([], "bogus")
-

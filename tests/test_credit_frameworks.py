@@ -51,7 +51,9 @@ def test_a_tool_that_raises_costs_the_call_that_requested_it(stack, framework):
     # matched by the tool call id that the framework's record of call 1 holds
     tool = next(s for s in spans if s.span_id == event.span_id)
     framework_calls = [s for s in spans if result.joins.get(s.span_id) == credit.transitions[1].span_id]
-    assert tool.is_error and tool.attributes[R.GEN_AI_TOOL_CALL_ID] in set().union(*map(_output_tool_call_ids, framework_calls))
+    assert tool.is_error and tool.attributes[R.GEN_AI_TOOL_CALL_ID] in set().union(
+        *map(_output_tool_call_ids, framework_calls)
+    )
 
 
 # --- malformed tool calls: the tiny model steered to write them, the gateway parsing its output ------------
@@ -59,8 +61,12 @@ ANSWER = "The answer is 5."
 UNKNOWN_TOOL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 UNPARSEABLE = '<tool_call>\n{"name": "add", "arguments": {"a": 2,\n</tool_call>'
 BAD_ARGUMENTS = '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 2,"}\n</tool_call>'
-RULES = [("<tool_response>", ANSWER), ("Use multiply", UNKNOWN_TOOL), ("Be sloppy", UNPARSEABLE),
-         ("Pass bad arguments", BAD_ARGUMENTS)]
+RULES = [
+    ("<tool_response>", ANSWER),
+    ("Use multiply", UNKNOWN_TOOL),
+    ("Be sloppy", UNPARSEABLE),
+    ("Pass bad arguments", BAD_ARGUMENTS),
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +79,14 @@ def policy_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Itera
     gateway_provider = TracerProvider()
     agent_provider = TracerProvider()
     agent_provider.add_span_processor(RolloutSpanProcessor())
-    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=64, logits_processor=Script(tokenizer, RULES))
+    backend = HFBackend(
+        model, tokenizer, model_name="tiny", default_max_tokens=64, logits_processor=Script(tokenizer, RULES)
+    )
     with BackgroundServer(create_store_app(store)) as store_server, StoreClient(store_server.url) as client:
         gateway_provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-        agent_provider.add_span_processor(BatchSpanProcessor(make_otlp_exporter(store_server.url), schedule_delay_millis=50))
+        agent_provider.add_span_processor(
+            BatchSpanProcessor(make_otlp_exporter(store_server.url), schedule_delay_millis=50)
+        )
         with BackgroundServer(create_gateway_app(backend, tracer_provider=gateway_provider)) as gateway:
             yield Stack(client, gateway.url, agent_provider, tokenizer)
         agent_provider.shutdown()
@@ -97,7 +107,9 @@ def policy_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Itera
     ],
     ids=["unknown-tool", "unparseable", "invalid-arguments"],
 )
-def test_a_malformed_tool_call_costs_the_call_that_wrote_it(policy_stack, framework, question, reason, output, rewards):
+def test_a_malformed_tool_call_costs_the_call_that_wrote_it(
+    policy_stack, framework, question, reason, output, rewards
+):
     rollout_id = f"ro-credit-malformed-{reason}"
     with instrumented(framework, "agl", policy_stack.provider) as callbacks:
         assert run_rollout(policy_stack, framework, "single", rollout_id, callbacks, question) == output
@@ -109,9 +121,14 @@ def test_a_malformed_tool_call_costs_the_call_that_wrote_it(policy_stack, framew
     assert list(first.attributes[R.TOOL_CALL_MALFORMED_REASONS]) == [reason]
     if reason != R.TOOL_CALL_UNPARSEABLE:  # the framework got the call, under the id the span names
         framework_calls = [s for s in spans if result.joins.get(s.span_id) == first.span_id]
-        assert set(first.attributes[R.TOOL_CALL_MALFORMED_IDS]) <= set().union(*map(_output_tool_call_ids, framework_calls))
+        assert set(first.attributes[R.TOOL_CALL_MALFORMED_IDS]) <= set().union(
+            *map(_output_tool_call_ids, framework_calls)
+        )
     for later in result.transitions[1:]:
-        assert next(s for s in spans if s.span_id == later.span_id).attributes.get(R.TOOL_CALL_MALFORMED) is not True
+        assert (
+            next(s for s in spans if s.span_id == later.span_id).attributes.get(R.TOOL_CALL_MALFORMED)
+            is not True
+        )
     assert not any(kind_of(s) == TOOL for s in spans)  # no tool ran: nothing else reports the mistake
     assert f"malformed tool call ({reason})" in format_rollout(rollout_id, spans)  # agl inspect shows it
 

@@ -30,10 +30,15 @@ def test_parquet_tasks_read_like_jsonl(tmp_path):
 
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "id": ["p1", "p2"], "question": ["2+2", "3+3"], "answer": [4, 6],
-        "tags": [["a"], []], "when": [datetime.date(2026, 1, 1), None],
-    })
+    table = pa.table(
+        {
+            "id": ["p1", "p2"],
+            "question": ["2+2", "3+3"],
+            "answer": [4, 6],
+            "tags": [["a"], []],
+            "when": [datetime.date(2026, 1, 1), None],
+        }
+    )
     pq.write_table(table, tmp_path / "t.parquet")
     tasks = load_tasks(tmp_path / "t.parquet")
     assert [t.task_id for t in tasks] == ["p1", "p2"]
@@ -45,7 +50,7 @@ def test_parquet_tasks_read_like_jsonl(tmp_path):
     "content, message",
     [
         ('{"id": 1}\n{not json}\n', "t.jsonl:2: not valid JSON"),
-        ('[1, 2]\n', "t.jsonl:1: each task must be a JSON object, got list"),
+        ("[1, 2]\n", "t.jsonl:1: each task must be a JSON object, got list"),
         ('{"id": "x"}\n{"id": "x"}\n', "t.jsonl:2: duplicate task id 'x'"),
         ("\n\n", "no tasks"),
     ],

@@ -18,8 +18,17 @@ def test_train_example_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "run"
     done = train_cli(
         ROOT / "examples/arith_langchain/config.yaml",
-        "--set", "train.steps=2", "--set", "train.tasks_per_step=2", "--set", "train.rollouts_per_task=4",
-        "--set", f"output_dir={out}", "--set", "validation.max_tasks=4", timeout=900,
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.tasks_per_step=2",
+        "--set",
+        "train.rollouts_per_task=4",
+        "--set",
+        f"output_dir={out}",
+        "--set",
+        "validation.max_tasks=4",
+        timeout=900,
     )
     lines = [l for l in done.stdout.splitlines() if l.startswith("step ")]
     assert len(lines) == 2, done.stdout

@@ -38,8 +38,18 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 # --- the calculator and the problems --------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("expression", "value"),
-    [("25 + 17", "42"), (" 84 - 21 ", "63"), ("7 * 22", "154"), ("204 / 12", "17"), ("7 / 2", "3.5"),
-     ("(3 + 4) * 2", "14"), ("12 × 4", "48"), ("96 ÷ 8", "12"), ("-5 + 2", "-3"), ("2 * 3 =", "6")],
+    [
+        ("25 + 17", "42"),
+        (" 84 - 21 ", "63"),
+        ("7 * 22", "154"),
+        ("204 / 12", "17"),
+        ("7 / 2", "3.5"),
+        ("(3 + 4) * 2", "14"),
+        ("12 × 4", "48"),
+        ("96 ÷ 8", "12"),
+        ("-5 + 2", "-3"),
+        ("2 * 3 =", "6"),
+    ],
 )
 def test_calculator_computes(expression, value):
     assert _load("calc_tool").calculator(expression) == value
@@ -47,9 +57,16 @@ def test_calculator_computes(expression, value):
 
 @pytest.mark.parametrize(
     ("expression", "message"),
-    [("", "empty expression"), ("10 apples", "not valid arithmetic"), ("32 / 2 = 12", "not valid arithmetic"),
-     ("8 / 0", "division by zero"), ("10 ** 30", "only numbers"), ("__import__('os')", "only numbers"),
-     ("99999999 * 99999999", "too large"), ("x + 1", "only numbers")],
+    [
+        ("", "empty expression"),
+        ("10 apples", "not valid arithmetic"),
+        ("32 / 2 = 12", "not valid arithmetic"),
+        ("8 / 0", "division by zero"),
+        ("10 ** 30", "only numbers"),
+        ("__import__('os')", "only numbers"),
+        ("99999999 * 99999999", "too large"),
+        ("x + 1", "only numbers"),
+    ],
 )
 def test_calculator_refuses_what_it_cannot_compute_with_a_clear_error(expression, message):
     with pytest.raises(ValueError, match=message):
@@ -63,8 +80,12 @@ def test_parse_answer_takes_the_last_number():
 
 
 def test_make_tasks_reproduces_the_checked_in_files(tmp_path):
-    done = subprocess.run([sys.executable, str(EXAMPLE / "make_tasks.py"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE / "make_tasks.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     for split in ("train", "dev", "val"):
         assert (tmp_path / f"{split}.jsonl").read_bytes() == (EXAMPLE / f"{split}.jsonl").read_bytes(), split
@@ -75,7 +96,9 @@ def test_splits_are_disjoint_and_answers_match_their_expressions():
     splits = {s: _jsonl(EXAMPLE / f"{s}.jsonl") for s in ("train", "dev", "val")}
     assert {s: len(t) for s, t in splits.items()} == {"train": 200, "dev": 60, "val": 100}
     keys = {s: {t["expression"] for t in tasks} for s, tasks in splits.items()}
-    assert not keys["train"] & keys["val"] and not keys["train"] & keys["dev"] and not keys["dev"] & keys["val"]
+    assert (
+        not keys["train"] & keys["val"] and not keys["train"] & keys["dev"] and not keys["dev"] & keys["val"]
+    )
     for tasks in splits.values():
         for task in tasks:
             assert calculator(task["expression"]) == str(task["answer"]), task
@@ -83,18 +106,35 @@ def test_splits_are_disjoint_and_answers_match_their_expressions():
 
 # --- the agent against the real gateway ------------------------------------------------------------------
 def _call(expression: str, name: str = "calculator") -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": {"expression": expression}}) + "\n</tool_call>"
+    return (
+        "<tool_call>\n"
+        + json.dumps({"name": name, "arguments": {"expression": expression}})
+        + "\n</tool_call>"
+    )
 
 
 #: (question, what the model is steered to reply, the expected reward of the rollout)
 CASES = {
-    "right": ("Nina has 76 cookies. She gets 39 more. How many cookies does Nina have now?", _call("76 + 39")),
-    "wrong_op": ("Leo has 69 apples and gives 31 of them away. How many apples does Leo have left?", _call("69 + 31")),
-    "bad_expression": ("Tom shares 32 cookies equally among 2 friends. How many cookies does each friend get?",
-                       _call("32 / 2 = 12")),
-    "unknown_tool": ("Each of 7 children has 13 coins. How many coins do the children have together?",
-                     _call("7 * 13", name="math")),
-    "text": ("Sam has 15 apples. He gets 63 more. How many apples does Sam have now?", "Sam has 15 + 63 = 78 apples."),
+    "right": (
+        "Nina has 76 cookies. She gets 39 more. How many cookies does Nina have now?",
+        _call("76 + 39"),
+    ),
+    "wrong_op": (
+        "Leo has 69 apples and gives 31 of them away. How many apples does Leo have left?",
+        _call("69 + 31"),
+    ),
+    "bad_expression": (
+        "Tom shares 32 cookies equally among 2 friends. How many cookies does each friend get?",
+        _call("32 / 2 = 12"),
+    ),
+    "unknown_tool": (
+        "Each of 7 children has 13 coins. How many coins do the children have together?",
+        _call("7 * 13", name="math"),
+    ),
+    "text": (
+        "Sam has 15 apples. He gets 63 more. How many apples does Sam have now?",
+        "Sam has 15 + 63 = 78 apples.",
+    ),
 }
 ANSWERS = {"right": 115, "wrong_op": 38, "bad_expression": 16, "unknown_tool": 91, "text": 78}
 
@@ -125,15 +165,23 @@ def calc_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterato
     store = SqliteStore(tmp_path_factory.mktemp("calc") / "store.sqlite")
     provider = TracerProvider()
     provider.add_span_processor(RolloutSpanProcessor())
-    backend = HFBackend(model, tokenizer, model_name="policy", default_max_tokens=64,
-                        logits_processor=Script(tokenizer, list(CASES.values())))
+    backend = HFBackend(
+        model,
+        tokenizer,
+        model_name="policy",
+        default_max_tokens=64,
+        logits_processor=Script(tokenizer, list(CASES.values())),
+    )
     with BackgroundServer(create_store_app(store)) as store_server, StoreClient(store_server.url) as client:
         provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
         agl_autogen.instrument(tracer_provider=provider)
         try:
             with BackgroundServer(create_gateway_app(backend, tracer_provider=provider)) as gateway:
+
                 def llm(rollout_id: str, split: str | None = None) -> LLM:
-                    return LLM(rollout_base_url(gateway.url, rollout_id, f"{rollout_id}-a1"), "policy", split=split)
+                    return LLM(
+                        rollout_base_url(gateway.url, rollout_id, f"{rollout_id}-a1"), "policy", split=split
+                    )
 
                 yield agent, llm, client, provider
         finally:
@@ -173,8 +221,12 @@ def test_each_kind_of_reply_gets_its_reward_and_intermediate_rewards(calc_stack)
         result = spans_to_transitions(spans)
         assert result.problems == () and len(result.transitions) == 1, (case, result.problems)
         credit = assign_rewards(result, spans, weights=weights)
-        tools = [s for s in spans if s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL
-                 and s.attributes.get(semconv.SOURCE) == semconv.SOURCE_AUTOGEN]
+        tools = [
+            s
+            for s in spans
+            if s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL
+            and s.attributes.get(semconv.SOURCE) == semconv.SOURCE_AUTOGEN
+        ]
         outcomes[case] = (reward, credit.counts(), [t.is_error for t in tools], credit.transitions[0].reward)
     s, e, m = weights.tool_success, weights.tool_error, weights.malformed_tool_call
     assert outcomes == {
@@ -187,7 +239,13 @@ def test_each_kind_of_reply_gets_its_reward_and_intermediate_rewards(calc_stack)
     }
     # the ordering the penalties must keep: a wrong but well-formed call is still better than no call,
     # so the policy is never taught to stop using its calculator
-    assert outcomes["right"][3] > outcomes["text"][3] > outcomes["wrong_op"][3] > 0 > outcomes["bad_expression"][3]
+    assert (
+        outcomes["right"][3]
+        > outcomes["text"][3]
+        > outcomes["wrong_op"][3]
+        > 0
+        > outcomes["bad_expression"][3]
+    )
 
 
 def test_validation_rollouts_decode_greedily(calc_stack):
@@ -211,9 +269,12 @@ def test_evaluate_reports_the_operators_the_model_wrote_per_reference_operation(
         tasks = [{"expression": "25 + 17"}, {"expression": "84 / 12"}, {"expression": "(3 + 4) * 2"}]
         outcome = agent.Outcome
         outcomes = [
-            outcome(42, 1.0, 1, 0, "42", ("25 + 17",)), outcome(42, 1.0, 1, 0, "42", ("17+25",)),
-            outcome(1008, 0.0, 1, 0, "1008", ("84 * 12",)), outcome(7, 1.0, 0, 0, "It is 7.", ()),
-            outcome(None, 0.0, 1, 1, "", ("",)), outcome(14, 1.0, 1, 0, "14", ("(3 + 4) * 2",)),
+            outcome(42, 1.0, 1, 0, "42", ("25 + 17",)),
+            outcome(42, 1.0, 1, 0, "42", ("17+25",)),
+            outcome(1008, 0.0, 1, 0, "1008", ("84 * 12",)),
+            outcome(7, 1.0, 0, 0, "It is 7.", ()),
+            outcome(None, 0.0, 1, 1, "", ("",)),
+            outcome(14, 1.0, 1, 0, "14", ("(3 + 4) * 2",)),
         ]
         lines = evaluate.operator_report(tasks, outcomes, samples=2).splitlines()
     finally:
@@ -221,8 +282,11 @@ def test_evaluate_reports_the_operators_the_model_wrote_per_reference_operation(
         for name in ("agent", "calc_tool", "evaluate"):
             sys.modules.pop(name, None)
     rows = {line.split("|")[0].strip(): [cell.strip() for cell in line.split("|")[1:]] for line in lines[1:]}
-    assert rows == {"+": ["2", "1.000", "+ 2"], "/": ["2", "0.500", "* 1, text 1"],
-                    "+*": ["2", "0.500", "none 1, +* 1"]}
+    assert rows == {
+        "+": ["2", "1.000", "+ 2"],
+        "/": ["2", "0.500", "* 1, text 1"],
+        "+*": ["2", "0.500", "none 1, +* 1"],
+    }
 
 
 # --- the reduced training run with the real SmolLM2 -------------------------------------------------------
@@ -231,20 +295,37 @@ def test_train_calc_example_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("autogen_agentchat")
     out = tmp_path / "run"
     done = train_cli(
-        EXAMPLE / "config.yaml", "--overwrite",
-        "--set", "train.steps=2", "--set", "train.tasks_per_step=2", "--set", "train.rollouts_per_task=4",
-        "--set", "validation.max_tasks=3", "--set", f"output_dir={out}", "--set", "logging.progress=plain",
+        EXAMPLE / "config.yaml",
+        "--overwrite",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.tasks_per_step=2",
+        "--set",
+        "train.rollouts_per_task=4",
+        "--set",
+        "validation.max_tasks=3",
+        "--set",
+        f"output_dir={out}",
+        "--set",
+        "logging.progress=plain",
         timeout=900,
     )
-    assert re.search(r"held-out reward: before [\d.]+ ± [\d.]+ \(SE, n=3 tasks\) -> after [\d.]+", done.stdout), done.stdout
+    assert re.search(
+        r"held-out reward: before [\d.]+ ± [\d.]+ \(SE, n=3 tasks\) -> after [\d.]+", done.stdout
+    ), done.stdout
     assert "reward curve: " in done.stdout and (out / "reward_curve.png").is_file()
 
     rows = metrics_rows(out)
     train = metrics_rows(out, "train")
     assert [(r["kind"], r["step"]) for r in rows] == [("val", 0), ("train", 1), ("train", 2), ("val", 2)]
     # two tasks a step, plus those the config's resample_rounds redrew for groups that tied
-    assert all(r["rollouts"] == 4 * len(r["tasks"]) == 8 + 4 * r["redrawn_tasks"] and r["transitions"] == r["rollouts"]
-               and r["rollouts_failed"] == 0 for r in train), train
+    assert all(
+        r["rollouts"] == 4 * len(r["tasks"]) == 8 + 4 * r["redrawn_tasks"]
+        and r["transitions"] == r["rollouts"]
+        and r["rollouts_failed"] == 0
+        for r in train
+    ), train
 
     from agl_core.store import SqliteStore
 
@@ -255,7 +336,9 @@ def test_train_calc_example_end_to_end_on_cpu(tmp_path):
         rollouts = {r.rollout_id: r for r in store.get_rollouts(sorted({c.rollout_id for c in calls}))}
     finally:
         store.close()
-    assert len(calls) == sum(r["rollouts"] for r in train) + 6 and all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in calls)
+    assert len(calls) == sum(r["rollouts"] for r in train) + 6 and all(
+        s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in calls
+    )
     # training rollouts sample, validation rollouts decode greedily
     by_split = {}
     for call in calls:
@@ -263,8 +346,12 @@ def test_train_calc_example_end_to_end_on_cpu(tmp_path):
         by_split.setdefault(split, set()).add(call.attributes.get(semconv.GEN_AI_REQUEST_TEMPERATURE))
     assert by_split == {"train": {0.5}, "val": {0.0}}, by_split
     # the model wrote calculator calls and AutoGen ran them, recorded as tool spans of the calls' rollouts
-    tools = [s for s in spans if s.attributes.get(semconv.GEN_AI_TOOL_NAME) == "calculator"
-             and s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL]
+    tools = [
+        s
+        for s in spans
+        if s.attributes.get(semconv.GEN_AI_TOOL_NAME) == "calculator"
+        and s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL
+    ]
     assert tools and {t.rollout_id for t in tools} <= {c.rollout_id for c in calls}
 
 

@@ -11,7 +11,9 @@ import pytest
 from agl_trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = sorted((ROOT / "trainer" / "configs").glob("*.yaml")) + sorted((ROOT / "examples").glob("*/config*.yaml"))
+CONFIGS = sorted((ROOT / "trainer" / "configs").glob("*.yaml")) + sorted(
+    (ROOT / "examples").glob("*/config*.yaml")
+)
 
 
 def test_the_example_configs_are_there():

@@ -110,31 +110,41 @@ def test_the_question_finds_its_entry_in_the_shipped_corpus():
     index = bm25.load_index(EXAMPLE / "corpus.jsonl")
     for split in ("dev", "dev_2hop"):
         for task in _jsonl(EXAMPLE / f"{split}.jsonl"):
-            (_, top), = index.search(task["question"], k=1)
+            ((_, top),) = index.search(task["question"], k=1)
             assert top["title"] == task["entities"][0], task
 
 
 # --- reward -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("predicted", "gold", "expected"), [
-    ("Quillfield", "Quillfield", 1.0),
-    ("the Quillfield.", "quillfield", 1.0),           # case, punctuation and articles do not count
-    ("Mara Voss was born in Quillfield", "Quillfield", 2 / 7),  # precision 1/6, recall 1
-    ("copper kettles", "copper kettles and bells", 2 * 1 * 0.5 / 1.5),
-    ("Ardent", "Quillfield", 0.0),
-    ("", "Quillfield", 0.0),
-])
+@pytest.mark.parametrize(
+    ("predicted", "gold", "expected"),
+    [
+        ("Quillfield", "Quillfield", 1.0),
+        ("the Quillfield.", "quillfield", 1.0),  # case, punctuation and articles do not count
+        ("Mara Voss was born in Quillfield", "Quillfield", 2 / 7),  # precision 1/6, recall 1
+        ("copper kettles", "copper kettles and bells", 2 * 1 * 0.5 / 1.5),
+        ("Ardent", "Quillfield", 0.0),
+        ("", "Quillfield", 0.0),
+    ],
+)
 def test_f1(predicted, gold, expected):
     assert reward.f1(predicted, gold) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(("reply", "answer", "formatted"), [
-    ("Answer: Quillfield", "Quillfield", True),
-    ("  answer:  Quillfield.\nBecause the passage says so.", "Quillfield.", True),
-    ("**Answer:** Ardent", "Ardent", True),
-    ("Mara Voss was born in Quillfield.", "Mara Voss was born in Quillfield.", False),
-    ("The passage says\nAnswer: Quillfield", "The passage says\nAnswer: Quillfield", False),  # first line only
-    ("Answer:", "Answer:", False),
-])
+@pytest.mark.parametrize(
+    ("reply", "answer", "formatted"),
+    [
+        ("Answer: Quillfield", "Quillfield", True),
+        ("  answer:  Quillfield.\nBecause the passage says so.", "Quillfield.", True),
+        ("**Answer:** Ardent", "Ardent", True),
+        ("Mara Voss was born in Quillfield.", "Mara Voss was born in Quillfield.", False),
+        (
+            "The passage says\nAnswer: Quillfield",
+            "The passage says\nAnswer: Quillfield",
+            False,
+        ),  # first line only
+        ("Answer:", "Answer:", False),
+    ],
+)
 def test_extract_answer(reply, answer, formatted):
     assert reward.extract_answer(reply) == (answer, formatted)
 
@@ -143,7 +153,9 @@ def test_score_combines_f1_and_format_within_0_and_1():
     assert reward.score("Answer: Quillfield", "Quillfield") == pytest.approx(1.0)
     assert reward.score("Quillfield", "Quillfield") == pytest.approx(0.9)
     assert reward.score("Answer: Ardent", "Quillfield") == pytest.approx(0.1)
-    assert reward.score("Answer: Mara Voss was born in Quillfield", "Quillfield") == pytest.approx(0.9 * 2 / 7 + 0.1)
+    assert reward.score("Answer: Mara Voss was born in Quillfield", "Quillfield") == pytest.approx(
+        0.9 * 2 / 7 + 0.1
+    )
     assert reward.score("", "Quillfield") == 0.0
 
 
@@ -177,8 +189,11 @@ def test_splits_are_disjoint_and_answers_are_in_the_corpus():
 
 
 # --- the agent against the real gateway, with a scripted policy -------------------------------------------
-_ANSWERS = [("province", r"province of ([A-Z]\w+)"), ("work for", r"works for ([A-Z]\w+ [A-Z]\w+)"),
-            ("born", r"born in ([A-Z]\w+)")]
+_ANSWERS = [
+    ("province", r"province of ([A-Z]\w+)"),
+    ("work for", r"works for ([A-Z]\w+ [A-Z]\w+)"),
+    ("born", r"born in ([A-Z]\w+)"),
+]
 
 
 def _policy(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -191,7 +206,9 @@ def _policy(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, 
     results = [str(m["content"]) for m in messages if m["role"] == "tool"]
     if tools:
         if not results:
-            return render_tool_call("search", {"query": re.search(r"(?:was|does) ([A-Z]\w+ [A-Z]\w+)", question).group(1)})
+            return render_tool_call(
+                "search", {"query": re.search(r"(?:was|does) ([A-Z]\w+ [A-Z]\w+)", question).group(1)}
+            )
         return render_tool_call("search", {"query": re.search(r"born in ([A-Z]\w+)", results[-1]).group(1)})
     passages = results[-1] if results else user
     pattern = next(p for key, p in _ANSWERS if key in question)
@@ -233,7 +250,12 @@ def scripted(tmp_path) -> Iterator[tuple[Any, Any, Any, Any]]:
             with BackgroundServer(app) as gateway:
                 from agl_core.gateway.app import rollout_base_url
 
-                yield agent, lambda rid: LLM(rollout_base_url(gateway.url, rid, f"{rid}-a1"), "policy"), client, provider
+                yield (
+                    agent,
+                    lambda rid: LLM(rollout_base_url(gateway.url, rid, f"{rid}-a1"), "policy"),
+                    client,
+                    provider,
+                )
         finally:
             agl_openai_agents.uninstrument()
             provider.shutdown()
@@ -254,8 +276,15 @@ def _run(scripted: Any, fn: str, task: dict[str, Any], rollout_id: str) -> tuple
 
 
 def _by_op(spans: list[Any], op: str) -> list[Any]:
-    return sorted((s for s in spans if s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == op
-                   and s.attributes.get(semconv.SOURCE) == semconv.SOURCE_OPENAI_AGENTS), key=lambda s: s.start_ns)
+    return sorted(
+        (
+            s
+            for s in spans
+            if s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == op
+            and s.attributes.get(semconv.SOURCE) == semconv.SOURCE_OPENAI_AGENTS
+        ),
+        key=lambda s: s.start_ns,
+    )
 
 
 def test_solve_searches_in_code_and_the_model_answers_from_the_passage(scripted):
@@ -296,11 +325,23 @@ def test_train_rag_example_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "run"
     done = train_cli(
         EXAMPLE / "config.yaml",
-        "--set", "train.steps=2", "--set", "train.tasks_per_step=2", "--set", "train.rollouts_per_task=2",
-        "--set", "validation.max_tasks=2", "--set", "runner.workers=4", "--set", f"output_dir={out}",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.tasks_per_step=2",
+        "--set",
+        "train.rollouts_per_task=2",
+        "--set",
+        "validation.max_tasks=2",
+        "--set",
+        "runner.workers=4",
+        "--set",
+        f"output_dir={out}",
         timeout=600,
     )
-    assert re.search(r"held-out reward: before [\d.]+ ± [\d.]+ \(SE, n=2 tasks\) -> after [\d.]+", done.stdout), done.stdout
+    assert re.search(
+        r"held-out reward: before [\d.]+ ± [\d.]+ \(SE, n=2 tasks\) -> after [\d.]+", done.stdout
+    ), done.stdout
     assert "reward curve: " in done.stdout and (out / "reward_curve.png").is_file()
 
     val, train = metrics_rows(out, "val"), metrics_rows(out, "train")
@@ -328,9 +369,15 @@ def test_train_rag_example_end_to_end_on_cpu(tmp_path):
     differing = sum(len(set(g)) > 1 for g in groups.values())
     assert sum(r["trained_transitions"] for r in train) == 2 * differing, (groups, train)
     assert (train[-1]["policy_version"] >= 1) == (differing > 0), (groups, train)
-    rollouts = 2 * 2 * 2 + 2 * 2  # training (2 steps x 2 tasks x 2 rollouts) + validation (before, after: 2 tasks)
-    searches = [s for s in spans if s.attributes.get(semconv.GEN_AI_TOOL_NAME) == "search"
-                and s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL]
+    rollouts = (
+        2 * 2 * 2 + 2 * 2
+    )  # training (2 steps x 2 tasks x 2 rollouts) + validation (before, after: 2 tasks)
+    searches = [
+        s
+        for s in spans
+        if s.attributes.get(semconv.GEN_AI_TOOL_NAME) == "search"
+        and s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL
+    ]
     assert len(searches) == rollouts and len({s.rollout_id for s in searches}) == rollouts
     calls = [s for s in spans if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
     assert len(calls) == rollouts and all(s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in calls)

@@ -17,7 +17,10 @@ EXAMPLE = ROOT / "examples" / "sql_langchain"
 #: so that with 4 rollouts each some group has both outcomes (all three tie with probability ~1%), and one
 #: on the orders table it gets wrong, mostly with an error (so the checker is called).
 TRAIN_IDS = (
-    "emp_names_older-41", "emp_names_salary_gt-110000", "emp_names_salary_gt-82500", "ord_count_customer-Wayne",
+    "emp_names_older-41",
+    "emp_names_salary_gt-110000",
+    "emp_names_salary_gt-82500",
+    "ord_count_customer-Wayne",
 )
 
 
@@ -35,8 +38,10 @@ def _import_example():
 def test_tasks_and_database_are_consistent(tmp_path):
     _, company_db, _ = _import_example()
     path = company_db.database_path(tmp_path)
-    splits = {name: [json.loads(line) for line in (EXAMPLE / f"{name}.jsonl").read_text().splitlines()]
-              for name in ("train", "val", "dev")}
+    splits = {
+        name: [json.loads(line) for line in (EXAMPLE / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("train", "val", "dev")
+    }
     assert (len(splits["train"]), len(splits["val"]), len(splits["dev"])) == (200, 100, 40)
     train_ids = {t["id"] for t in splits["train"]}
     assert not train_ids & {t["id"] for t in splits["val"]}
@@ -56,9 +61,14 @@ def test_tasks_and_database_are_consistent(tmp_path):
 
 def test_extract_sql_is_lenient():
     agent, _, _ = _import_example()
-    assert agent.extract_sql("```sql\nSELECT name FROM employees WHERE age > 3;\n```") == \
-        "SELECT name FROM employees WHERE age > 3"
-    assert agent.extract_sql("Sure! select COUNT(*)\n  FROM orders\n\nThis counts.") == "select COUNT(*) FROM orders"
+    assert (
+        agent.extract_sql("```sql\nSELECT name FROM employees WHERE age > 3;\n```")
+        == "SELECT name FROM employees WHERE age > 3"
+    )
+    assert (
+        agent.extract_sql("Sure! select COUNT(*)\n  FROM orders\n\nThis counts.")
+        == "select COUNT(*) FROM orders"
+    )
     assert agent.extract_sql("I cannot do that.") is None
 
 
@@ -72,8 +82,14 @@ def test_train_sql_example_end_to_end_on_cpu(tmp_path):
     train_file.write_text("".join(tasks[i] + "\n" for i in TRAIN_IDS))
     out = tmp_path / "run"
     overrides = (
-        f"tasks.train={train_file}", "train.steps=1", "train.tasks_per_step=4", "train.rollouts_per_task=4",
-        "validation.max_tasks=1", f"output_dir={out}", "logging.progress=plain", "logging.tensorboard=false",
+        f"tasks.train={train_file}",
+        "train.steps=1",
+        "train.tasks_per_step=4",
+        "train.rollouts_per_task=4",
+        "validation.max_tasks=1",
+        f"output_dir={out}",
+        "logging.progress=plain",
+        "logging.tensorboard=false",
         "logging.plot=false",
     )
     sets = [arg for override in overrides for arg in ("--set", override)]

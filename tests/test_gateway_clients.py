@@ -25,8 +25,13 @@ def gw(tiny_policy):
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
-    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=48,
-                        logits_processor=Script(tokenizer, WEATHER_SCRIPT))
+    backend = HFBackend(
+        model,
+        tokenizer,
+        model_name="tiny",
+        default_max_tokens=48,
+        logits_processor=Script(tokenizer, WEATHER_SCRIPT),
+    )
     with serve_gateway(backend) as gateway:
         yield gateway
     backend.close()
@@ -53,7 +58,9 @@ def _assert_weather_dialogue(gw, rollout_id, attempt_id=None):
     # the tool's result reached the model in the second prompt
     assert "sunny in Paris" in tokenizer.decode(list(second.attributes[semconv.PROMPT_TOKEN_IDS]))
     for span in (first, second):
-        assert len(span.attributes[semconv.RESPONSE_LOGPROBS]) == len(span.attributes[semconv.RESPONSE_TOKEN_IDS])
+        assert len(span.attributes[semconv.RESPONSE_LOGPROBS]) == len(
+            span.attributes[semconv.RESPONSE_TOKEN_IDS]
+        )
         if attempt_id:
             assert span.attributes[semconv.ATTEMPT_ID] == attempt_id
     return first, second
@@ -78,9 +85,13 @@ def test_openai_agents_sdk_chat_completions_model(gw, agents_sdk_untraced):
         return weather(city)
 
     async def run(rollout_id: str, streamed: bool):
-        client = AsyncOpenAI(base_url=rollout_base_url(gw.url, rollout_id, "at-1"), api_key="x", max_retries=0)
+        client = AsyncOpenAI(
+            base_url=rollout_base_url(gw.url, rollout_id, "at-1"), api_key="x", max_retries=0
+        )
         model = agents.OpenAIChatCompletionsModel(model="tiny", openai_client=client)
-        agent = agents.Agent(name="forecaster", instructions="Answer weather questions.", model=model, tools=[get_weather])
+        agent = agents.Agent(
+            name="forecaster", instructions="Answer weather questions.", model=model, tools=[get_weather]
+        )
         if streamed:
             result = agents.Runner.run_streamed(agent, QUESTION)
             async for _ in result.stream_events():
@@ -106,11 +117,20 @@ def test_autogen_openai_chat_completion_client(gw):
 
     async def run():
         client = OpenAIChatCompletionClient(
-            model="tiny", base_url=rollout_base_url(gw.url, "ro-autogen"), api_key="x",
-            model_info={"vision": False, "function_calling": True, "json_output": False,
-                        "family": "unknown", "structured_output": False},
+            model="tiny",
+            base_url=rollout_base_url(gw.url, "ro-autogen"),
+            api_key="x",
+            model_info={
+                "vision": False,
+                "function_calling": True,
+                "json_output": False,
+                "family": "unknown",
+                "structured_output": False,
+            },
         )
-        agent = AssistantAgent("forecaster", model_client=client, tools=[weather_tool], reflect_on_tool_use=True)
+        agent = AssistantAgent(
+            "forecaster", model_client=client, tools=[weather_tool], reflect_on_tool_use=True
+        )
         result = await agent.run(task=QUESTION)
         await client.close()
         return result
@@ -141,8 +161,13 @@ def test_langchain_chat_openai_streaming_with_tools(gw):
         """The weather in a city."""
         return weather(city)
 
-    chat = ChatOpenAI(base_url=rollout_base_url(gw.url, "ro-lc-tools"), api_key="x", model="tiny",
-                      max_retries=0, streaming=True).bind_tools([get_weather])
+    chat = ChatOpenAI(
+        base_url=rollout_base_url(gw.url, "ro-lc-tools"),
+        api_key="x",
+        model="tiny",
+        max_retries=0,
+        streaming=True,
+    ).bind_tools([get_weather])
     messages = [HumanMessage(QUESTION)]
     first = chat.invoke(messages)
     (call,) = first.tool_calls
@@ -158,7 +183,12 @@ def test_openai_client_plain_text_decodes_to_what_it_received(gw):
     from openai import OpenAI
 
     client = OpenAI(base_url=rollout_base_url(gw.url, "ro-plain"), api_key="x", max_retries=0)
-    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=10, seed=3)
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=10, seed=3
+    )
     (span,) = _rollout_spans(gw, "ro-plain")
-    assert decode(gw.backend.tokenizer, span.attributes[semconv.RESPONSE_TOKEN_IDS]) == reply.choices[0].message.content
+    assert (
+        decode(gw.backend.tokenizer, span.attributes[semconv.RESPONSE_TOKEN_IDS])
+        == reply.choices[0].message.content
+    )
     assert span.attributes[semconv.GEN_AI_RESPONSE_ID] == reply.id

@@ -23,8 +23,13 @@ def gw(tiny_policy):
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
-    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=16,
-                        logits_processor=Script(tokenizer, WEATHER_SCRIPT))
+    backend = HFBackend(
+        model,
+        tokenizer,
+        model_name="tiny",
+        default_max_tokens=16,
+        logits_processor=Script(tokenizer, WEATHER_SCRIPT),
+    )
     with serve_gateway(backend, renderer=TemplateRenderer(tokenizer)) as gateway:
         yield gateway
     backend.close()
@@ -39,7 +44,9 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def test_sync_client_gets_what_the_span_records(gw, oa):
-    r = oa.chat.completions.create(model="tiny", messages=HI, max_tokens=8, n=2, seed=7, logprobs=True, top_logprobs=3)
+    r = oa.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=8, n=2, seed=7, logprobs=True, top_logprobs=3
+    )
     spans = gw.spans(r.id)
     assert [s.attributes[semconv.CHOICE_INDEX] for s in spans] == [0, 1]
     prompt = gw.backend.renderer.render(HI)
@@ -49,7 +56,11 @@ def test_sync_client_gets_what_the_span_records(gw, oa):
         assert decode(gw.backend.tokenizer, a[semconv.RESPONSE_TOKEN_IDS]) == choice.message.content
         assert [e.logprob for e in choice.logprobs.content] == list(a[semconv.RESPONSE_LOGPROBS])
         assert all(len(e.top_logprobs) == 3 for e in choice.logprobs.content)
-        assert a[semconv.POLICY_VERSION] == 0 and a[semconv.TRAINABLE] is True and a[semconv.PROMPT_DRIFT] is False
+        assert (
+            a[semconv.POLICY_VERSION] == 0
+            and a[semconv.TRAINABLE] is True
+            and a[semconv.PROMPT_DRIFT] is False
+        )
         assert a[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == (choice.finish_reason,)
     assert r.usage.prompt_tokens == len(prompt)
     assert r.usage.completion_tokens == sum(len(s.attributes[semconv.RESPONSE_TOKEN_IDS]) for s in spans)
@@ -83,8 +94,12 @@ def test_async_client_concurrent_calls_are_batched_and_exact(gw):
 
     async def run(concurrently: bool):
         client = openai.AsyncOpenAI(base_url=gw.v1, api_key="x", max_retries=0)
-        calls = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
-                                                max_tokens=6, temperature=0) for p in prompts]
+        calls = [
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": p}], max_tokens=6, temperature=0
+            )
+            for p in prompts
+        ]
         if concurrently:
             out = await asyncio.gather(*calls)
         else:
@@ -101,7 +116,9 @@ def test_async_client_concurrent_calls_are_batched_and_exact(gw):
         assert a.choices[0].message.content == b.choices[0].message.content
         (sa,), (sb,) = gw.spans(a.id), gw.spans(b.id)
         assert sa.attributes[semconv.RESPONSE_TOKEN_IDS] == sb.attributes[semconv.RESPONSE_TOKEN_IDS]
-        assert sa.attributes[semconv.RESPONSE_LOGPROBS] == pytest.approx(sb.attributes[semconv.RESPONSE_LOGPROBS], abs=1e-4)
+        assert sa.attributes[semconv.RESPONSE_LOGPROBS] == pytest.approx(
+            sb.attributes[semconv.RESPONSE_LOGPROBS], abs=1e-4
+        )
 
 
 def test_stop_strings_and_token_limits(gw, oa):
@@ -120,8 +137,13 @@ def test_stop_strings_and_token_limits(gw, oa):
 
 def test_text_completions_streamed_and_not(gw, oa):
     whole = oa.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, seed=5, logprobs=2)
-    streamed = "".join(c.choices[0].text for c in oa.completions.create(
-        model="tiny", prompt="Once upon a time", max_tokens=6, seed=5, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in oa.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=6, seed=5, stream=True
+        )
+        if c.choices
+    )
     assert streamed == whole.choices[0].text
     (span,) = gw.spans(whole.id)
     assert span.attributes[semconv.GEN_AI_OPERATION_NAME] == semconv.OP_TEXT_COMPLETION
@@ -139,12 +161,17 @@ def test_tool_call_parsed_streamed_and_not(gw, oa):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     (span,) = gw.spans(r.id)
     assert decode(gw.backend.tokenizer, span.attributes[semconv.RESPONSE_TOKEN_IDS]) == WEATHER_CALL
-    assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (
+        json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["tool_calls"][0]["function"]["name"]
+        == "get_weather"
+    )
     prompt = gw.backend.tokenizer.decode(list(span.attributes[semconv.PROMPT_TOKEN_IDS]))
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt
 
     names, args, finish, content = [], [], None, []
-    for chunk in oa.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER_TOOL], max_tokens=40, stream=True):
+    for chunk in oa.chat.completions.create(
+        model="tiny", messages=ask, tools=[WEATHER_TOOL], max_tokens=40, stream=True
+    ):
         for c in chunk.choices:
             content.append(c.delta.content or "")
             for d in c.delta.tool_calls or []:
@@ -157,7 +184,11 @@ def test_tool_call_parsed_streamed_and_not(gw, oa):
 
 def test_named_tool_choice_forces_a_call(gw, oa):
     r = oa.chat.completions.create(
-        model="tiny", messages=HI, tools=[WEATHER_TOOL], max_tokens=30, seed=1,
+        model="tiny",
+        messages=HI,
+        tools=[WEATHER_TOOL],
+        max_tokens=30,
+        seed=1,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     (call,) = r.choices[0].message.tool_calls
@@ -171,8 +202,17 @@ def test_named_tool_choice_forces_a_call(gw, oa):
 def test_tool_history_is_rendered_hermes_style(gw, oa):
     history = [
         {"role": "user", "content": "weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     r = oa.chat.completions.create(model="tiny", messages=history, tools=[WEATHER_TOOL], max_tokens=30)
@@ -184,8 +224,15 @@ def test_tool_history_is_rendered_hermes_style(gw, oa):
 
 def test_client_disconnect_mid_stream_is_recorded_and_harmless(gw, oa):
     before = gw.metrics.client_disconnects
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "a long story please"}], "max_tokens": 400, "stream": True}
-    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, headers={semconv.HEADER_ROLLOUT_ID: "ro-gone"}) as resp:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a long story please"}],
+        "max_tokens": 400,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", gw.v1 + "/chat/completions", json=body, headers={semconv.HEADER_ROLLOUT_ID: "ro-gone"}
+    ) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data:") and '"content"' in line:
@@ -206,8 +253,16 @@ def test_client_disconnect_mid_stream_is_recorded_and_harmless(gw, oa):
 @pytest.mark.parametrize(
     "body, status, fragment",
     [
-        ({"model": "tiny", "messages": HI, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         400, "not among the request's tools"),
+        (
+            {
+                "model": "tiny",
+                "messages": HI,
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            400,
+            "not among the request's tools",
+        ),
         ({"model": "tiny", "messages": HI, "tool_choice": "required"}, 400, "at least one tool"),
         ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
         ({"model": "tiny", "messages": HI, "max_tokens": 2040}, 400, "window is 2048 tokens"),
@@ -222,7 +277,9 @@ def test_request_errors(gw, body, status, fragment):
 
 
 def test_invalid_json_unknown_model_and_stream_errors(gw, oa):
-    bad = httpx.post(gw.v1 + "/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    bad = httpx.post(
+        gw.v1 + "/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError) as err:
         oa.chat.completions.create(model="gpt-4o", messages=HI, stream=True)
@@ -261,10 +318,15 @@ class _Drifting:
 def test_drift_check_flags_mismatches_and_counts_them(gw, tiny_policy):
     _, tokenizer = tiny_policy
     with serve_gateway(gw.backend, renderer=TemplateRenderer(_Drifting(tokenizer))) as drifting:
-        r = openai.OpenAI(base_url=drifting.v1, api_key="x").chat.completions.create(model="tiny", messages=HI, max_tokens=2)
+        r = openai.OpenAI(base_url=drifting.v1, api_key="x").chat.completions.create(
+            model="tiny", messages=HI, max_tokens=2
+        )
         (span,) = drifting.spans(r.id)
         assert span.attributes[semconv.PROMPT_DRIFT] is True
-        assert list(span.attributes[semconv.RENDERED_PROMPT_TOKEN_IDS]) == [*span.attributes[semconv.PROMPT_TOKEN_IDS], 0]
+        assert list(span.attributes[semconv.RENDERED_PROMPT_TOKEN_IDS]) == [
+            *span.attributes[semconv.PROMPT_TOKEN_IDS],
+            0,
+        ]
         text = httpx.get(drifting.url + "/metrics").text
     assert "agl_gateway_prompt_drift_total 1" in text and "agl_gateway_prompt_checks_total 1" in text
     assert gw.metrics.prompt_drift == 0 and gw.metrics.prompt_checks > 0
@@ -319,19 +381,24 @@ def test_weight_update_gets_the_lock_between_batches_under_load(gw):
 
 def test_hot_swap_full_weights_then_lora_without_restart(tmp_path):
     import torch
+    from peft import LoraConfig, get_peft_model
+
     from agl_trainer.hf_backend import HFBackend
     from agl_trainer.model import load_policy
-    from peft import LoraConfig, get_peft_model
 
     model, tokenizer = load_policy("tiny", seed=0)
     backend = HFBackend(model, tokenizer, model_name="tiny")
     changed, _ = load_policy("tiny", seed=1)
     changed.save_pretrained(tmp_path / "full")
-    adapted = get_peft_model(load_policy("tiny", seed=1)[0], LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted = get_peft_model(
+        load_policy("tiny", seed=1)[0],
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     adapted.save_pretrained(tmp_path / "lora")
 
     body = {"model": "tiny", "messages": HI, "max_tokens": 4, "temperature": 0}
     with serve_gateway(backend, admin_token="s3cret") as gateway:
+
         def logprobs():
             r = httpx.post(gateway.v1 + "/chat/completions", json=body).json()
             (span,) = gateway.spans(r["id"])
@@ -339,15 +406,26 @@ def test_hot_swap_full_weights_then_lora_without_restart(tmp_path):
 
         v0, lp0 = logprobs()
         publish = gateway.url + "/agl/v1/policy"
-        assert httpx.post(publish, json={"version": 1, "path": str(tmp_path / "full"), "kind": "full"}).status_code == 401
+        assert (
+            httpx.post(
+                publish, json={"version": 1, "path": str(tmp_path / "full"), "kind": "full"}
+            ).status_code
+            == 401
+        )
         auth = {"authorization": "Bearer s3cret"}
-        ok = httpx.post(publish, json={"version": 1, "path": str(tmp_path / "full"), "kind": "full"}, headers=auth)
+        ok = httpx.post(
+            publish, json={"version": 1, "path": str(tmp_path / "full"), "kind": "full"}, headers=auth
+        )
         assert ok.status_code == 200, ok.text
         v1, lp1 = logprobs()
-        ok = httpx.post(publish, json={"version": 2, "path": str(tmp_path / "lora"), "kind": "lora"}, headers=auth)
+        ok = httpx.post(
+            publish, json={"version": 2, "path": str(tmp_path / "lora"), "kind": "lora"}, headers=auth
+        )
         assert ok.status_code == 200, ok.text
         v2, lp2 = logprobs()
-        bad = httpx.post(publish, json={"version": 3, "path": str(tmp_path / "full"), "kind": "lora"}, headers=auth)
+        bad = httpx.post(
+            publish, json={"version": 3, "path": str(tmp_path / "full"), "kind": "lora"}, headers=auth
+        )
         assert bad.status_code == 500 and "adapter_config.json" in bad.json()["error"]["message"]
     backend.close()
     assert (v0, v1, v2) == (0, 1, 2)
@@ -369,11 +447,15 @@ def test_malformed_tool_calls_are_flagged_on_the_span(tiny_policy, stream):
 
     model, tokenizer = tiny_policy
     rules = [("broken", BROKEN_CALL), ("unknown", UNKNOWN_CALL), ("weather", WEATHER_CALL)]
-    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=40, logits_processor=Script(tokenizer, rules))
+    backend = HFBackend(
+        model, tokenizer, model_name="tiny", default_max_tokens=40, logits_processor=Script(tokenizer, rules)
+    )
 
     def ask(question, tools):
         kwargs = {"tools": tools} if tools else {}
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}], stream=stream, **kwargs)
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": question}], stream=stream, **kwargs
+        )
         if not stream:
             return r.id, r.choices[0].message.content, [c.id for c in r.choices[0].message.tool_calls or []]
         content, ids, response_id = "", [], None

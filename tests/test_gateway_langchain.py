@@ -42,8 +42,14 @@ def test_langchain_call_through_gateway_yields_a_transition_with_exact_tokens(st
     gateway, backend, provider, client = stack
     handler = AglCallbackHandler(agent_name="solver", tracer_provider=provider)
     with rollout_scope("ro-lc", "at-lc", "task-lc", tracer_provider=provider):
-        chat = ChatOpenAI(base_url=rollout_base_url(gateway.url, "ro-lc", "at-lc"), api_key="x", model="tiny",
-                          max_tokens=8, max_retries=0, temperature=1.0)
+        chat = ChatOpenAI(
+            base_url=rollout_base_url(gateway.url, "ro-lc", "at-lc"),
+            api_key="x",
+            model="tiny",
+            max_tokens=8,
+            max_retries=0,
+            temperature=1.0,
+        )
         chain = ChatPromptTemplate.from_messages([("user", "What is {a} + {b}?")]) | chat | StrOutputParser()
         reply = chain.invoke({"a": 2, "b": 3}, config={"callbacks": [handler]})
         emit_reward(1.0, tracer_provider=provider)
@@ -54,8 +60,13 @@ def test_langchain_call_through_gateway_yields_a_transition_with_exact_tokens(st
     framework = [s for s in spans if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_LANGCHAIN]
     gateway_spans = [s for s in spans if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
     assert len(gateway_spans) == 1
-    llm_span = next(s for s in framework if s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_CHAT)
-    assert llm_span.attributes[semconv.GEN_AI_RESPONSE_ID] == gateway_spans[0].attributes[semconv.GEN_AI_RESPONSE_ID]
+    llm_span = next(
+        s for s in framework if s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_CHAT
+    )
+    assert (
+        llm_span.attributes[semconv.GEN_AI_RESPONSE_ID]
+        == gateway_spans[0].attributes[semconv.GEN_AI_RESPONSE_ID]
+    )
     assert gateway_spans[0].attempt_id == "at-lc"
 
     result = spans_to_transitions(spans)
@@ -82,13 +93,20 @@ def test_header_attribution_and_traceparent_parenting(stack):
     trace_id, parent_id = "ab" * 16, "cd" * 8
     response = httpx.post(
         gateway.url + "/v1/chat/completions",
-        json={"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3,
-              "logprobs": True, "seed": 1},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "seed": 1,
+        },
         headers={semconv.HEADER_ROLLOUT_ID: "ro-hdr", "traceparent": f"00-{trace_id}-{parent_id}-01"},
     )
     assert response.status_code == 200, response.text
     data = response.json()
-    assert data["object"] == "chat.completion" and data["usage"]["completion_tokens"] == len(data["choices"][0]["logprobs"]["content"])
+    assert data["object"] == "chat.completion" and data["usage"]["completion_tokens"] == len(
+        data["choices"][0]["logprobs"]["content"]
+    )
     (span,) = client.query_spans(rollout_ids=["ro-hdr"])
     assert (span.trace_id, span.parent_span_id) == (trace_id, parent_id)
     assert len(span.attributes[semconv.RESPONSE_LOGPROBS]) == len(span.attributes[semconv.RESPONSE_TOKEN_IDS])
@@ -108,9 +126,21 @@ def test_same_seed_same_tokens(stack):
         ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
         ({"model": "tiny", "messages": []}, 400, "messages"),
         ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, 400, "temperature"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "context window"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text content"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 9},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000},
+            400,
+            "context window",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "text content",
+        ),
     ],
 )
 def test_gateway_errors_use_openai_format(stack, body, status, fragment):
@@ -125,13 +155,17 @@ def test_invalid_json_and_real_openai_client_errors(stack):
     import openai
 
     gateway, *_ = stack
-    response = httpx.post(gateway.url + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     oa = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     assert [m.id for m in oa.models.list()] == ["tiny"]
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
-    ok = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2)
+    ok = oa.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2
+    )
     assert len(ok.choices) == 2 and ok.usage.completion_tokens >= 2
 
 

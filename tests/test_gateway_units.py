@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from agl_core import semconv
 from agl_core.gateway._assemble import TextAssembler
 from agl_core.gateway._http import ConnectFailed, Pool, TimedOut
-from agl_core import semconv
 from agl_core.gateway.tools import (
     forced_prefix,
     held_back,
@@ -25,16 +25,35 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
 @pytest.mark.parametrize(
     "text, fmt, content, calls",
     [
-        ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', "hermes", "Sure.\n", [("f", {"x": 1})]),
-        ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"y": "z"}}</tool_call>',
-         "hermes", "", [("f", {}), ("g", {"y": "z"})]),
-        ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}', "hermes", "", [("f", {"x": 1})]),  # cut at the end-of-turn
+        (
+            'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
+            "hermes",
+            "Sure.\n",
+            [("f", {"x": 1})],
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"y": "z"}}</tool_call>',
+            "hermes",
+            "",
+            [("f", {}), ("g", {"y": "z"})],
+        ),
+        (
+            '<tool_call>\n{"name": "f", "arguments": {"x": 1}}',
+            "hermes",
+            "",
+            [("f", {"x": 1})],
+        ),  # cut at the end-of-turn
         ("<tool_call>\nnot json\n</tool_call>", "hermes", "<tool_call>\nnot json\n</tool_call>", []),
         ("no calls here", "hermes", "no calls here", []),
         ('[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}]', "mistral", "", [("f", {"x": 1})]),
         ('{"name": "f", "parameters": {"x": 1}}', "llama3_json", "", [("f", {"x": 1})]),
         ('<|python_tag|>{"name": "f", "parameters": {}}', "llama3_json", "", [("f", {})]),
-        ('I think {"name": "f", "parameters": {}}', "llama3_json", 'I think {"name": "f", "parameters": {}}', []),
+        (
+            'I think {"name": "f", "parameters": {}}',
+            "llama3_json",
+            'I think {"name": "f", "parameters": {}}',
+            [],
+        ),
     ],
 )
 def test_parse_tool_calls(text, fmt, content, calls):
@@ -63,12 +82,21 @@ def test_prepare_messages_without_native_tool_support():
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": "42"},
     ]
-    out, tools = prepare_messages(messages, [{"type": "function", "function": {"name": "f"}}], "{{ message['content'] }}")
+    out, tools = prepare_messages(
+        messages, [{"type": "function", "function": {"name": "f"}}], "{{ message['content'] }}"
+    )
     assert tools is None
-    assert out[0]["role"] == "system" and '{"type": "function", "function": {"name": "f"}}' in out[0]["content"]
-    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'}
+    assert (
+        out[0]["role"] == "system" and '{"type": "function", "function": {"name": "f"}}' in out[0]["content"]
+    )
+    assert out[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
+    }
     assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
-    native, native_tools = prepare_messages(messages, [{"type": "function", "function": {"name": "f"}}], "{{ tools }} {{ tool_calls }}")
+    native, native_tools = prepare_messages(
+        messages, [{"type": "function", "function": {"name": "f"}}], "{{ tools }} {{ tool_calls }}"
+    )
     assert native[1]["tool_calls"] == [CALL] and native[1]["content"] == "" and native_tools is not None
 
 
@@ -81,9 +109,11 @@ def test_held_back_covers_marker_prefixes_and_whitespace():
 
 def _decoder(pieces):
     """A decode function over fake token ids: id i decodes to pieces[i]; an odd byte count stays partial."""
+
     def decode(ids):
         raw = b"".join(pieces[i] for i in ids)
         return raw.decode("utf-8", errors="replace")
+
     return decode
 
 
@@ -222,8 +252,14 @@ class _BlockingBackend:
     def chat(self, model, request):
         from agl_core.gateway import Completion
 
-        return Completion(text=f"echo {request.messages[-1]['content']}", finish_reason="stop", prompt_ids=(1, 2),
-                          response_ids=(3, 4), response_logprobs=(-0.5, -0.25), policy_version=7)
+        return Completion(
+            text=f"echo {request.messages[-1]['content']}",
+            finish_reason="stop",
+            prompt_ids=(1, 2),
+            response_ids=(3, 4),
+            response_logprobs=(-0.5, -0.25),
+            policy_version=7,
+        )
 
 
 def test_a_blocking_chat_backend_still_serves_streamed_and_whole_calls():
@@ -236,8 +272,13 @@ def test_a_blocking_chat_backend_still_serves_streamed_and_whole_calls():
     with serve_gateway(_BlockingBackend()) as gateway:
         client = openai.OpenAI(base_url=gateway.v1, api_key="x", max_retries=0)
         whole = client.chat.completions.create(model="old", messages=[{"role": "user", "content": "hi"}], n=2)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="old", messages=[{"role": "user", "content": "hi"}], stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model="old", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            if c.choices
+        )
         spans = gateway.spans()
     assert [c.message.content for c in whole.choices] == ["echo hi", "echo hi"] and streamed == "echo hi"
     assert {s.attributes[semconv.POLICY_VERSION] for s in spans} == {7} and len(spans) == 3

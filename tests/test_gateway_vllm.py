@@ -35,8 +35,13 @@ def tokenizer(tiny_policy):
 
 @pytest.fixture(scope="module")
 def fake(tokenizer):
-    server = FakeVLLM(tokenizer, served_model_name="policy", enable_auto_tool_choice=True, tool_call_parser="hermes",
-                      allow_runtime_lora=True)
+    server = FakeVLLM(
+        tokenizer,
+        served_model_name="policy",
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+        allow_runtime_lora=True,
+    )
     with BackgroundServer(server.app()) as running:
         server.url = running.url
         yield server
@@ -58,7 +63,10 @@ def test_records_the_token_ids_vllm_reports(gw, oa, fake, tokenizer):
     r = oa.chat.completions.create(model="policy", messages=HI, n=2)
     sent = fake.requests[-1]
     assert sent["return_token_ids"] is True and sent["logprobs"] is True and sent["model"] == "policy"
-    assert r.choices[0].message.content == "echo: hi there" and r.choices[1].message.content == "echo: hi there #1"
+    assert (
+        r.choices[0].message.content == "echo: hi there"
+        and r.choices[1].message.content == "echo: hi there #1"
+    )
     assert r.choices[0].logprobs is None  # the client did not ask for them
     spans = gw.spans(r.id)
     for choice, span in zip(r.choices, spans):
@@ -74,8 +82,9 @@ def test_records_the_token_ids_vllm_reports(gw, oa, fake, tokenizer):
 
 def test_streams_with_token_ids_and_usage(gw, oa, fake, tokenizer):
     text, ids, usage = [], set(), None
-    for chunk in oa.chat.completions.create(model="policy", messages=HI, stream=True, logprobs=True,
-                                            stream_options={"include_usage": True}):
+    for chunk in oa.chat.completions.create(
+        model="policy", messages=HI, stream=True, logprobs=True, stream_options={"include_usage": True}
+    ):
         ids.add(chunk.id)
         usage = chunk.usage or usage
         for c in chunk.choices:
@@ -110,12 +119,21 @@ def test_tool_calls_pass_through_streamed_and_not(gw, oa, tokenizer):
     assert "".join(names) == "get_weather" and json.loads("".join(args)) == {"city": "Paris"}
     (streamed,) = gw.spans(ids.pop())
     assert streamed.attributes[semconv.RESPONSE_TOKEN_IDS] == span.attributes[semconv.RESPONSE_TOKEN_IDS]
-    assert json.loads(streamed.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (
+        json.loads(streamed.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["tool_calls"][0]["function"][
+            "name"
+        ]
+        == "get_weather"
+    )
 
 
 def test_text_completions(gw, oa, fake, tokenizer):
     whole = oa.completions.create(model="policy", prompt="Say hi", max_tokens=20, logprobs=0)
-    streamed = "".join(c.choices[0].text for c in oa.completions.create(model="policy", prompt="Say hi", max_tokens=20, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in oa.completions.create(model="policy", prompt="Say hi", max_tokens=20, stream=True)
+        if c.choices
+    )
     assert whole.choices[0].text == streamed == "completion of Say hi"
     (span,) = gw.spans(whole.id)
     assert list(span.attributes[semconv.PROMPT_TOKEN_IDS]) == tokenizer.encode("Say hi")
@@ -143,23 +161,33 @@ def test_lora_versions_are_loaded_into_vllm_and_used(gw, oa, fake, tmp_path):
 
 def test_lora_endpoint_missing_is_explained(fake, tokenizer, tmp_path):
     plain = FakeVLLM(tokenizer, served_model_name="policy")
-    with BackgroundServer(plain.app()) as server, serve_gateway(VLLMBackend(server.url + "/v1", model_name="policy")) as gateway:
+    with (
+        BackgroundServer(plain.app()) as server,
+        serve_gateway(VLLMBackend(server.url + "/v1", model_name="policy")) as gateway,
+    ):
         response = httpx.post(gateway.url + "/agl/v1/policy", json={"version": 1, "path": str(tmp_path)})
         assert response.status_code == 500
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in response.json()["error"]["message"]
         # and "auto" tool choice without vLLM's parser flags is vLLM's own 400, passed on
-        bad = httpx.post(gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI, "tools": [WEATHER_TOOL], "tool_choice": "auto"})
+        bad = httpx.post(
+            gateway.v1 + "/chat/completions",
+            json={"model": "policy", "messages": HI, "tools": [WEATHER_TOOL], "tool_choice": "auto"},
+        )
         assert bad.status_code == 400 and "--enable-auto-tool-choice" in bad.json()["error"]["message"]
 
 
 def test_context_too_long_and_backend_down(gw, oa):
     with pytest.raises(openai.BadRequestError) as err:
         oa.chat.completions.create(model="policy", messages=HI, max_tokens=2040)
-    assert "context window is 2048 tokens" in err.value.message and err.value.code == "context_length_exceeded"
+    assert (
+        "context window is 2048 tokens" in err.value.message and err.value.code == "context_length_exceeded"
+    )
     down = VLLMBackend("http://127.0.0.1:9/v1", model_name="policy")
     with serve_gateway(down) as gateway:
         response = httpx.post(gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI})
-        streamed = httpx.post(gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI, "stream": True})
+        streamed = httpx.post(
+            gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI, "stream": True}
+        )
         spans = gateway.spans()
     assert response.status_code == 503 and "cannot connect" in response.json()["error"]["message"]
     assert streamed.status_code == 503
@@ -171,13 +199,19 @@ def test_openai_backend_is_marked_not_trainable(fake, tokenizer):
     with serve_gateway(backend) as gateway:
         client = openai.OpenAI(base_url=gateway.v1, api_key="x", max_retries=0)
         r = client.chat.completions.create(model="judge", messages=HI)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="judge", messages=HI, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(model="judge", messages=HI, stream=True)
+            if c.choices
+        )
         spans = gateway.spans()
     assert "return_token_ids" not in fake.requests[-1] and fake.requests[-1]["model"] == "policy"
     assert r.choices[0].message.content == streamed == "echo: hi there"
     for span in spans:
-        assert span.attributes[semconv.TRAINABLE] is False and span.attributes[semconv.GATEWAY_BACKEND] == "openai"
+        assert (
+            span.attributes[semconv.TRAINABLE] is False
+            and span.attributes[semconv.GATEWAY_BACKEND] == "openai"
+        )
         assert span.attributes[semconv.RESPONSE_TOKEN_IDS] == ()
 
 
@@ -185,8 +219,11 @@ def test_launch_runs_vllm_serve_and_restarts_it_for_full_weights(tmp_path):
     root = str(Path(__file__).resolve().parent.parent)
     env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     backend = VLLMBackend.launch(
-        str(tmp_path / "base"), model_name="policy", command=(sys.executable, "-m", "tests.fake_vllm", "serve"),
-        env=env, startup_timeout_s=120,
+        str(tmp_path / "base"),
+        model_name="policy",
+        command=(sys.executable, "-m", "tests.fake_vllm", "serve"),
+        env=env,
+        startup_timeout_s=120,
     )
     try:
         with serve_gateway(backend) as gateway:
@@ -194,12 +231,17 @@ def test_launch_runs_vllm_serve_and_restarts_it_for_full_weights(tmp_path):
             assert models[0]["id"] == "policy" and models[0]["root"] == str(tmp_path / "base")
             ok = httpx.post(gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI})
             assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "echo: hi there"
-            published = httpx.post(gateway.url + "/agl/v1/policy", timeout=120,
-                                   json={"version": 5, "path": str(tmp_path / "step5"), "kind": "full"})
+            published = httpx.post(
+                gateway.url + "/agl/v1/policy",
+                timeout=120,
+                json={"version": 5, "path": str(tmp_path / "step5"), "kind": "full"},
+            )
             assert published.status_code == 200, published.text
             models = httpx.get(backend.base_url + "/models").json()["data"]
             assert models[0]["root"] == str(tmp_path / "step5")
-            again = httpx.post(gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI}).json()
+            again = httpx.post(
+                gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI}
+            ).json()
             (span,) = gateway.spans(again["id"])
             assert span.attributes[semconv.POLICY_VERSION] == 5
     finally:

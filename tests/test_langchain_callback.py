@@ -51,7 +51,9 @@ def test_tool_spans_nest_under_their_step_and_record_errors():
     assert good.attributes[semconv.GEN_AI_TOOL_NAME] == "divide"
     assert solve.attributes[semconv.GEN_AI_AGENT_NAME] == "calc"
     for span in (solve, good, bad):
-        assert span.attributes[semconv.ROLLOUT_ID] == "ro-tool" and span.attributes[semconv.ATTEMPT_ID] == "at-1"
+        assert (
+            span.attributes[semconv.ROLLOUT_ID] == "ro-tool" and span.attributes[semconv.ATTEMPT_ID] == "at-1"
+        )
         assert span.attributes[semconv.SOURCE] == semconv.SOURCE_LANGCHAIN
 
 
@@ -98,9 +100,14 @@ def test_a_tool_error_handed_to_the_model_as_the_result_is_still_an_error():
     handler = AglCallbackHandler(tracer_provider=provider)
     with rollout_scope("ro-handled", tracer_provider=provider):
         for call_id, args in (("c1", {"key": "here"}), ("c2", {"key": "missing"}), ("c3", {"wrong": 1})):
-            tool.invoke({"name": "lookup", "args": args, "id": call_id, "type": "tool_call"}, config={"callbacks": [handler]})
+            tool.invoke(
+                {"name": "lookup", "args": args, "id": call_id, "type": "tool_call"},
+                config={"callbacks": [handler]},
+            )
     spans = [s for s in exporter.get_finished_spans() if s.name == "execute_tool lookup"]
     assert [s.status.status_code.name for s in spans] == ["UNSET", "ERROR", "ERROR"]
-    assert [s.attributes.get(semconv.ERROR_TYPE) for s in spans] == [None] + [semconv.ERROR_TYPE_TOOL_RESULT] * 2
+    assert [s.attributes.get(semconv.ERROR_TYPE) for s in spans] == [None] + [
+        semconv.ERROR_TYPE_TOOL_RESULT
+    ] * 2
     assert spans[1].status.description == "no such key"
     assert [s.attributes[semconv.GEN_AI_TOOL_CALL_ID] for s in spans] == ["c1", "c2", "c3"]

@@ -43,8 +43,18 @@ def test_tiny_model_learns_to_say_even_words(algorithm):
         out = []
         for g in range(8):
             c = backend.chat("tiny", request)
-            out.append(Transition(f"s{step}-{g}", None, "t", 0, c.prompt_ids, c.response_ids, c.response_logprobs,
-                                  reward(c.response_ids)))
+            out.append(
+                Transition(
+                    f"s{step}-{g}",
+                    None,
+                    "t",
+                    0,
+                    c.prompt_ids,
+                    c.response_ids,
+                    c.response_logprobs,
+                    reward(c.response_ids),
+                )
+            )
         return out
 
     means = []

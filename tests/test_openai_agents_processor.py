@@ -45,8 +45,18 @@ def test_agents_guardrails_handoffs_responses_and_tool_errors_become_spans(recor
                 with guardrail_span("no-pii", triggered=False) as guard:
                     guard.span_data.triggered = True
                 with generation_span(model="m") as gen:
-                    gen.span_data.output = [{"role": "assistant", "tool_calls": [
-                        {"id": "call-7", "type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}]}]
+                    gen.span_data.output = [
+                        {
+                            "role": "assistant",
+                            "tool_calls": [
+                                {
+                                    "id": "call-7",
+                                    "type": "function",
+                                    "function": {"name": "lookup", "arguments": '{"q": 1}'},
+                                }
+                            ],
+                        }
+                    ]
                     gen.span_data.usage = {"input_tokens": 11, "output_tokens": 3}
                 with function_span("lookup", input='{"q": 1}') as fn:
                     fn.set_error(SpanError(message="Error running tool", data={"error": "boom"}))
@@ -54,21 +64,33 @@ def test_agents_guardrails_handoffs_responses_and_tool_errors_become_spans(recor
                     handoff.span_data.to_agent = "solver"
                 with response_span() as resp:
                     resp.span_data.response = Response.model_construct(
-                        id="resp_1", model="m", output=[], usage=ResponseUsage.model_construct(input_tokens=5, output_tokens=2))
+                        id="resp_1",
+                        model="m",
+                        output=[],
+                        usage=ResponseUsage.model_construct(input_tokens=5, output_tokens=2),
+                    )
     spans = {s.name: s for s in exporter.get_finished_spans()}
     agent = spans["invoke_agent triage"]
     assert agent.attributes[semconv.GEN_AI_OPERATION_NAME] == semconv.OP_INVOKE_AGENT
     assert agent.parent.span_id == spans[semconv.SPAN_ROLLOUT].context.span_id  # an SDK trace gets no span
     guard = spans["guardrail no-pii"]
-    assert guard.attributes[semconv.GUARDRAIL_TRIGGERED] is True and guard.attributes[semconv.GEN_AI_AGENT_NAME] == "triage"
+    assert (
+        guard.attributes[semconv.GUARDRAIL_TRIGGERED] is True
+        and guard.attributes[semconv.GEN_AI_AGENT_NAME] == "triage"
+    )
     gen = spans["chat m"]
-    assert gen.attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] == 11 and gen.parent.span_id == agent.context.span_id
+    assert (
+        gen.attributes[semconv.GEN_AI_USAGE_INPUT_TOKENS] == 11
+        and gen.parent.span_id == agent.context.span_id
+    )
     tool = spans["execute_tool lookup"]
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == "call-7"
     assert tool.status.status_code.name == "ERROR" and "boom" in tool.status.description
     handoff = spans["handoff triage -> solver"]
     assert handoff.attributes[semconv.HANDOFF_TO_AGENT] == "solver"
-    response = [s for s in exporter.get_finished_spans() if s.attributes.get(semconv.GEN_AI_RESPONSE_ID) == "resp_1"]
+    response = [
+        s for s in exporter.get_finished_spans() if s.attributes.get(semconv.GEN_AI_RESPONSE_ID) == "resp_1"
+    ]
     assert len(response) == 1 and response[0].attributes[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == 2
     for span in exporter.get_finished_spans():
         if span.name != semconv.SPAN_ROLLOUT:

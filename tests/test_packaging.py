@@ -10,7 +10,9 @@ def test_import_agl_core_stays_light():
         " 'autogen_agentchat', 'langgraph') if m in sys.modules]\n"
         "print(heavy)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -20,5 +22,7 @@ def test_gpu_backends_stay_optional():
         "import sys, agl_trainer.serving, agl_trainer.verl_backend, agl_trainer.requirements\n"
         "print([m for m in ('torch', 'vllm', 'verl', 'ray', 'omegaconf', 'peft') if m in sys.modules])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert out.strip() == "[]"

@@ -33,4 +33,12 @@ def test_transition_rejects_logprobs_of_the_wrong_length():
 
 def test_rollout_status_finished():
     assert not RolloutStatus.QUEUED.finished and not RolloutStatus.RUNNING.finished
-    assert all(s.finished for s in (RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.TIMED_OUT, RolloutStatus.CANCELLED))
+    assert all(
+        s.finished
+        for s in (
+            RolloutStatus.SUCCEEDED,
+            RolloutStatus.FAILED,
+            RolloutStatus.TIMED_OUT,
+            RolloutStatus.CANCELLED,
+        )
+    )

@@ -69,21 +69,34 @@ def test_runner_runs_agents_concurrently_and_captures_failures(store_server, cli
     finally:
         runner.stop()
     status = {r.input["n"]: r.status for r in done}
-    assert status == {0: RolloutStatus.SUCCEEDED, 1: RolloutStatus.SUCCEEDED, 2: RolloutStatus.SUCCEEDED,
-                      3: RolloutStatus.FAILED, 4: RolloutStatus.FAILED, 5: RolloutStatus.SUCCEEDED}
+    assert status == {
+        0: RolloutStatus.SUCCEEDED,
+        1: RolloutStatus.SUCCEEDED,
+        2: RolloutStatus.SUCCEEDED,
+        3: RolloutStatus.FAILED,
+        4: RolloutStatus.FAILED,
+        5: RolloutStatus.SUCCEEDED,
+    }
     failed = next(r for r in done if r.input["n"] == 3)
-    assert "ZeroDivisionError: agent bug" in failed.attempts[0].error and "Traceback" in failed.attempts[0].error
+    assert (
+        "ZeroDivisionError: agent bug" in failed.attempts[0].error and "Traceback" in failed.attempts[0].error
+    )
     not_a_number = next(r for r in done if r.input["n"] == 4)
     assert "returned 'not a number', which is not a reward" in not_a_number.attempts[0].error
     # each rollout got its own rollout-scoped endpoint and the published policy version
     for r in done:
         base_url, version, task = seen[r.rollout_id]
-        assert base_url == f"http://127.0.0.1:9/rollouts/{r.rollout_id}/attempts/{r.attempts[0].attempt_id}/v1"
+        assert (
+            base_url == f"http://127.0.0.1:9/rollouts/{r.rollout_id}/attempts/{r.attempts[0].attempt_id}/v1"
+        )
         assert version == 4 and task == r.input
     spans = client.query_spans(rollout_ids=[r.rollout_id for r in done])
     rewards = episode_rewards(spans)
     assert {next(r.input["n"] for r in done if r.rollout_id == rid): v for rid, v in rewards.items()} == {
-        0: 0.0, 1: 0.1, 2: 0.2, 5: 0.5
+        0: 0.0,
+        1: 0.1,
+        2: 0.2,
+        5: 0.5,
     }
     errors = [s for s in spans if s.name == semconv.SPAN_ERROR]
     assert len(errors) == 2 and all(s.is_error for s in errors)
@@ -100,7 +113,10 @@ def test_runner_without_llm_resource_fails_the_attempt_clearly(sqlite_store):
         finally:
             runner.stop()
     assert done.status == RolloutStatus.FAILED
-    assert "no usable 'llm' resource" in done.attempts[0].error and "trainer publishes it" in done.attempts[0].error
+    assert (
+        "no usable 'llm' resource" in done.attempts[0].error
+        and "trainer publishes it" in done.attempts[0].error
+    )
 
 
 def test_load_agent_errors():
@@ -122,11 +138,15 @@ def test_mode_resolution_and_bad_settings(sq):
 
     assert resolve_mode(sync_agent) == "thread" and resolve_mode(async_agent) == "async"
     assert resolve_mode(_runner_agents.scripted_async, "process") == "process"
-    with pytest.raises(ValueError, match="mode 'async' runs 'async def' agents, but .*sync_agent is a plain function"):
+    with pytest.raises(
+        ValueError, match="mode 'async' runs 'async def' agents, but .*sync_agent is a plain function"
+    ):
         Runner(sync_agent, sq, TracerProvider(), mode="async")
     with pytest.raises(ValueError, match="is an 'async def' agent; run it in mode 'async'"):
         Runner(async_agent, sq, TracerProvider(), mode="thread")
-    with pytest.raises(ValueError, match="mode 'process' imports the agent by name .* define it at the top level"):
+    with pytest.raises(
+        ValueError, match="mode 'process' imports the agent by name .* define it at the top level"
+    ):
         Runner(sync_agent, sq, TracerProvider(), mode="process")
     with pytest.raises(ValueError, match="unknown runner mode 'fork'"):
         Runner(sync_agent, sq, TracerProvider(), mode="fork")
@@ -134,8 +154,14 @@ def test_mode_resolution_and_bad_settings(sq):
         Runner(sync_agent, sq, TracerProvider(), rollout_timeout_s=0)
     with pytest.raises(ValueError, match="workers must be an integer >= 1"):
         Runner(sync_agent, sq, TracerProvider(), workers=0)
-    assert run_command("my_agent:run", "http://10.0.0.5:4318", workers=8, mode="process", rollout_timeout_s=90.0,
-                       paths=["/srv/my agents"]) == (
+    assert run_command(
+        "my_agent:run",
+        "http://10.0.0.5:4318",
+        workers=8,
+        mode="process",
+        rollout_timeout_s=90.0,
+        paths=["/srv/my agents"],
+    ) == (
         "agl run my_agent:run --store http://10.0.0.5:4318 --workers 8 --mode process --rollout-timeout 90"
         " --path '/srv/my agents'"
     )
@@ -153,7 +179,9 @@ def test_thread_timeout_is_recorded_on_time_and_the_late_result_dropped(sq_serve
             return 1.0
         return 0.5
 
-    hung, quick = sq.enqueue_rollouts([{"task_id": "hang", "input": {"hang": True}}, {"task_id": "quick", "input": {}}])
+    hung, quick = sq.enqueue_rollouts(
+        [{"task_id": "hang", "input": {"hang": True}}, {"task_id": "quick", "input": {}}]
+    )
     runner = Runner(agent, sq, provider, workers=1, rollout_timeout_s=0.3).start()
     try:
         start = time.monotonic()
@@ -179,7 +207,9 @@ def test_thread_timeout_is_recorded_on_time_and_the_late_result_dropped(sq_serve
     assert any("returned" in r.message and "its result is dropped" in r.message for r in caplog.records)
     (span,) = _error_spans(sq, hung.rollout_id)
     assert span.attributes[semconv.ERROR_TYPE] == "RolloutTimeout" and span.is_error
-    rollout_span = next(s for s in sq.query_spans(rollout_ids=[hung.rollout_id]) if s.name == semconv.SPAN_ROLLOUT)
+    rollout_span = next(
+        s for s in sq.query_spans(rollout_ids=[hung.rollout_id]) if s.name == semconv.SPAN_ROLLOUT
+    )
     assert span.parent_span_id == rollout_span.span_id and rollout_span.is_error
     assert runner.counts.timed_out == 1 and runner.counts.succeeded == 1
     provider.shutdown()
@@ -203,8 +233,10 @@ def test_thread_mode_bounds_abandoned_threads(sq, caplog):
             # one abandoned thread is the limit: the second rollout is not taken while it hangs
             (waiting,) = sq.get_rollouts([second.rollout_id])
             assert waiting.status == RolloutStatus.QUEUED
-            assert any("still running (the limit is 1)" in r.message and "mode 'process'" in r.message
-                       for r in caplog.records)
+            assert any(
+                "still running (the limit is 1)" in r.message and "mode 'process'" in r.message
+                for r in caplog.records
+            )
             release.set()
             (later,) = sq.wait_for_rollouts([second.rollout_id], timeout_s=10, poll_s=0.02)
             assert later.status == RolloutStatus.SUCCEEDED
@@ -226,20 +258,26 @@ def test_timed_out_and_failed_attempts_are_retried_up_to_max_attempts(sq):
             raise RuntimeError(f"try {n}")
         return 1.0
 
-    slow, failing = sq.enqueue_rollouts([
-        {"task_id": "s", "input": {"name": "slow-once"}, "max_attempts": 2},
-        {"task_id": "f", "input": {"name": "always-fails"}, "max_attempts": 3},
-    ])
+    slow, failing = sq.enqueue_rollouts(
+        [
+            {"task_id": "s", "input": {"name": "slow-once"}, "max_attempts": 2},
+            {"task_id": "f", "input": {"name": "always-fails"}, "max_attempts": 3},
+        ]
+    )
     runner = Runner(agent, sq, TracerProvider(), workers=2, rollout_timeout_s=0.3).start()
     try:
-        slow_done, failed = sq.wait_for_rollouts([slow.rollout_id, failing.rollout_id], timeout_s=10, poll_s=0.02)
+        slow_done, failed = sq.wait_for_rollouts(
+            [slow.rollout_id, failing.rollout_id], timeout_s=10, poll_s=0.02
+        )
     finally:
         runner.stop()
     assert slow_done.status == RolloutStatus.SUCCEEDED and slow_done.reward == 1.0
     assert [a.status for a in slow_done.attempts] == [RolloutStatus.TIMED_OUT, RolloutStatus.SUCCEEDED]
     assert failed.status == RolloutStatus.FAILED and len(failed.attempts) == 3
     assert [a.error.strip().splitlines()[-1] for a in failed.attempts] == [
-        "RuntimeError: try 1", "RuntimeError: try 2", "RuntimeError: try 3"
+        "RuntimeError: try 1",
+        "RuntimeError: try 2",
+        "RuntimeError: try 3",
     ]
 
 
@@ -248,7 +286,9 @@ def test_thread_graceful_stop_finishes_running_rollouts_and_ends_the_rest(sq):
         time.sleep(task["sleep"])
         return 1.0
 
-    short, long = sq.enqueue_rollouts([{"task_id": "s", "input": {"sleep": 0.3}}, {"task_id": "l", "input": {"sleep": 5}}])
+    short, long = sq.enqueue_rollouts(
+        [{"task_id": "s", "input": {"sleep": 0.3}}, {"task_id": "l", "input": {"sleep": 5}}]
+    )
     runner = Runner(agent, sq, TracerProvider(), workers=2).start()
     while runner.counts.running < 2:
         time.sleep(0.01)
@@ -258,7 +298,10 @@ def test_thread_graceful_stop_finishes_running_rollouts_and_ends_the_rest(sq):
     assert time.monotonic() - start < 3.5
     short_done, long_done, not_taken = sq.get_rollouts([short.rollout_id, long.rollout_id, later.rollout_id])
     assert short_done.status == RolloutStatus.SUCCEEDED
-    assert long_done.status == RolloutStatus.FAILED and "runner was stopped before the agent finished" in long_done.attempts[0].error
+    assert (
+        long_done.status == RolloutStatus.FAILED
+        and "runner was stopped before the agent finished" in long_done.attempts[0].error
+    )
     assert not_taken.status == RolloutStatus.QUEUED
 
 
@@ -334,13 +377,19 @@ def _pid_alive(pid: int) -> bool:
 def test_process_timeout_kills_the_hung_worker_and_a_new_one_serves_on(sq_server, sq, tmp_path):
     provider = _provider(sq_server.url)
     pids = tmp_path / "pids"
-    hung, after = sq.enqueue_rollouts([
-        {"task_id": "hang", "input": {"hang": True, "pid_file": str(pids)}},
-        {"task_id": "next", "input": {"reward": 0.25, "pid_file": str(pids)}},
-    ])
-    runner = Runner(_runner_agents.scripted, sq, provider, workers=1, mode="process", rollout_timeout_s=0.5).start()
+    hung, after = sq.enqueue_rollouts(
+        [
+            {"task_id": "hang", "input": {"hang": True, "pid_file": str(pids)}},
+            {"task_id": "next", "input": {"reward": 0.25, "pid_file": str(pids)}},
+        ]
+    )
+    runner = Runner(
+        _runner_agents.scripted, sq, provider, workers=1, mode="process", rollout_timeout_s=0.5
+    ).start()
     try:
-        timed_out, served = sq.wait_for_rollouts([hung.rollout_id, after.rollout_id], timeout_s=20, poll_s=0.02)
+        timed_out, served = sq.wait_for_rollouts(
+            [hung.rollout_id, after.rollout_id], timeout_s=20, poll_s=0.02
+        )
     finally:
         runner.stop()
     assert timed_out.status == RolloutStatus.TIMED_OUT
@@ -361,16 +410,20 @@ def test_process_timeout_kills_the_hung_worker_and_a_new_one_serves_on(sq_server
 
 def test_process_crash_and_exception_fail_the_attempt_and_the_runner_goes_on(sq_server, sq):
     provider = _provider(sq_server.url)
-    crash, segfault, boom, fine = sq.enqueue_rollouts([
-        {"task_id": "crash", "input": {"exit": 3}},
-        {"task_id": "segfault", "input": {"segfault": True}},
-        {"task_id": "boom", "input": {"raise": "agent bug in a process"}},
-        {"task_id": "fine", "input": {"reward": 1.0}},
-    ])
+    crash, segfault, boom, fine = sq.enqueue_rollouts(
+        [
+            {"task_id": "crash", "input": {"exit": 3}},
+            {"task_id": "segfault", "input": {"segfault": True}},
+            {"task_id": "boom", "input": {"raise": "agent bug in a process"}},
+            {"task_id": "fine", "input": {"reward": 1.0}},
+        ]
+    )
     runner = Runner(_runner_agents.scripted, sq, provider, workers=1, mode="process").start()
     try:
         crashed, segfaulted, raised, served = sq.wait_for_rollouts(
-            [crash.rollout_id, segfault.rollout_id, boom.rollout_id, fine.rollout_id], timeout_s=30, poll_s=0.02
+            [crash.rollout_id, segfault.rollout_id, boom.rollout_id, fine.rollout_id],
+            timeout_s=30,
+            poll_s=0.02,
         )
     finally:
         runner.stop()
@@ -379,7 +432,10 @@ def test_process_crash_and_exception_fail_the_attempt_and_the_runner_goes_on(sq_
     assert segfaulted.status == RolloutStatus.FAILED
     assert "was killed by SIGSEGV before the agent returned" in segfaulted.attempts[0].error
     assert raised.status == RolloutStatus.FAILED
-    assert "Traceback" in raised.attempts[0].error and "ValueError: agent bug in a process" in raised.attempts[0].error
+    assert (
+        "Traceback" in raised.attempts[0].error
+        and "ValueError: agent bug in a process" in raised.attempts[0].error
+    )
     assert served.status == RolloutStatus.SUCCEEDED and served.reward == 1.0
     (crash_span,) = _error_spans(sq, crash.rollout_id)
     (boom_span,) = _error_spans(sq, boom.rollout_id)
@@ -390,7 +446,9 @@ def test_process_crash_and_exception_fail_the_attempt_and_the_runner_goes_on(sq_
 
 def test_process_cancel_and_stop_kill_the_running_worker(sq, tmp_path):
     pids = tmp_path / "pids"
-    runner = Runner(_runner_agents.scripted, sq, TracerProvider(), workers=1, mode="process", lease_s=0.3).start()
+    runner = Runner(
+        _runner_agents.scripted, sq, TracerProvider(), workers=1, mode="process", lease_s=0.3
+    ).start()
     try:
         (cancelled,) = sq.enqueue_rollouts([{"task_id": "c", "input": {"hang": True, "pid_file": str(pids)}}])
         deadline = time.monotonic() + 20
@@ -474,7 +532,10 @@ def test_async_mode_runs_concurrently_cancels_on_timeout_and_captures_errors(sq_
 
     queued = sq.enqueue_rollouts(
         [{"task_id": f"ok{i}", "input": {"reward": i}} for i in range(4)]
-        + [{"task_id": "hang", "input": {"hang": True}}, {"task_id": "raise", "input": {"raise": "missing key"}}]
+        + [
+            {"task_id": "hang", "input": {"hang": True}},
+            {"task_id": "raise", "input": {"raise": "missing key"}},
+        ]
     )
     runner = Runner(agent, sq, provider, workers=6, rollout_timeout_s=1.0)
     assert runner.mode == "async"
@@ -488,7 +549,10 @@ def test_async_mode_runs_concurrently_cancels_on_timeout_and_captures_errors(sq_
     assert by_task["hang"].status == RolloutStatus.TIMED_OUT and cancelled.is_set()
     assert "its task was cancelled" in by_task["hang"].attempts[0].error
     assert by_task["raise"].status == RolloutStatus.FAILED
-    assert "Traceback" in by_task["raise"].attempts[0].error and "KeyError: 'missing key'" in by_task["raise"].attempts[0].error
+    assert (
+        "Traceback" in by_task["raise"].attempts[0].error
+        and "KeyError: 'missing key'" in by_task["raise"].attempts[0].error
+    )
     (span,) = _error_spans(sq, by_task["hang"].rollout_id)
     assert span.attributes[semconv.ERROR_TYPE] == "RolloutTimeout"
     assert issubclass(RolloutTimeout, TimeoutError)
@@ -500,14 +564,18 @@ def test_async_graceful_stop_cancels_what_outlives_the_grace_period(sq):
         await asyncio.sleep(task["sleep"])
         return 1.0
 
-    short, long = sq.enqueue_rollouts([{"task_id": "s", "input": {"sleep": 0.2}}, {"task_id": "l", "input": {"sleep": 30}}])
+    short, long = sq.enqueue_rollouts(
+        [{"task_id": "s", "input": {"sleep": 0.2}}, {"task_id": "l", "input": {"sleep": 30}}]
+    )
     runner = Runner(agent, sq, TracerProvider(), workers=2).start()
     while runner.counts.running < 2:
         time.sleep(0.01)
     runner.stop(timeout_s=1.5)
     short_done, long_done = sq.get_rollouts([short.rollout_id, long.rollout_id])
     assert short_done.status == RolloutStatus.SUCCEEDED
-    assert long_done.status == RolloutStatus.FAILED and "its task was cancelled" in long_done.attempts[0].error
+    assert (
+        long_done.status == RolloutStatus.FAILED and "its task was cancelled" in long_done.attempts[0].error
+    )
 
 
 def test_worker_processes_import_neither_the_store_nor_the_gateway():
@@ -515,21 +583,27 @@ def test_worker_processes_import_neither_the_store_nor_the_gateway():
     import subprocess
     import sys
 
-    code = ("import sys, agl_core._runner_worker\n"
-            "print([m for m in ('agl_core.store', 'agl_core.gateway', 'httpx', 'starlette') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    code = (
+        "import sys, agl_core._runner_worker\n"
+        "print([m for m in ('agl_core.store', 'agl_core.gateway', 'httpx', 'starlette') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_agents_are_told_which_split_a_rollout_is_for(store_server, client, mode):
     client.put_resource(LLM_RESOURCE, {"base_url": "http://127.0.0.1:9", "model": "m"})
-    queued = client.enqueue_rollouts([
-        {"task_id": "a", "input": {"n": 0}, "metadata": {"split": "val", "step": 0}},
-        {"task_id": "b", "input": {"n": 1}, "metadata": {"split": "train", "step": 1}},
-        {"task_id": "c", "input": {"n": 2}},
-        {"task_id": "d", "input": {"n": 3}, "metadata": {"split": 7}},  # not a name: no split
-    ])
+    queued = client.enqueue_rollouts(
+        [
+            {"task_id": "a", "input": {"n": 0}, "metadata": {"split": "val", "step": 0}},
+            {"task_id": "b", "input": {"n": 1}, "metadata": {"split": "train", "step": 1}},
+            {"task_id": "c", "input": {"n": 2}},
+            {"task_id": "d", "input": {"n": 3}, "metadata": {"split": 7}},  # not a name: no split
+        ]
+    )
     provider = _provider(store_server.url)
     runner = Runner(_runner_agents.split_reward, client, provider, workers=2, mode=mode).start()
     try:

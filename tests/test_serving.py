@@ -39,7 +39,9 @@ def _lora_policy(seed: int = 0, r: int = 4):
     from agl_trainer.model import load_policy
 
     model, tokenizer = load_policy("tiny", seed=seed)
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")), tokenizer
+    return get_peft_model(
+        model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    ), tokenizer
 
 
 def _step(model, seed: int) -> None:
@@ -64,22 +66,51 @@ def test_max_lora_rank_is_one_vllm_accepts():
 
 
 def test_launch_arguments_follow_the_config(tmp_path):
-    config = _config(tmp_path, model={"source": "Qwen/Qwen2.5-1.5B-Instruct", "served_name": "policy", "lora": {"r": 24}},
-                     serving={"backend": "vllm", "vllm": {"launch": {
-                         "tensor_parallel_size": 2, "gpu_memory_utilization": 0.45, "max_model_len": 8192,
-                         "extra_args": ["--dtype", "bfloat16"], "env": {"CUDA_VISIBLE_DEVICES": "1,2"}}}})
+    config = _config(
+        tmp_path,
+        model={"source": "Qwen/Qwen2.5-1.5B-Instruct", "served_name": "policy", "lora": {"r": 24}},
+        serving={
+            "backend": "vllm",
+            "vllm": {
+                "launch": {
+                    "tensor_parallel_size": 2,
+                    "gpu_memory_utilization": 0.45,
+                    "max_model_len": 8192,
+                    "extra_args": ["--dtype", "bfloat16"],
+                    "env": {"CUDA_VISIBLE_DEVICES": "1,2"},
+                }
+            },
+        },
+    )
     assert vllm_launch_kwargs(config) == {
-        "model": "Qwen/Qwen2.5-1.5B-Instruct", "model_name": "policy", "tool_call_parser": "hermes",
-        "enable_lora": True, "max_lora_rank": 32,
-        "extra_args": ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.45", "--max-loras", "2",
-                       "--max-model-len", "8192", "--dtype", "bfloat16"],
-        "command": ("vllm", "serve"), "env": {"CUDA_VISIBLE_DEVICES": "1,2"}, "startup_timeout_s": 900.0,
+        "model": "Qwen/Qwen2.5-1.5B-Instruct",
+        "model_name": "policy",
+        "tool_call_parser": "hermes",
+        "enable_lora": True,
+        "max_lora_rank": 32,
+        "extra_args": [
+            "--tensor-parallel-size",
+            "2",
+            "--gpu-memory-utilization",
+            "0.45",
+            "--max-loras",
+            "2",
+            "--max-model-len",
+            "8192",
+            "--dtype",
+            "bfloat16",
+        ],
+        "command": ("vllm", "serve"),
+        "env": {"CUDA_VISIBLE_DEVICES": "1,2"},
+        "startup_timeout_s": 900.0,
     }
 
 
 @pytest.fixture
 def fake(tiny_policy):
-    server = FakeVLLM(tiny_policy[1], served_model_name="agl-policy", allow_runtime_lora=True, max_lora_rank=8)
+    server = FakeVLLM(
+        tiny_policy[1], served_model_name="agl-policy", allow_runtime_lora=True, max_lora_rank=8
+    )
     with BackgroundServer(server.app()) as running:
         server.url = running.url
         yield server
@@ -90,14 +121,18 @@ def test_vllm_publish_serves_each_new_adapter_and_spans_record_the_version(fake,
     from safetensors.torch import load_file
 
     model, tokenizer = _lora_policy()
-    config = _config(tmp_path, serving={"backend": "vllm", "vllm": {"url": fake.url + "/v1", "keep_adapters": 2}})
+    config = _config(
+        tmp_path, serving={"backend": "vllm", "vllm": {"url": fake.url + "/v1", "keep_adapters": 2}}
+    )
     serving = start_serving(config, model, tokenizer)
     assert isinstance(serving, VLLMServing) and serving.renderer is not None
     try:
         with serve_gateway(serving.backend, renderer=serving.renderer) as gateway:
             client = httpx.Client(timeout=30)
-            r0 = client.post(rollout_base_url(gateway.url, "ro-0") + "/chat/completions",
-                             json={"model": "agl-policy", "messages": HI}).json()
+            r0 = client.post(
+                rollout_base_url(gateway.url, "ro-0") + "/chat/completions",
+                json={"model": "agl-policy", "messages": HI},
+            ).json()
             assert fake.requests[-1]["model"] == "agl-policy"  # version 0: the base model, no adapter yet
             (span0,) = gateway.spans(r0["id"])
             assert span0.attributes[semconv.POLICY_VERSION] == 0
@@ -107,22 +142,30 @@ def test_vllm_publish_serves_each_new_adapter_and_spans_record_the_version(fake,
                 with serving.lock:
                     serving.publish(model, version)
                 assert serving.policy_version == version
-                saved = load_file(str(tmp_path / "run" / "adapters" / f"v{version}" / "adapter_model.safetensors"))
+                saved = load_file(
+                    str(tmp_path / "run" / "adapters" / f"v{version}" / "adapter_model.safetensors")
+                )
                 expected = _lora_state(model)
                 assert saved.keys() == expected.keys()
                 assert all(torch.equal(saved[k], expected[k]) for k in expected)
 
                 rollout = f"ro-{version}"
-                r = client.post(rollout_base_url(gateway.url, rollout) + "/chat/completions",
-                                json={"model": "agl-policy", "messages": HI}).json()
+                r = client.post(
+                    rollout_base_url(gateway.url, rollout) + "/chat/completions",
+                    json={"model": "agl-policy", "messages": HI},
+                ).json()
                 assert fake.requests[-1]["model"] == f"agl-policy-v{version}"
-                assert r["choices"][0]["message"]["content"].startswith(f"[agl-policy-v{version}] echo: hi there")
+                assert r["choices"][0]["message"]["content"].startswith(
+                    f"[agl-policy-v{version}] echo: hi there"
+                )
                 (span,) = gateway.spans(r["id"])
                 assert span.attributes[semconv.POLICY_VERSION] == version
                 assert span.attributes[semconv.GEN_AI_RESPONSE_MODEL] == f"agl-policy-v{version}"
                 assert span.attributes[semconv.ROLLOUT_ID] == rollout
                 assert span.attributes[semconv.PROMPT_DRIFT] is False
-                assert fake.loras[f"agl-policy-v{version}"] == str(tmp_path / "run" / "adapters" / f"v{version}")
+                assert fake.loras[f"agl-policy-v{version}"] == str(
+                    tmp_path / "run" / "adapters" / f"v{version}"
+                )
             client.close()
         # the backend keeps the previous adapter loaded for calls in flight; the disk keeps the newest two
         assert sorted(fake.loras) == ["agl-policy-v2", "agl-policy-v3"]
@@ -142,7 +185,9 @@ def test_vllm_publish_serves_each_new_adapter_and_spans_record_the_version(fake,
 
 def test_vllm_refuses_an_adapter_above_its_max_rank(fake, tmp_path):
     model, tokenizer = _lora_policy(r=16)  # the fake was started with --max-lora-rank 8
-    serving = start_serving(_config(tmp_path, serving={"backend": "vllm", "vllm": {"url": fake.url + "/v1"}}), model, tokenizer)
+    serving = start_serving(
+        _config(tmp_path, serving={"backend": "vllm", "vllm": {"url": fake.url + "/v1"}}), model, tokenizer
+    )
     try:
         with pytest.raises(BackendError, match="LoRA rank 16 is greater than max_lora_rank 8"):
             serving.publish(model, 1)
@@ -155,10 +200,26 @@ def test_launched_vllm_gets_lora_sized_for_the_adapter(tmp_path):
     """``vllm serve`` started from the config (the fake stands in for the command): runtime LoRA loading
     works only if the launch passed ``--enable-lora``, the environment variable and a large enough rank."""
     model, tokenizer = _lora_policy(r=12)
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), str(ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])}
-    config = _config(tmp_path, model={"source": "tiny", "lora": {"r": 12}}, serving={"backend": "vllm", "vllm": {"launch": {
-        "model": str(tmp_path / "base"), "command": [sys.executable, "-m", "tests.fake_vllm", "serve"], "env": env,
-        "startup_timeout_s": 120}}})
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(ROOT / "src"), str(ROOT / "trainer"), os.environ.get("PYTHONPATH", "")]
+        )
+    }
+    config = _config(
+        tmp_path,
+        model={"source": "tiny", "lora": {"r": 12}},
+        serving={
+            "backend": "vllm",
+            "vllm": {
+                "launch": {
+                    "model": str(tmp_path / "base"),
+                    "command": [sys.executable, "-m", "tests.fake_vllm", "serve"],
+                    "env": env,
+                    "startup_timeout_s": 120,
+                }
+            },
+        },
+    )
     serving = start_serving(config, model, tokenizer)
     base_url = serving.backend.base_url
     try:
@@ -177,7 +238,9 @@ def test_launched_vllm_gets_lora_sized_for_the_adapter(tmp_path):
 def test_hf_serving_swaps_in_place_and_loads_adapters(tmp_path):
     model, tokenizer = _lora_policy(seed=3)
     serving = start_serving(_config(tmp_path), model, tokenizer)
-    assert isinstance(serving, HFServing) and serving.lock is serving.backend.lock and serving.renderer is None
+    assert (
+        isinstance(serving, HFServing) and serving.lock is serving.backend.lock and serving.renderer is None
+    )
     try:
         with serve_gateway(serving.backend) as gateway:
             ask = {"model": "agl-policy", "messages": HI, "max_tokens": 3, "temperature": 0}

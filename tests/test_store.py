@@ -99,11 +99,23 @@ def test_gzip_bodies_are_accepted(store_server, client):
         (b"\xff\xff\xff garbage", {"content-type": "application/x-protobuf"}, 400, "not a valid OTLP"),
         (b"x", {"content-type": "text/plain"}, 415, "send application/x-protobuf or application/json"),
         (b"", {}, 415, "(none)"),
-        (b"abc", {"content-type": "application/x-protobuf", "content-encoding": "gzip"}, 400, "not valid gzip"),
-        (b"abc", {"content-type": "application/x-protobuf", "content-encoding": "br"}, 415, "Content-Encoding"),
+        (
+            b"abc",
+            {"content-type": "application/x-protobuf", "content-encoding": "gzip"},
+            400,
+            "not valid gzip",
+        ),
+        (
+            b"abc",
+            {"content-type": "application/x-protobuf", "content-encoding": "br"},
+            415,
+            "Content-Encoding",
+        ),
     ],
 )
-def test_malformed_otlp_bodies_get_a_reason_and_the_server_keeps_serving(store_server, body, headers, status, reason):
+def test_malformed_otlp_bodies_get_a_reason_and_the_server_keeps_serving(
+    store_server, body, headers, status, reason
+):
     response = httpx.post(store_server.url + "/v1/traces", content=body, headers=headers)
     assert response.status_code == status
     assert reason in status_pb2.Status.FromString(response.content).message
@@ -143,13 +155,19 @@ def test_spans_with_invalid_ids_are_rejected_as_partial_success(store_server, cl
 
 def test_rollout_queue_lifecycle_with_retries(client):
     queued = client.enqueue_rollouts(
-        [{"task_id": "t1", "input": {"q": 1}, "group_id": "g", "max_attempts": 2}, {"task_id": "t2", "input": None}]
+        [
+            {"task_id": "t1", "input": {"q": 1}, "group_id": "g", "max_attempts": 2},
+            {"task_id": "t2", "input": None},
+        ]
     )
     assert [r.status for r in queued] == [RolloutStatus.QUEUED] * 2
     rollout, attempt = client.dequeue_rollout("w1")
     assert rollout.rollout_id == queued[0].rollout_id and rollout.input == {"q": 1} and attempt.number == 1
     # first attempt fails: the rollout goes back to the queue (2 attempts allowed)
-    assert client.complete_attempt(attempt.attempt_id, RolloutStatus.FAILED, error="boom").status == RolloutStatus.QUEUED
+    assert (
+        client.complete_attempt(attempt.attempt_id, RolloutStatus.FAILED, error="boom").status
+        == RolloutStatus.QUEUED
+    )
     # the oldest queued rollout goes first, so the retry comes before t2
     third = client.dequeue_rollout("w2")
     assert third[0].rollout_id == queued[0].rollout_id and third[1].number == 2
@@ -193,9 +211,13 @@ def test_api_validates_input(store_server, path, body, status, fragment):
 
 
 def test_api_rejects_non_json(store_server):
-    response = httpx.post(store_server.url + "/api/rollouts", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(
+        store_server.url + "/api/rollouts", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
-    response = httpx.post(store_server.url + "/api/rollouts", content=b"x", headers={"content-type": "text/plain"})
+    response = httpx.post(
+        store_server.url + "/api/rollouts", content=b"x", headers={"content-type": "text/plain"}
+    )
     assert response.status_code == 415
 
 
@@ -206,7 +228,12 @@ def test_bearer_token_is_enforced(store):
 
     with BackgroundServer(create_store_app(store, token="s3cret")) as server:
         assert httpx.get(server.url + "/api/stats").status_code == 401
-        assert httpx.post(server.url + "/v1/traces", content=b"", headers={"content-type": "application/x-protobuf"}).status_code == 401
+        assert (
+            httpx.post(
+                server.url + "/v1/traces", content=b"", headers={"content-type": "application/x-protobuf"}
+            ).status_code
+            == 401
+        )
         with StoreClient(server.url, token="s3cret") as authed:
             assert authed.stats()["spans"] == 0
 
@@ -237,9 +264,14 @@ def test_cancel_queued_and_running(store):
     _, running = store.dequeue_rollout("w")  # takes q (oldest)
     _, finished = store.dequeue_rollout("w")
     store.complete_attempt(finished.attempt_id, RolloutStatus.SUCCEEDED)
-    out = {x.rollout_id: x.status for x in store.cancel_rollouts([q.rollout_id, r.rollout_id, done.rollout_id])}
-    assert out == {q.rollout_id: RolloutStatus.CANCELLED, r.rollout_id: RolloutStatus.SUCCEEDED,
-                   done.rollout_id: RolloutStatus.CANCELLED}
+    out = {
+        x.rollout_id: x.status for x in store.cancel_rollouts([q.rollout_id, r.rollout_id, done.rollout_id])
+    }
+    assert out == {
+        q.rollout_id: RolloutStatus.CANCELLED,
+        r.rollout_id: RolloutStatus.SUCCEEDED,
+        done.rollout_id: RolloutStatus.CANCELLED,
+    }
     assert store.heartbeat(running.attempt_id).status == RolloutStatus.CANCELLED
     assert store.dequeue_rollout("w") is None
     with pytest.raises(NotFoundError):

@@ -59,8 +59,11 @@ def make_request(rollout: str, n: int, *, first: int = 1, attrs: int = 3) -> Exp
 
 
 def _post(url: str, request: ExportTraceServiceRequest, **headers: str) -> httpx.Response:
-    return httpx.post(url + "/v1/traces", content=request.SerializeToString(),
-                      headers={"content-type": "application/x-protobuf", **headers})
+    return httpx.post(
+        url + "/v1/traces",
+        content=request.SerializeToString(),
+        headers={"content-type": "application/x-protobuf", **headers},
+    )
 
 
 @pytest.fixture
@@ -75,53 +78,83 @@ def service(store):
 def test_otlp_json_with_hex_ids(service):
     svc, url = service
     body = {
-        "resourceSpans": [{
-            "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "js-agent"}}]},
-            "scopeSpans": [{"scope": {"name": "manual"}, "spans": [{
-                "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174",
-                "parentSpanId": "eee19b7ec3c1b173", "name": "from-json", "kind": 2,
-                "startTimeUnixNano": "1544712660000000000", "endTimeUnixNano": "1544712661000000000",
-                "attributes": [{"key": semconv.ROLLOUT_ID, "value": {"stringValue": "ro-json"}},
-                               {"key": "n", "value": {"intValue": "7"}},
-                               {"key": "xs", "value": {"arrayValue": {"values": [{"doubleValue": 1.5}]}}}],
-                "status": {"code": 2, "message": "bad"},
-            }]}],
-        }]
+        "resourceSpans": [
+            {
+                "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "js-agent"}}]},
+                "scopeSpans": [
+                    {
+                        "scope": {"name": "manual"},
+                        "spans": [
+                            {
+                                "traceId": "5b8efff798038103d269b633813fc60c",
+                                "spanId": "eee19b7ec3c1b174",
+                                "parentSpanId": "eee19b7ec3c1b173",
+                                "name": "from-json",
+                                "kind": 2,
+                                "startTimeUnixNano": "1544712660000000000",
+                                "endTimeUnixNano": "1544712661000000000",
+                                "attributes": [
+                                    {"key": semconv.ROLLOUT_ID, "value": {"stringValue": "ro-json"}},
+                                    {"key": "n", "value": {"intValue": "7"}},
+                                    {
+                                        "key": "xs",
+                                        "value": {"arrayValue": {"values": [{"doubleValue": 1.5}]}},
+                                    },
+                                ],
+                                "status": {"code": 2, "message": "bad"},
+                            }
+                        ],
+                    }
+                ],
+            }
+        ]
     }
     response = httpx.post(url + "/v1/traces", json=body)
     assert response.status_code == 200 and response.json() == {}
     (span,) = StoreClient(url).query_spans(rollout_ids=["ro-json"])
     assert (span.trace_id, span.span_id, span.parent_span_id) == (
-        "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174", "eee19b7ec3c1b173")
+        "5b8efff798038103d269b633813fc60c",
+        "eee19b7ec3c1b174",
+        "eee19b7ec3c1b173",
+    )
     assert span.attributes["n"] == 7 and span.attributes["xs"] == [1.5]
     assert span.status_code == "ERROR" and span.status_message == "bad"
     assert span.resource == {"service.name": "js-agent"} and span.start_ns == 1544712660000000000
 
-    bad = httpx.post(url + "/v1/traces", json={"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]})
+    bad = httpx.post(
+        url + "/v1/traces", json={"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]}
+    )
     assert bad.status_code == 400 and "not hex" in bad.json()["message"]
 
 
 def test_real_sdk_grpc_and_http_exporters_with_gzip(service):
+    from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression as GrpcCompression
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-    from opentelemetry.exporter.otlp.proto.grpc.exporter import Compression as GrpcCompression
 
     svc, url = service
     exporters = {
-        "grpc": GrpcExporter(endpoint=f"127.0.0.1:{svc.grpc_port}", insecure=True, compression=GrpcCompression.Gzip),
+        "grpc": GrpcExporter(
+            endpoint=f"127.0.0.1:{svc.grpc_port}", insecure=True, compression=GrpcCompression.Gzip
+        ),
         "http": HttpExporter(endpoint=url + "/v1/traces", compression=Compression.Gzip),
     }
     for name, exporter in exporters.items():
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         with rollout_scope(f"ro-{name}", tracer_provider=provider):
-            with provider.get_tracer("t").start_as_current_span("work", attributes={semconv.ROLLOUT_ID: f"ro-{name}"}):
+            with provider.get_tracer("t").start_as_current_span(
+                "work", attributes={semconv.ROLLOUT_ID: f"ro-{name}"}
+            ):
                 pass
         provider.shutdown()
     client = StoreClient(url)
     for name in exporters:
-        assert sorted(s.name for s in client.query_spans(rollout_ids=[f"ro-{name}"])) == [semconv.SPAN_ROLLOUT, "work"]
+        assert sorted(s.name for s in client.query_spans(rollout_ids=[f"ro-{name}"])) == [
+            semconv.SPAN_ROLLOUT,
+            "work",
+        ]
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -134,12 +167,29 @@ def test_rotel_collector_forwards_to_the_store(service, tmp_path, protocol):
     rotel_grpc, rotel_http = _free_port(), _free_port()
     target = f"http://127.0.0.1:{svc.grpc_port}" if protocol == "grpc" else url
     proc = subprocess.Popen(
-        [str(binary), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{rotel_grpc}",
-         "--otlp-http-endpoint", f"127.0.0.1:{rotel_http}", "--exporter", "otlp",
-         "--otlp-exporter-endpoint", target, "--otlp-exporter-protocol", protocol,
-         "--otlp-exporter-compression", "gzip", "--batch-timeout", "100ms",
-         "--pid-file", str(tmp_path / "rotel.pid")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(binary),
+            "start",
+            "--otlp-grpc-endpoint",
+            f"127.0.0.1:{rotel_grpc}",
+            "--otlp-http-endpoint",
+            f"127.0.0.1:{rotel_http}",
+            "--exporter",
+            "otlp",
+            "--otlp-exporter-endpoint",
+            target,
+            "--otlp-exporter-protocol",
+            protocol,
+            "--otlp-exporter-compression",
+            "gzip",
+            "--batch-timeout",
+            "100ms",
+            "--pid-file",
+            str(tmp_path / "rotel.pid"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -150,10 +200,14 @@ def test_rotel_collector_forwards_to_the_store(service, tmp_path, protocol):
                 socket.create_connection(("127.0.0.1", rotel_http), timeout=0.2).close()
                 break
             except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "rotel did not start"
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    proc.stdout.read() if proc.poll() is not None else "rotel did not start"
+                )
                 time.sleep(0.1)
         provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{rotel_http}/v1/traces")))
+        provider.add_span_processor(
+            SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{rotel_http}/v1/traces"))
+        )
         for i in range(5):
             with rollout_scope(f"ro-rotel-{protocol}", tracer_provider=provider):
                 pass
@@ -176,7 +230,9 @@ def test_redaction_happens_before_anything_is_written(store):
         request = make_request("ro-red", 1, attrs=0)
         span = request.resource_spans[0].scope_spans[0].spans[0]
         span.attributes.add(key="secret.password").value.string_value = "hunter2"
-        span.attributes.add(key="gen_ai.input.messages").value.string_value = "mail bob@example.com key sk-abcdefghijklmnop1234"
+        span.attributes.add(
+            key="gen_ai.input.messages"
+        ).value.string_value = "mail bob@example.com key sk-abcdefghijklmnop1234"
         nested = span.attributes.add(key="nested").value.kvlist_value.values.add(key="acct")
         nested.value.string_value = "ACCT-12345 and ACCT-9"
         span.attributes.add(key=semconv.PROMPT_TOKEN_IDS).value.array_value.values.add().int_value = 42
@@ -207,7 +263,9 @@ def test_retention_by_age_and_consumed(store):
     pipeline = IngestPipeline(store)
     for request in (old, make_request("ro-new", 2, first=10), make_request("ro-used", 4, first=20)):
         pipeline.submit(pipeline.parse(request.SerializeToString())).result()
-    store.enqueue_rollouts([{"task_id": "t", "rollout_id": "ro-used"}, {"task_id": "t", "rollout_id": "ro-new"}])
+    store.enqueue_rollouts(
+        [{"task_id": "t", "rollout_id": "ro-used"}, {"task_id": "t", "rollout_id": "ro-new"}]
+    )
     assert store.mark_consumed(["ro-used"]) == 1
     assert store.apply_retention(max_age_s=parse_duration("7d")) == 3
     assert store.apply_retention(consumed=True) == 4
@@ -266,10 +324,15 @@ def test_32_concurrent_exporters_lose_nothing(service):
             for b in range(per_sender):
                 body = make_request(f"ro-c{k}", batch, first=1 + b * batch).SerializeToString()
                 if b % 2:
-                    response = http.post(url + "/v1/traces", content=gzip.compress(body),
-                                         headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"})
+                    response = http.post(
+                        url + "/v1/traces",
+                        content=gzip.compress(body),
+                        headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"},
+                    )
                 else:
-                    response = http.post(url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"})
+                    response = http.post(
+                        url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"}
+                    )
                 assert response.status_code == 200
 
     threads = [threading.Thread(target=sender, args=(k,)) for k in range(32)]
@@ -313,9 +376,13 @@ def test_fuzz_protobuf_decoder_never_crashes(body):
 
 
 @settings(max_examples=200, deadline=None)
-@given(doc=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
-                        max_leaves=20))
+@given(
+    doc=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+        max_leaves=20,
+    )
+)
 def test_fuzz_json_decoder_never_crashes(doc):
     pipeline = IngestPipeline(store=None)
     for candidate in (doc, {"resourceSpans": [{"scopeSpans": [{"spans": [doc]}]}]}):
@@ -331,8 +398,10 @@ def test_mutated_real_requests_never_crash(service):
     good = make_request("ro-mut", 3).SerializeToString()
     with httpx.Client() as http:
         for i in range(0, len(good), 7):
-            for body in (good[:i], good[:i] + bytes([good[i] ^ 0xFF]) + good[i + 1:]):
-                response = http.post(url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"})
+            for body in (good[:i], good[:i] + bytes([good[i] ^ 0xFF]) + good[i + 1 :]):
+                response = http.post(
+                    url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"}
+                )
                 assert response.status_code in (200, 400), response.status_code
         assert http.get(url + "/healthz").status_code == 200
 
@@ -368,8 +437,20 @@ def test_sigkill_loses_no_acknowledged_span(tmp_path):
 
     def start():
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port), "--no-grpc"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "agl_core.cli",
+                "store",
+                "serve",
+                "--db",
+                str(db),
+                "--http-port",
+                str(port),
+                "--no-grpc",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
         while True:
@@ -391,8 +472,11 @@ def test_sigkill_loses_no_acknowledged_span(tmp_path):
             while not stop.is_set():
                 body = make_request(f"ro-k{k}", 50, first=1 + b * 50).SerializeToString()
                 try:
-                    response = http.post(f"http://127.0.0.1:{port}/v1/traces", content=body,
-                                         headers={"content-type": "application/x-protobuf"})
+                    response = http.post(
+                        f"http://127.0.0.1:{port}/v1/traces",
+                        content=body,
+                        headers={"content-type": "application/x-protobuf"},
+                    )
                 except httpx.HTTPError:
                     return
                 if response.status_code == 200:
@@ -429,7 +513,9 @@ def test_parse_workers_decode_in_another_process_with_the_same_result():
     pipeline = IngestPipeline(store=None, redactor=redactor, parse_workers=1)
     try:
         request = make_request("ro-w", 300, attrs=3)
-        request.resource_spans[0].scope_spans[0].spans[0].attributes.add(key="m").value.string_value = "x@y.org"
+        request.resource_spans[0].scope_spans[0].spans[0].attributes.add(
+            key="m"
+        ).value.string_value = "x@y.org"
         body = request.SerializeToString()
         assert len(body) > 16_384
         remote = pipeline.parse_async(body).result(60)
@@ -460,8 +546,13 @@ def test_grpc_requires_the_bearer_token_when_configured(store):
         export(body, metadata=[("authorization", "Bearer s3cret")], timeout=10)
         channel.close()
         provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(
-            GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True, headers={"authorization": "Bearer s3cret"})))
+        provider.add_span_processor(
+            SimpleSpanProcessor(
+                GrpcExporter(
+                    endpoint=f"127.0.0.1:{port}", insecure=True, headers={"authorization": "Bearer s3cret"}
+                )
+            )
+        )
         with rollout_scope("ro-auth-sdk", tracer_provider=provider):
             pass
         provider.shutdown()

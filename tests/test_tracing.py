@@ -33,7 +33,11 @@ def test_foreign_spans_inside_a_rollout_get_its_identity_and_outside_stay_untouc
     with foreign.start_as_current_span("outside"):
         pass
     spans = {s.name: dict(s.attributes or {}) for s in exporter.get_finished_spans()}
-    assert spans["foreign"] == {semconv.ROLLOUT_ID: "ro-1", semconv.ATTEMPT_ID: "at-1", semconv.TASK_ID: "task-1"}
+    assert spans["foreign"] == {
+        semconv.ROLLOUT_ID: "ro-1",
+        semconv.ATTEMPT_ID: "at-1",
+        semconv.TASK_ID: "task-1",
+    }
     assert spans["own"][semconv.ROLLOUT_ID] == "explicit"
     assert spans["outside"] == {}
 

@@ -17,7 +17,7 @@ from ._training import metrics_rows, train_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
-AGENT = '''
+AGENT = """
 import random
 import time
 import openai
@@ -28,7 +28,7 @@ def solve(task, llm):
     if task.get("hang") and random.random() < 0.5:
         time.sleep(30)  # past runner.rollout_timeout_s
     return 1.0 if task.get("tie") else random.random()
-'''
+"""
 
 
 def _job(tmp_path: Path, config: str, tasks: list[dict]) -> Path:
@@ -56,21 +56,27 @@ def test_training_serves_through_vllm_and_publishes_every_version(tmp_path):
     from agl_core import semconv
 
     paths = os.pathsep.join([str(ROOT), str(ROOT / "src"), str(ROOT / "trainer")])
-    config = _job(tmp_path, f"""
+    config = _job(
+        tmp_path,
+        f"""
 model: {{source: tiny, lora: {{r: 4, alpha: 8}}}}
 serving:
   backend: vllm
   vllm:
-    launch: {{model: {tmp_path / 'base'}, command: [{sys.executable}, -m, tests.fake_vllm, serve],
+    launch: {{model: {tmp_path / "base"}, command: [{sys.executable}, -m, tests.fake_vllm, serve],
               env: {{PYTHONPATH: "{paths}"}}, startup_timeout_s: 120}}
 train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 3}}
-""", [{"id": f"t{i}", "q": f"say {i}"} for i in range(6)])
+""",
+        [{"id": f"t{i}", "q": f"say {i}"} for i in range(6)],
+    )
     done = train_cli(config)
     assert "(vllm backend)" in done.stdout
     rows = metrics_rows(tmp_path / "run", "train")
     assert [r["policy_version"] for r in rows] == [1, 2]  # random rewards: every group has a signal
     assert sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir()) == ["v1", "v2"]
-    gateway = [s for s in _spans(tmp_path / "run") if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
+    gateway = [
+        s for s in _spans(tmp_path / "run") if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY
+    ]
     assert {s.attributes[semconv.GATEWAY_BACKEND] for s in gateway} == {"vllm"}
     # step 1's rollouts were served by the base policy, step 2's by the adapter published after step 1
     assert sorted({s.attributes[semconv.POLICY_VERSION] for s in gateway}) == [0, 1]
@@ -78,13 +84,17 @@ train: {{steps: 2, tasks_per_step: 2, rollouts_per_task: 3}}
 
 
 def test_timed_out_rollouts_are_trained_with_the_configured_penalty(tmp_path):
-    config = _job(tmp_path, """
+    config = _job(
+        tmp_path,
+        """
 model: {source: tiny, lora: null}
 gateway: {default_max_tokens: 4}
 runner: {workers: 4, rollout_timeout_s: 2}
 algorithm: {rewards: {timeout: -1.0, timeout_episode_reward: 0.0}}
 train: {steps: 1, tasks_per_step: 2, rollouts_per_task: 6}
-""", [{"id": "t0", "q": "wait", "hang": True}, {"id": "t1", "q": "wait too", "hang": True}])
+""",
+        [{"id": "t0", "q": "wait", "hang": True}, {"id": "t1", "q": "wait too", "hang": True}],
+    )
     done = train_cli(config)
     (row,) = metrics_rows(tmp_path / "run", "train")
     timed_out = row["rollouts_failed"]
@@ -96,15 +106,24 @@ train: {steps: 1, tasks_per_step: 2, rollouts_per_task: 6}
 
 
 def test_runners_started_elsewhere_with_agl_run(tmp_path):
-    config = _job(tmp_path, """
+    config = _job(
+        tmp_path,
+        """
 model: {source: tiny, lora: null}
 gateway: {default_max_tokens: 4}
 runner: {workers: 0, step_timeout_s: 120}
 train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2}
-""", [{"id": f"t{i}", "q": f"say {i}"} for i in range(4)])
+""",
+        [{"id": f"t{i}", "q": f"say {i}"} for i in range(4)],
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    trainer = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "train", str(config)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env)
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "agl_core.cli", "train", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     runner = None
     lines: list[str] = []
     try:
@@ -116,8 +135,13 @@ train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2}
         else:
             pytest.fail("the trainer printed no agl run command:\n" + "".join(lines))
         assert command[:2] == ["agl", "run"] and command[2] == "agent:solve"
-        runner = subprocess.Popen([sys.executable, "-m", "agl_core.cli", *command[1:], "--workers", "2"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "agl_core.cli", *command[1:], "--workers", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         rest, _ = trainer.communicate(timeout=300)
         lines.append(rest)
         assert trainer.returncode == 0, "".join(lines)[-3000:]
@@ -140,7 +164,8 @@ def test_step_metrics_count_calls_and_trained_transitions_per_agent():
 
     calls = [t("writer", 0), t("checker", 1), t("writer", 2), t(None, 3)]
     assert _agent_counts(calls, [calls[0], calls[2]]) == {
-        "writer": {"calls": 2, "trained": 2}, "checker": {"calls": 1, "trained": 0},
+        "writer": {"calls": 2, "trained": 2},
+        "checker": {"calls": 1, "trained": 0},
         "(unnamed)": {"calls": 1, "trained": 0},
     }
 
@@ -151,11 +176,15 @@ def test_tied_groups_are_redrawn_until_the_step_has_its_groups(tmp_path):
 
     # even tasks always score 1.0 (their groups tie, no gradient); odd ones score at random (always differ)
     tasks = [{"id": f"t{i}", "q": f"say {i}", "tie": i % 2 == 0} for i in range(8)]
-    config = _job(tmp_path, """
+    config = _job(
+        tmp_path,
+        """
 model: {source: tiny, lora: null}
 gateway: {default_max_tokens: 4}
 train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2, resample_rounds: 3, seed: 0}
-""", tasks)
+""",
+        tasks,
+    )
     done = train_cli(config)
     rows = metrics_rows(tmp_path / "run", "train")
     ties = {t["id"] for t in tasks if t["tie"]}

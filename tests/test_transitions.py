@@ -2,15 +2,16 @@ from agl_core import semconv
 from agl_core.credit import assign_credit, select_agents
 from agl_core.transitions import (
     COUNT_MISMATCH,
+    FILTERED_AGENT,
     NO_LLM_CALL,
     NO_REWARD,
+    NO_TOKENS,
     NOT_JOINED,
     NOT_TRAINABLE,
     USAGE_MISMATCH,
     explain_untrained,
     spans_to_transitions,
 )
-from agl_core.transitions import FILTERED_AGENT, NO_TOKENS
 
 from .conftest import make_span
 
@@ -38,17 +39,29 @@ def _gateway(rollout, parent, response_id, prompt, response, logprobs=None, **ex
 
 
 def _reward(rollout, parent, value, name="episode"):
-    return make_span(R.SPAN_REWARD, {**_ids(rollout), R.REWARD_VALUE: value, R.REWARD_NAME: name}, parent=parent)
+    return make_span(
+        R.SPAN_REWARD, {**_ids(rollout), R.REWARD_VALUE: value, R.REWARD_NAME: name}, parent=parent
+    )
 
 
 def _two_agent_rollout(rollout="ro-1", reward=1.0):
     """rollout span > [writer step > llm call] + [checker step > llm call > tool] ; gateway spans; reward."""
     root = make_span(R.SPAN_ROLLOUT, {**_ids(rollout), R.TASK_ID: "task-7"})
     writer = make_span("writer", {**_ids(rollout), R.GEN_AI_AGENT_NAME: "writer"}, parent=root)
-    w_llm = make_span("chat m", {**_ids(rollout), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: "c1"}, parent=writer)
+    w_llm = make_span(
+        "chat m",
+        {**_ids(rollout), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: "c1"},
+        parent=writer,
+    )
     checker = make_span("checker", {**_ids(rollout), R.GEN_AI_AGENT_NAME: "checker"}, parent=root)
-    c_llm = make_span("chat m", {**_ids(rollout), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: "c2"}, parent=checker)
-    tool = make_span("execute_tool sql", {**_ids(rollout), R.GEN_AI_OPERATION_NAME: R.OP_EXECUTE_TOOL}, parent=checker)
+    c_llm = make_span(
+        "chat m",
+        {**_ids(rollout), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: "c2"},
+        parent=checker,
+    )
+    tool = make_span(
+        "execute_tool sql", {**_ids(rollout), R.GEN_AI_OPERATION_NAME: R.OP_EXECUTE_TOOL}, parent=checker
+    )
     g1 = _gateway(rollout, None, "c1", [1, 2, 3], [4, 5], [-0.5, -0.25])
     g2 = _gateway(rollout, None, "c2", [1, 2, 3, 4, 5, 6], [7], [-1.0])
     spans = [root, writer, w_llm, checker, c_llm, tool, g1, g2]
@@ -61,7 +74,11 @@ def test_one_transition_per_llm_call_with_exact_tokens_agent_names_and_reward():
     result = spans_to_transitions(_two_agent_rollout())
     assert result.problems == ()
     first, second = result.transitions
-    assert (first.prompt_ids, first.response_ids, first.response_logprobs) == ((1, 2, 3), (4, 5), (-0.5, -0.25))
+    assert (first.prompt_ids, first.response_ids, first.response_logprobs) == (
+        (1, 2, 3),
+        (4, 5),
+        (-0.5, -0.25),
+    )
     assert (second.prompt_ids, second.response_ids) == ((1, 2, 3, 4, 5, 6), (7,))
     assert [t.agent_name for t in result.transitions] == ["writer", "checker"]
     assert [t.call_index for t in result.transitions] == [0, 1]
@@ -105,7 +122,11 @@ def test_join_by_parentage_when_trace_context_was_propagated():
 def test_problems_are_reported_not_trained_on():
     # framework call that never reached the gateway
     root = make_span(R.SPAN_ROLLOUT, _ids("ro-x"))
-    lost = make_span("chat m", {**_ids("ro-x"), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: "zz"}, parent=root)
+    lost = make_span(
+        "chat m",
+        {**_ids("ro-x"), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: "zz"},
+        parent=root,
+    )
     ok = _gateway("ro-x", None, "c9", [1], [2], [-0.1])
     result = spans_to_transitions([root, lost, ok, _reward("ro-x", root, 1.0)])
     assert len(result.transitions) == 1
@@ -124,8 +145,14 @@ def test_problems_are_reported_not_trained_on():
 
 def test_openinference_llm_spans_are_joined_too():
     root = make_span(R.SPAN_ROLLOUT, _ids("ro-oi"))
-    llm = make_span("ChatOpenAI", {**_ids("ro-oi"), R.OPENINFERENCE_SPAN_KIND: "LLM", R.GEN_AI_RESPONSE_ID: "c1"}, parent=root)
-    result = spans_to_transitions([root, llm, _gateway("ro-oi", None, "c1", [1], [2], [-0.3]), _reward("ro-oi", root, 0.5)])
+    llm = make_span(
+        "ChatOpenAI",
+        {**_ids("ro-oi"), R.OPENINFERENCE_SPAN_KIND: "LLM", R.GEN_AI_RESPONSE_ID: "c1"},
+        parent=root,
+    )
+    result = spans_to_transitions(
+        [root, llm, _gateway("ro-oi", None, "c1", [1], [2], [-0.3]), _reward("ro-oi", root, 0.5)]
+    )
     assert result.problems == () and len(result.transitions) == 1
 
 
@@ -151,7 +178,8 @@ def _framework_llm(rollout, parent, source, usage=None, **extra):
         attrs[R.SOURCE] = source
     if usage is not None:
         key_in, key_out = (
-            (R.LLM_TOKEN_COUNT_PROMPT, R.LLM_TOKEN_COUNT_COMPLETION) if source == "openinference"
+            (R.LLM_TOKEN_COUNT_PROMPT, R.LLM_TOKEN_COUNT_COMPLETION)
+            if source == "openinference"
             else (R.GEN_AI_USAGE_INPUT_TOKENS, R.GEN_AI_USAGE_OUTPUT_TOKENS)
         )
         attrs.update({key_in: usage[0], key_out: usage[1]})
@@ -159,13 +187,23 @@ def _framework_llm(rollout, parent, source, usage=None, **extra):
 
 
 def _gateway_call(rollout, response_id, n_prompt, n_response):
-    return _gateway(rollout, None, response_id, list(range(n_prompt)), list(range(n_response)), [-0.1] * n_response,
-                    **{R.GEN_AI_USAGE_INPUT_TOKENS: n_prompt, R.GEN_AI_USAGE_OUTPUT_TOKENS: n_response})
+    return _gateway(
+        rollout,
+        None,
+        response_id,
+        list(range(n_prompt)),
+        list(range(n_response)),
+        [-0.1] * n_response,
+        **{R.GEN_AI_USAGE_INPUT_TOKENS: n_prompt, R.GEN_AI_USAGE_OUTPUT_TOKENS: n_response},
+    )
 
 
 def _order_rollout(rollout, source, usages, gateway_sizes):
     root = make_span(R.SPAN_ROLLOUT, _ids(rollout))
-    agents = [make_span(f"invoke_agent a{i}", {**_ids(rollout), R.GEN_AI_AGENT_NAME: f"a{i}"}, parent=root) for i in range(len(usages))]
+    agents = [
+        make_span(f"invoke_agent a{i}", {**_ids(rollout), R.GEN_AI_AGENT_NAME: f"a{i}"}, parent=root)
+        for i in range(len(usages))
+    ]
     calls = [_framework_llm(rollout, agents[i], source, usage) for i, usage in enumerate(usages)]
     gateway = [_gateway_call(rollout, f"c{i}", *size) for i, size in enumerate(gateway_sizes)]
     return [root, *agents, *calls, *gateway, _reward(rollout, root, 1.0)], calls
@@ -190,31 +228,45 @@ def test_order_join_refuses_when_counts_or_token_counts_disagree():
     spans, calls = _order_rollout("ro-use", "openinference", [(3, 2), (5, 7)], [(3, 2), (5, 1)])
     result = spans_to_transitions(spans)
     assert result.reasons() == {USAGE_MISMATCH: 1}
-    assert result.problems[0].span_id == calls[1].span_id and "output tokens 7 vs 1" in result.problems[0].detail
+    assert (
+        result.problems[0].span_id == calls[1].span_id and "output tokens 7 vs 1" in result.problems[0].detail
+    )
     assert [t.agent_name for t in result.transitions] == ["a0", None]
 
 
 def test_an_agl_span_and_an_openinference_span_of_one_call_make_one_transition():
     root = make_span(R.SPAN_ROLLOUT, _ids("ro-both"))
     agent = make_span("invoke_agent solver", {**_ids("ro-both"), R.GEN_AI_AGENT_NAME: "solver"}, parent=root)
-    oi_agent = make_span("solver", {**_ids("ro-both"), R.OPENINFERENCE_SPAN_KIND: "AGENT", R.OI_AGENT_NAME: "solver-oi"}, parent=root)
+    oi_agent = make_span(
+        "solver",
+        {**_ids("ro-both"), R.OPENINFERENCE_SPAN_KIND: "AGENT", R.OI_AGENT_NAME: "solver-oi"},
+        parent=root,
+    )
     spans = [root, agent, oi_agent]
     for i in range(2):
         agl = _framework_llm("ro-both", agent, R.SOURCE_OPENAI_AGENTS, (4, 2))
         oi = _framework_llm("ro-both", oi_agent, "openinference", (4, 2))
-        gateway = _gateway("ro-both", agl, f"c{i}", [1, 2, 3, 4], [5, 6], [-0.1, -0.2])  # child of the agl span
+        gateway = _gateway(
+            "ro-both", agl, f"c{i}", [1, 2, 3, 4], [5, 6], [-0.1, -0.2]
+        )  # child of the agl span
         spans += [agl, oi, gateway]
     result = spans_to_transitions([*spans, _reward("ro-both", root, 1.0)])
     assert result.problems == ()
     assert [t.agent_name for t in result.transitions] == ["solver", "solver"]  # the agl span names the agent
-    assert sorted(result.joins.values()) == sorted([t.span_id for t in result.transitions] * 2)  # both sources joined
+    assert sorted(result.joins.values()) == sorted(
+        [t.span_id for t in result.transitions] * 2
+    )  # both sources joined
 
 
 def test_openinference_langgraph_nodes_name_agents():
     import json
 
     def chain(name, metadata, parent):
-        return make_span(name, {**_ids("ro-lg"), R.OPENINFERENCE_SPAN_KIND: "CHAIN", R.OI_METADATA: json.dumps(metadata)}, parent=parent)
+        return make_span(
+            name,
+            {**_ids("ro-lg"), R.OPENINFERENCE_SPAN_KIND: "CHAIN", R.OI_METADATA: json.dumps(metadata)},
+            parent=parent,
+        )
 
     root = make_span(R.SPAN_ROLLOUT, _ids("ro-lg"))
     graph = chain("LangGraph", {"ls_integration": "langgraph"}, root)
@@ -224,8 +276,19 @@ def test_openinference_langgraph_nodes_name_agents():
     named = chain("planner", {"ls_integration": "langgraph"}, root)  # a graph compiled with a name
     named_node = chain("agent", {"ls_integration": "langgraph", "langgraph_node": "agent"}, named)
     llm2 = _framework_llm("ro-lg", named_node, "openinference", None, **{R.GEN_AI_RESPONSE_ID: "c2"})
-    spans = [root, graph, node, inner, llm, named, named_node, llm2, _gateway_call("ro-lg", "c1", 2, 1), _gateway_call("ro-lg", "c2", 2, 1),
-             _reward("ro-lg", root, 1.0)]
+    spans = [
+        root,
+        graph,
+        node,
+        inner,
+        llm,
+        named,
+        named_node,
+        llm2,
+        _gateway_call("ro-lg", "c1", 2, 1),
+        _gateway_call("ro-lg", "c2", 2, 1),
+        _reward("ro-lg", root, 1.0),
+    ]
     result = spans_to_transitions(spans)
     assert result.problems == () and [t.agent_name for t in result.transitions] == ["solver", "planner"]
 
@@ -235,15 +298,26 @@ def test_rollouts_that_train_nothing_are_explained():
     no_reward = _two_agent_rollout("ro-nr", None)
     no_call = [_reward("ro-nc", None, 1.0)]
     root = make_span(R.SPAN_ROLLOUT, _ids("ro-nj"))
-    not_joined = [root, make_span("chat m", {**_ids("ro-nj"), R.GEN_AI_OPERATION_NAME: R.OP_CHAT,
-                                             R.GEN_AI_RESPONSE_ID: "zz"}, parent=root), _reward("ro-nj", root, 1.0)]
+    not_joined = [
+        root,
+        make_span(
+            "chat m",
+            {**_ids("ro-nj"), R.GEN_AI_OPERATION_NAME: R.OP_CHAT, R.GEN_AI_RESPONSE_ID: "zz"},
+            parent=root,
+        ),
+        _reward("ro-nj", root, 1.0),
+    ]
     empty = [_gateway("ro-empty", None, "c1", [1, 2], [], []), _reward("ro-empty", None, 1.0)]
     result = spans_to_transitions(ok + no_reward + no_call + not_joined + empty)
     ids = ["ro-ok", "ro-nr", "ro-nc", "ro-nj", "ro-empty", "ro-nospans"]
 
     kept = [t for t in select_agents(result.transitions, ["writer"]) if t.prompt_ids and t.response_ids]
     assert explain_untrained(ids, result, kept) == {
-        "ro-nr": NO_REWARD, "ro-nc": NO_LLM_CALL, "ro-nj": NO_LLM_CALL, "ro-empty": NO_TOKENS, "ro-nospans": NO_LLM_CALL,
+        "ro-nr": NO_REWARD,
+        "ro-nc": NO_LLM_CALL,
+        "ro-nj": NO_LLM_CALL,
+        "ro-empty": NO_TOKENS,
+        "ro-nospans": NO_LLM_CALL,
     }
     only_checker = select_agents(result.transitions, ["nobody"])
     assert explain_untrained(["ro-ok"], result, only_checker) == {"ro-ok": FILTERED_AGENT}

@@ -32,13 +32,20 @@ def _t(rollout, index, reward, prompt=(1, 2, 3), response=(4, 5), logprobs=None)
 
 def test_group_advantages_are_per_task_group_and_skip_ties():
     transitions = [
-        _t("a1", 0, 1.0), _t("a1", 1, 1.0), _t("a2", 0, 0.0),  # group A: scores 1, 0
-        _t("b1", 0, 0.5), _t("b2", 0, 0.5),                     # group B: tie -> skipped
-        _t("c1", 0, 1.0),                                       # group C: alone -> skipped
+        _t("a1", 0, 1.0),
+        _t("a1", 1, 1.0),
+        _t("a2", 0, 0.0),  # group A: scores 1, 0
+        _t("b1", 0, 0.5),
+        _t("b2", 0, 0.5),  # group B: tie -> skipped
+        _t("c1", 0, 1.0),  # group C: alone -> skipped
     ]
     groups = {"a1": "A", "a2": "A", "b1": "B", "b2": "B", "c1": "C"}
     samples, report = group_advantages(transitions, groups)
-    assert [(s.transition.rollout_id, round(s.advantage, 4)) for s in samples] == [("a1", 1.0), ("a1", 1.0), ("a2", -1.0)]
+    assert [(s.transition.rollout_id, round(s.advantage, 4)) for s in samples] == [
+        ("a1", 1.0),
+        ("a1", 1.0),
+        ("a2", -1.0),
+    ]
     assert (report.groups, report.skipped_no_variance, report.skipped_singleton) == (3, 1, 1)
 
 
@@ -94,7 +101,9 @@ def test_one_lora_update_changes_the_adapter_and_lowers_the_loss():
     torch.manual_seed(0)
     model = get_peft_model(
         tiny_model(256, seed=1),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"
+        ),
     )
     gen = torch.Generator().manual_seed(3)
     transitions = []
@@ -151,7 +160,9 @@ def test_advantage_estimators():
     assert [round(s.advantage, 4) for s in grpo] == [1.0, -1.0, 1.0, -1.0]
     assert [s.advantage for s in ppo] == [0.5, -0.5, 1.0, -1.0]
     # group baseline, then normalised over the batch: [.5,-.5,1,-1] has mean 0 and std sqrt(0.625)
-    assert [round(s.advantage, 4) for s in rpp] == [round(x / math.sqrt(0.625), 4) for x in (0.5, -0.5, 1.0, -1.0)]
+    assert [round(s.advantage, 4) for s in rpp] == [
+        round(x / math.sqrt(0.625), 4) for x in (0.5, -0.5, 1.0, -1.0)
+    ]
     with pytest.raises(ValueError, match="unknown algorithm"):
         compute_advantages(ts, groups, "dpo")
 
@@ -162,9 +173,14 @@ def test_kl_penalty_uses_the_adapter_free_model_as_reference():
     from agl_trainer.model import tiny_model
     from agl_trainer.update import reference_logprobs_fn
 
-    model = get_peft_model(tiny_model(128, seed=2), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                              task_type="CAUSAL_LM"))
-    samples = [Advantaged(_t(f"r{i}", 0, float(i), (1, 2, 3), (4 + i, 5, 6 + i)), 1.0 if i else -1.0) for i in range(2)]
+    model = get_peft_model(
+        tiny_model(128, seed=2),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    samples = [
+        Advantaged(_t(f"r{i}", 0, float(i), (1, 2, 3), (4 + i, 5, 6 + i)), 1.0 if i else -1.0)
+        for i in range(2)
+    ]
     reference = reference_logprobs_fn(model, pad_id=0)
     _, info = batch_loss(model, samples, clip_eps=0.2, pad_id=0, kl_coef=0.1, reference=reference)
     assert info["kl_to_reference"] == pytest.approx(0.0, abs=1e-7)  # LoRA B starts at 0: policy == reference

@@ -33,10 +33,17 @@ def parse_answer(text: str) -> int | None:
 
 def solve(task: dict, llm) -> float:
     model = ChatOpenAI(
-        base_url=llm.base_url, api_key=llm.api_key, model=llm.model, temperature=1.0, max_tokens=16, max_retries=0
+        base_url=llm.base_url,
+        api_key=llm.api_key,
+        model=llm.model,
+        temperature=1.0,
+        max_tokens=16,
+        max_retries=0,
     )
     chain = PROMPT | model | StrOutputParser()
-    reply = chain.invoke({"question": task["question"]}, config={"callbacks": [AglCallbackHandler(agent_name="calculator")]})
+    reply = chain.invoke(
+        {"question": task["question"]}, config={"callbacks": [AglCallbackHandler(agent_name="calculator")]}
+    )
     return score(parse_answer(reply), task["answer"])
 
 

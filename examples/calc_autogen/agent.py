@@ -20,8 +20,9 @@ import dataclasses
 import json
 from typing import Any
 
+from calc_tool import calculator, call_text, parse_answer
+
 import agl_autogen
-from calc_tool import call_text, calculator, parse_answer
 
 agl_autogen.instrument()
 
@@ -37,8 +38,13 @@ EXAMPLES = [
     ("72 eggs are split equally into 8 cartons. How many eggs are in each carton?", "72 / 8"),
 ]
 #: What AutoGen needs to know about a model it has no built-in entry for.
-MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
-              "structured_output": False}
+MODEL_INFO = {
+    "vision": False,
+    "function_calling": True,
+    "json_output": False,
+    "family": "unknown",
+    "structured_output": False,
+}
 #: Sampling settings for training rollouts; ``evaluate.py`` may pass others.
 TEMPERATURE = 0.5
 MAX_TOKENS = 40
@@ -63,26 +69,39 @@ def example_messages(examples: list[tuple[str, str]] = EXAMPLES) -> list[Any]:
 
     messages: list[Any] = []
     for question, expression in examples:
-        messages += [UserMessage(content=question, source="user"),
-                     AssistantMessage(content=call_text(expression), source="calculator_agent")]
+        messages += [
+            UserMessage(content=question, source="user"),
+            AssistantMessage(content=call_text(expression), source="calculator_agent"),
+        ]
     return messages
 
 
-async def run_agent(question: str, answer: int, llm: Any, *, temperature: float = TEMPERATURE,
-                    max_tokens: int = MAX_TOKENS) -> Outcome:
+async def run_agent(
+    question: str, answer: int, llm: Any, *, temperature: float = TEMPERATURE, max_tokens: int = MAX_TOKENS
+) -> Outcome:
     """Run the agent on one problem against the endpoint in ``llm`` and score its answer."""
     from autogen_agentchat.agents import AssistantAgent
     from autogen_core.model_context import UnboundedChatCompletionContext
     from autogen_ext.models.openai import OpenAIChatCompletionClient
 
     client = OpenAIChatCompletionClient(
-        model=llm.model, base_url=llm.base_url, api_key=llm.api_key, model_info=MODEL_INFO,
-        temperature=temperature, max_tokens=max_tokens, max_retries=0,
+        model=llm.model,
+        base_url=llm.base_url,
+        api_key=llm.api_key,
+        model_info=MODEL_INFO,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        max_retries=0,
     )
     try:
-        agent = AssistantAgent("calculator_agent", client, tools=[calculator], system_message=SYSTEM_PROMPT,
-                               reflect_on_tool_use=False,
-                               model_context=UnboundedChatCompletionContext(initial_messages=example_messages()))
+        agent = AssistantAgent(
+            "calculator_agent",
+            client,
+            tools=[calculator],
+            system_message=SYSTEM_PROMPT,
+            reflect_on_tool_use=False,
+            model_context=UnboundedChatCompletionContext(initial_messages=example_messages()),
+        )
         result = await agent.run(task=question)
     finally:
         await client.close()

@@ -14,14 +14,24 @@ import re
 
 __all__ = ["call_text", "calculator", "parse_answer"]
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 _MAX_ABS = 10**12
 
 
 def _evaluate(node: ast.AST, expression: str) -> int | float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and not isinstance(node.value, bool)
+    ):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left, expression), _evaluate(node.right, expression)
@@ -47,7 +57,9 @@ def calculator(expression: str) -> str:
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
-        raise ValueError(f"invalid expression {expression!r}: not valid arithmetic; write e.g. '12 * 4'") from None
+        raise ValueError(
+            f"invalid expression {expression!r}: not valid arithmetic; write e.g. '12 * 4'"
+        ) from None
     value = _evaluate(tree.body, expression)
     if isinstance(value, float) and value.is_integer():
         value = int(value)

@@ -81,12 +81,16 @@ def operators(expression: str) -> str:
     return "".join(ch for ch in expression if ch in "+-*/")
 
 
-def operator_report(tasks: Sequence[dict[str, Any]], outcomes: Sequence[calc_agent.Outcome], samples: int) -> str:
+def operator_report(
+    tasks: Sequence[dict[str, Any]], outcomes: Sequence[calc_agent.Outcome], samples: int
+) -> str:
     """Per operation of the reference expression: problems, mean reward and the operators the model wrote."""
     rows: dict[str, tuple[list[float], collections.Counter]] = {}
     for i, task in enumerate(tasks):
-        scores, used = rows.setdefault(operators(str(task.get("expression", ""))) or "?", ([], collections.Counter()))
-        for outcome in outcomes[i * samples:(i + 1) * samples]:
+        scores, used = rows.setdefault(
+            operators(str(task.get("expression", ""))) or "?", ([], collections.Counter())
+        )
+        for outcome in outcomes[i * samples : (i + 1) * samples]:
             scores.append(outcome.reward)
             used[(operators(outcome.expressions[0]) or "none") if outcome.expressions else "text"] += 1
     lines = ["reference op | attempts | mean reward | operators the model wrote"]
@@ -103,8 +107,16 @@ def load_split(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     return tasks[:limit] if limit else tasks
 
 
-def evaluate(model: Any, tokenizer: Any, tasks: Sequence[dict[str, Any]], *, samples: int = 1,
-             temperature: float = 0.0, max_tokens: int = calc_agent.MAX_TOKENS, concurrency: int = 16) -> Evaluation:
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[dict[str, Any]],
+    *,
+    samples: int = 1,
+    temperature: float = 0.0,
+    max_tokens: int = calc_agent.MAX_TOKENS,
+    concurrency: int = 16,
+) -> Evaluation:
     """Serve ``model`` behind a gateway on a free port and run the agent ``samples`` times on each task."""
     from agl_core._serve import BackgroundServer
     from agl_core.gateway import create_gateway_app
@@ -114,21 +126,28 @@ def evaluate(model: Any, tokenizer: Any, tasks: Sequence[dict[str, Any]], *, sam
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     start = time.monotonic()
-    backend = HFBackend(model, tokenizer, model_name="agl-policy", default_max_tokens=max_tokens, max_batch=concurrency)
+    backend = HFBackend(
+        model, tokenizer, model_name="agl-policy", default_max_tokens=max_tokens, max_batch=concurrency
+    )
     try:
         with BackgroundServer(create_gateway_app(backend)) as gateway:
             llm = LLM(base_url=f"{gateway.url}/v1", model="agl-policy")
 
             def attempt(task: dict[str, Any]) -> calc_agent.Outcome:
-                return asyncio.run(calc_agent.run_agent(
-                    task["question"], task["answer"], llm, temperature=temperature, max_tokens=max_tokens))
+                return asyncio.run(
+                    calc_agent.run_agent(
+                        task["question"], task["answer"], llm, temperature=temperature, max_tokens=max_tokens
+                    )
+                )
 
             jobs = [task for task in tasks for _ in range(samples)]
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                 outcomes = list(pool.map(attempt, jobs))
     finally:
         backend.close()
-    scores = [sum(o.reward for o in outcomes[i * samples:(i + 1) * samples]) / samples for i in range(len(tasks))]
+    scores = [
+        sum(o.reward for o in outcomes[i * samples : (i + 1) * samples]) / samples for i in range(len(tasks))
+    ]
     return Evaluation(
         task_ids=[str(t.get("id", i)) for i, t in enumerate(tasks)],
         scores=scores,
@@ -149,7 +168,9 @@ def load_model(source: str, adapter: Path | None) -> tuple[Any, Any]:
         from peft import PeftModel
 
         if not (adapter / "adapter_config.json").is_file():
-            raise SystemExit(f"{adapter} has no adapter_config.json; pass the directory a LoRA adapter was saved to")
+            raise SystemExit(
+                f"{adapter} has no adapter_config.json; pass the directory a LoRA adapter was saved to"
+            )
         model = PeftModel.from_pretrained(model, str(adapter))
     return model, tokenizer
 
@@ -174,10 +195,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tasks = load_split(args.split, args.limit)
     model, tokenizer = load_model(args.model, args.adapter)
-    result = evaluate(model, tokenizer, tasks, samples=args.samples, temperature=args.temperature,
-                      max_tokens=args.max_tokens)
-    for task, outcome in zip([t for t in tasks for _ in range(args.samples)], result.outcomes[:args.show]):
-        print(f"[{outcome.reward:.0f}] {task['question']} (answer {task['answer']}) -> {outcome.final_text!r}")
+    result = evaluate(
+        model,
+        tokenizer,
+        tasks,
+        samples=args.samples,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+    )
+    for task, outcome in zip([t for t in tasks for _ in range(args.samples)], result.outcomes[: args.show]):
+        print(
+            f"[{outcome.reward:.0f}] {task['question']} (answer {task['answer']}) -> {outcome.final_text!r}"
+        )
     print(operator_report(tasks, result.outcomes, args.samples))
     print(result.summary(f"{args.split.name}{' + ' + str(args.adapter) if args.adapter else ''}"))
 

@@ -52,20 +52,34 @@ DIV = [
     "{n} puts {c} {item} into {a} equal piles. How many {item} are in each pile?",
 ]
 TWO_STEP = [
-    ("{n} has {a} {item}, buys {b} more and then gives {c} away. How many {item} does {n} have now?",
-     lambda a, b, c: a + b - c, "{a} + {b} - {c}"),
-    ("There are {a} {container} with {b} {item} each, and {c} loose {item}. How many {item} are there in total?",
-     lambda a, b, c: a * b + c, "{a} * {b} + {c}"),
-    ("{n} has {a} {item} and {p_lower} friend has {b}. They put them in one pile and triple it. How many {item} are in the pile?",
-     lambda a, b, c: (a + b) * 3, "({a} + {b}) * 3"),
+    (
+        "{n} has {a} {item}, buys {b} more and then gives {c} away. How many {item} does {n} have now?",
+        lambda a, b, c: a + b - c,
+        "{a} + {b} - {c}",
+    ),
+    (
+        "There are {a} {container} with {b} {item} each, and {c} loose {item}. How many {item} are there in total?",
+        lambda a, b, c: a * b + c,
+        "{a} * {b} + {c}",
+    ),
+    (
+        "{n} has {a} {item} and {p_lower} friend has {b}. They put them in one pile and triple it. How many {item} are in the pile?",
+        lambda a, b, c: (a + b) * 3,
+        "({a} + {b}) * 3",
+    ),
 ]
 
 
 def _words(rng: random.Random) -> dict[str, str]:
     name = rng.choice(NAMES)
     pronoun = "She" if name in {"Maria", "Aisha", "Nina", "Lena", "Kate", "Mei"} else "He"
-    return {"n": name, "p": pronoun, "p_lower": "her" if pronoun == "She" else "his",
-            "item": rng.choice(ITEMS), "container": rng.choice(CONTAINERS)}
+    return {
+        "n": name,
+        "p": pronoun,
+        "p_lower": "her" if pronoun == "She" else "his",
+        "item": rng.choice(ITEMS),
+        "container": rng.choice(CONTAINERS),
+    }
 
 
 def _one_step(rng: random.Random, difficulty: int) -> tuple[tuple, str, int, str]:
@@ -96,8 +110,12 @@ def _two_step(rng: random.Random) -> tuple[tuple, str, int, str]:
     if "* {b}" in expression:
         a, b = rng.randint(2, 12), rng.randint(3, 25)
     w = _words(rng)
-    return ((expression, a, b, c), question.format(a=a, b=b, c=c, **w), answer_of(a, b, c),
-            expression.format(a=a, b=b, c=c))
+    return (
+        (expression, a, b, c),
+        question.format(a=a, b=b, c=c, **w),
+        answer_of(a, b, c),
+        expression.format(a=a, b=b, c=c),
+    )
 
 
 def make_problems(count: int, *, difficulty: int, seed: int) -> list[dict]:
@@ -119,7 +137,9 @@ def make_problems(count: int, *, difficulty: int, seed: int) -> list[dict]:
         if key in seen:
             continue
         seen.add(key)
-        problems.append({"question": question, "answer": answer, "expression": expression, "difficulty": difficulty})
+        problems.append(
+            {"question": question, "answer": answer, "expression": expression, "difficulty": difficulty}
+        )
     return problems
 
 
@@ -137,7 +157,7 @@ def main() -> None:
     start = 0
     for split, size in (("train", args.train), ("dev", args.dev), ("val", args.val)):
         with (args.out / f"{split}.jsonl").open("w") as fh:
-            for i, problem in enumerate(problems[start:start + size]):
+            for i, problem in enumerate(problems[start : start + size]):
                 fh.write(json.dumps({"id": f"{split}-{i:03d}", **problem}) + "\n")
         start += size
         print(f"{args.out / f'{split}.jsonl'}: {size} problems")

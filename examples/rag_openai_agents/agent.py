@@ -35,11 +35,11 @@ from agents import (
 )
 from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from agents.tracing import function_span
+from bm25 import load_index
 from openai import AsyncOpenAI
+from reward import score
 
 import agl_openai_agents
-from bm25 import load_index
-from reward import score
 
 # The one agl line: record the SDK's agents, model calls and tool runs as spans. agl's is the only trace
 # processor, so nothing tries to send traces to OpenAI.
@@ -51,7 +51,9 @@ CORPUS = Path(__file__).resolve().parent / "corpus.jsonl"
 TOP_K, TOP_K_AGENTIC = 1, 3
 #: Sampling temperature of every model call (training and evaluation alike).
 TEMPERATURE = 0.7
-INSTRUCTIONS = "You answer questions about a fictional world. Reply with one line: Answer: <the answer in a few words>"
+INSTRUCTIONS = (
+    "You answer questions about a fictional world. Reply with one line: Answer: <the answer in a few words>"
+)
 SEARCH_HINT = " Call the search tool to look up a person, city or company in the encyclopedia."
 
 _index = None
@@ -141,7 +143,10 @@ async def _run(agent: Agent[Budget], question: str, budget: Budget, agentic: boo
             passages = _search_in_code(question, budget)
             prompt = f"{passages}\n\nQuestion: {question}\nReply with one line: Answer: <answer>"
         result = await Runner.run(
-            agent, prompt, context=budget, max_turns=budget.searches_left + 1,
+            agent,
+            prompt,
+            context=budget,
+            max_turns=budget.searches_left + 1,
             run_config=RunConfig(workflow_name="rag_openai_agents"),
         )
     return str(result.final_output or "")

@@ -34,7 +34,9 @@ def tokenize(text: str) -> list[str]:
 class BM25Index:
     """Okapi BM25 with parameters ``k1`` (term-frequency saturation) and ``b`` (length normalisation)."""
 
-    def __init__(self, docs: list[dict], term_freqs: list[dict[str, int]], *, k1: float = 1.5, b: float = 0.75) -> None:
+    def __init__(
+        self, docs: list[dict], term_freqs: list[dict[str, int]], *, k1: float = 1.5, b: float = 0.75
+    ) -> None:
         if len(docs) != len(term_freqs):
             raise ValueError(f"{len(docs)} documents but {len(term_freqs)} term-frequency tables")
         self.docs = docs

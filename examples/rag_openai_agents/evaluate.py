@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     for task, reply, r in results[: args.show]:
         print(f"{r:.3f}  {task['question']}  gold={task['answer']!r}  reply={reply!r}")
     se = statistics.stdev(rewards) / len(rewards) ** 0.5 if len(rewards) > 1 else 0.0
-    print(f"{path.name}: mean reward {statistics.fmean(rewards):.3f} ± {se:.3f} (SE, n={len(rewards)} tasks)"
-          f" in {time.monotonic() - t0:.0f}s")
+    print(
+        f"{path.name}: mean reward {statistics.fmean(rewards):.3f} ± {se:.3f} (SE, n={len(rewards)} tasks)"
+        f" in {time.monotonic() - t0:.0f}s"
+    )
     return 0
 
 

@@ -29,8 +29,31 @@ N_PROVINCES, N_CITIES, N_COMPANIES, N_PEOPLE = 8, 40, 32, 120
 #: Questions per split; the rest go to train.
 DEV_SIZE, VAL_SIZE = 60, 100
 
-_ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "qu", "r", "s",
-           "st", "t", "th", "v", "w", "z"]
+_ONSETS = [
+    "b",
+    "br",
+    "c",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "qu",
+    "r",
+    "s",
+    "st",
+    "t",
+    "th",
+    "v",
+    "w",
+    "z",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "ae", "ia", "ou"]
 _CODAS = ["", "l", "n", "r", "s", "th", "v", "x", "nd", "rk"]
 _CITY_ENDINGS = ["field", "haven", "mere", "ford", "wick", "stead", "holm", "gate", "port", "brook"]
@@ -44,18 +67,45 @@ _COMPANY_KINDS = [
     ("Potteries", ["blue teapots", "clay pipes", "roof tiles", "stoneware jugs"]),
     ("Shipyards", ["fishing boats", "river barges", "ice breakers", "canal ferries"]),
 ]
-_PROFESSIONS = ["cartographer", "glassblower", "beekeeper", "violinist", "astronomer", "bookbinder",
-                "botanist", "blacksmith", "surveyor", "weaver", "ferryman", "chemist", "stonemason",
-                "lighthouse keeper", "cooper", "archivist"]
+_PROFESSIONS = [
+    "cartographer",
+    "glassblower",
+    "beekeeper",
+    "violinist",
+    "astronomer",
+    "bookbinder",
+    "botanist",
+    "blacksmith",
+    "surveyor",
+    "weaver",
+    "ferryman",
+    "chemist",
+    "stonemason",
+    "lighthouse keeper",
+    "cooper",
+    "archivist",
+]
 _RIVERS = ["Sel", "Morrow", "Tane", "Ilve", "Corrin", "Vash", "Odra", "Lume"]
-_KNOWN_FOR = ["its salt markets", "a stone bridge", "an old observatory", "its spring fair", "a ruined abbey",
-              "its harbour", "a clock tower", "its orchards", "a glass market", "its canals"]
+_KNOWN_FOR = [
+    "its salt markets",
+    "a stone bridge",
+    "an old observatory",
+    "its spring fair",
+    "a ruined abbey",
+    "its harbour",
+    "a clock tower",
+    "its orchards",
+    "a glass market",
+    "its canals",
+]
 
 
 def _word(rng: random.Random, syllables: int) -> str:
     parts = []
     for i in range(syllables):
-        parts.append(rng.choice(_ONSETS) + rng.choice(_VOWELS) + (rng.choice(_CODAS) if i == syllables - 1 else ""))
+        parts.append(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + (rng.choice(_CODAS) if i == syllables - 1 else "")
+        )
     return "".join(parts).capitalize()
 
 
@@ -87,16 +137,33 @@ def build_world(seed: int = SEED) -> dict:
         capital = cities[i]  # city i lies in province i % N_PROVINCES, so its capital is its own city
         world["provinces"].append({"name": p, "capital": capital, "river": _RIVERS[i]})
     for c in cities:
-        world["cities"].append({"name": c, "province": city_province[c],
-                                "known_for": rng.choice(_KNOWN_FOR), "founded": rng.randrange(1100, 1800)})
+        world["cities"].append(
+            {
+                "name": c,
+                "province": city_province[c],
+                "known_for": rng.choice(_KNOWN_FOR),
+                "founded": rng.randrange(1100, 1800),
+            }
+        )
     for i, word in enumerate(company_words):
         kind, products = _COMPANY_KINDS[i % len(_COMPANY_KINDS)]
-        world["companies"].append({"name": f"{word} {kind}", "city": rng.choice(cities),
-                                   "product": rng.choice(products), "founded": rng.randrange(1820, 1990)})
+        world["companies"].append(
+            {
+                "name": f"{word} {kind}",
+                "city": rng.choice(cities),
+                "product": rng.choice(products),
+                "founded": rng.randrange(1820, 1990),
+            }
+        )
     for first, last in zip(firsts, lasts):
-        world["people"].append({"name": f"{first} {last}", "city": rng.choice(cities),
-                                "company": rng.choice(world["companies"])["name"],
-                                "profession": rng.choice(_PROFESSIONS)})
+        world["people"].append(
+            {
+                "name": f"{first} {last}",
+                "city": rng.choice(cities),
+                "company": rng.choice(world["companies"])["name"],
+                "profession": rng.choice(_PROFESSIONS),
+            }
+        )
     return world
 
 
@@ -108,21 +175,45 @@ def corpus(world: dict) -> list[dict]:
     """One entry per entity: ``{"id", "title", "text"}``."""
     out = []
     for p in world["provinces"]:
-        out.append({"title": p["name"], "text": (
-            f"{p['name']} is a province. The capital of {p['name']} is {p['capital']}. "
-            f"The river {p['river']} runs through {p['name']}.")})
+        out.append(
+            {
+                "title": p["name"],
+                "text": (
+                    f"{p['name']} is a province. The capital of {p['name']} is {p['capital']}. "
+                    f"The river {p['river']} runs through {p['name']}."
+                ),
+            }
+        )
     for c in world["cities"]:
-        out.append({"title": c["name"], "text": (
-            f"{c['name']} is a city in the province of {c['province']}. It was founded in {c['founded']} "
-            f"and is known for {c['known_for']}.")})
+        out.append(
+            {
+                "title": c["name"],
+                "text": (
+                    f"{c['name']} is a city in the province of {c['province']}. It was founded in {c['founded']} "
+                    f"and is known for {c['known_for']}."
+                ),
+            }
+        )
     for c in world["companies"]:
-        out.append({"title": c["name"], "text": (
-            f"{c['name']} is a company headquartered in {c['city']}. {c['name']} makes {c['product']}. "
-            f"It was founded in {c['founded']}.")})
+        out.append(
+            {
+                "title": c["name"],
+                "text": (
+                    f"{c['name']} is a company headquartered in {c['city']}. {c['name']} makes {c['product']}. "
+                    f"It was founded in {c['founded']}."
+                ),
+            }
+        )
     for p in world["people"]:
-        out.append({"title": p["name"], "text": (
-            f"{p['name']} is {_article(p['profession'])} {p['profession']}. {p['name']} was born in {p['city']}. "
-            f"{p['name']} works for {p['company']}.")})
+        out.append(
+            {
+                "title": p["name"],
+                "text": (
+                    f"{p['name']} is {_article(p['profession'])} {p['profession']}. {p['name']} was born in {p['city']}. "
+                    f"{p['name']} works for {p['company']}."
+                ),
+            }
+        )
     return [{"id": f"doc-{i:03d}", **entry} for i, entry in enumerate(out)]
 
 
@@ -141,17 +232,29 @@ def questions(world: dict) -> tuple[list[dict], list[dict]]:
         q(one, f"Which company does {n} work for?", p["company"], [n])
         q(one, f"What is the profession of {n}?", p["profession"], [n])
         q(two, f"In which province was {n} born?", city[p["city"]]["province"], [n, p["city"]])
-        q(two, f"In which city is the company that {n} works for headquartered?",
-          company[p["company"]]["city"], [n, p["company"]])
-        q(two, f"What does the company that {n} works for make?", company[p["company"]]["product"],
-          [n, p["company"]])
+        q(
+            two,
+            f"In which city is the company that {n} works for headquartered?",
+            company[p["company"]]["city"],
+            [n, p["company"]],
+        )
+        q(
+            two,
+            f"What does the company that {n} works for make?",
+            company[p["company"]]["product"],
+            [n, p["company"]],
+        )
     for c in world["cities"]:
         q(one, f"In which province is the city of {c['name']}?", c["province"], [c["name"]])
     for c in world["companies"]:
         q(one, f"In which city is {c['name']} headquartered?", c["city"], [c["name"]])
         q(one, f"What does {c['name']} make?", c["product"], [c["name"]])
-        q(two, f"In which province is {c['name']} headquartered?", city[c["city"]]["province"],
-          [c["name"], c["city"]])
+        q(
+            two,
+            f"In which province is {c['name']} headquartered?",
+            city[c["city"]]["province"],
+            [c["name"], c["city"]],
+        )
     for p in world["provinces"]:
         q(one, f"What is the capital of the province of {p['name']}?", p["capital"], [p["name"]])
     return one, two
@@ -162,8 +265,15 @@ def split(items: list[dict], prefix: str, seed: int) -> dict[str, list[dict]]:
     rng = random.Random(seed)
     items = list(items)
     rng.shuffle(items)
-    parts = {"dev": items[:DEV_SIZE], "val": items[DEV_SIZE:DEV_SIZE + VAL_SIZE], "train": items[DEV_SIZE + VAL_SIZE:]}
-    return {name: [{"id": f"{prefix}-{name}-{i:03d}", **t} for i, t in enumerate(tasks)] for name, tasks in parts.items()}
+    parts = {
+        "dev": items[:DEV_SIZE],
+        "val": items[DEV_SIZE : DEV_SIZE + VAL_SIZE],
+        "train": items[DEV_SIZE + VAL_SIZE :],
+    }
+    return {
+        name: [{"id": f"{prefix}-{name}-{i:03d}", **t} for i, t in enumerate(tasks)]
+        for name, tasks in parts.items()
+    }
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

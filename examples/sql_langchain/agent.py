@@ -36,13 +36,21 @@ CHECKER_SYSTEM = "Say in one short sentence what is wrong with this SQLite query
 REWRITER_SYSTEM = "Fix the SQLite query. Reply with the corrected query only."
 #: Worked examples per table, shown to the writer and the rewriter (questions unlike the task templates).
 EXAMPLES = {
-    "employees": [("How many employees are 30 years old?", "SELECT COUNT(*) FROM employees WHERE age = 30;"),
-                  ("What is the salary of Alice?", "SELECT salary FROM employees WHERE name = 'Alice';")],
-    "orders": [("How many orders have a price less than 100?", "SELECT COUNT(*) FROM orders WHERE price < 100;"),
-               ("List the customers of orders with the status shipped.",
-                "SELECT customer FROM orders WHERE status = 'shipped';")],
-    "departments": [("How many departments are on floor 3?", "SELECT COUNT(*) FROM departments WHERE floor = 3;"),
-                    ("What is the budget of department 2?", "SELECT budget FROM departments WHERE id = 2;")],
+    "employees": [
+        ("How many employees are 30 years old?", "SELECT COUNT(*) FROM employees WHERE age = 30;"),
+        ("What is the salary of Alice?", "SELECT salary FROM employees WHERE name = 'Alice';"),
+    ],
+    "orders": [
+        ("How many orders have a price less than 100?", "SELECT COUNT(*) FROM orders WHERE price < 100;"),
+        (
+            "List the customers of orders with the status shipped.",
+            "SELECT customer FROM orders WHERE status = 'shipped';",
+        ),
+    ],
+    "departments": [
+        ("How many departments are on floor 3?", "SELECT COUNT(*) FROM departments WHERE floor = 3;"),
+        ("What is the budget of department 2?", "SELECT budget FROM departments WHERE id = 2;"),
+    ],
 }
 
 
@@ -75,7 +83,7 @@ def extract_sql(text: str) -> str | None:
     match = _SELECT.search(text)
     if match is None:
         return None
-    sql = text[match.start():]
+    sql = text[match.start() :]
     for end in (";", "\n\n"):
         sql = sql.split(end, 1)[0]
     sql = " ".join(sql.split())
@@ -111,13 +119,18 @@ def build_graph(model: ChatOpenAI):
     """The compiled three-node graph; ``model`` serves all three agents."""
 
     def call(agent: str, messages: list) -> str:
-        reply = model.invoke(messages, max_tokens=MAX_TOKENS[agent], stop=[";"] if agent != "checker" else None)
+        reply = model.invoke(
+            messages, max_tokens=MAX_TOKENS[agent], stop=[";"] if agent != "checker" else None
+        )
         return reply.content if isinstance(reply.content, str) else str(reply.content)
 
     def writer(state: State) -> State:
         task = state["task"]
-        messages = [SystemMessage(f"{WRITER_SYSTEM}\n{schema_text(task)}"), *few_shot(task),
-                    HumanMessage(task["question"])]
+        messages = [
+            SystemMessage(f"{WRITER_SYSTEM}\n{schema_text(task)}"),
+            *few_shot(task),
+            HumanMessage(task["question"]),
+        ]
         reply = call("writer", messages)
         return {"query": extract_sql(reply), "rewrites": 0, "replies": [("writer", reply)]}
 
@@ -126,24 +139,38 @@ def build_graph(model: ChatOpenAI):
         update: State = {"verdict": verdict, "detail": detail, "rows": rows, "feedback": ""}
         if verdict != "looks fine" and state.get("rewrites", 0) < MAX_REWRITES:
             task = state["task"]
-            reply = call("checker", [
-                SystemMessage(f"{CHECKER_SYSTEM}\n{schema_text(task)}"),
-                HumanMessage(f"Question: {task['question']}\nQuery: {state.get('query') or '(none)'}\n"
-                             f"Result: {detail}"),
-            ])
+            reply = call(
+                "checker",
+                [
+                    SystemMessage(f"{CHECKER_SYSTEM}\n{schema_text(task)}"),
+                    HumanMessage(
+                        f"Question: {task['question']}\nQuery: {state.get('query') or '(none)'}\n"
+                        f"Result: {detail}"
+                    ),
+                ],
+            )
             update["feedback"] = reply.strip()
             update["replies"] = [*state.get("replies", []), ("checker", reply)]
         return update
 
     def rewriter(state: State) -> State:
         task = state["task"]
-        reply = call("rewriter", [
-            SystemMessage(f"{REWRITER_SYSTEM}\n{schema_text(task)}"), *few_shot(task),
-            HumanMessage(f"{task['question']}\nWrong query: {state.get('query') or '(none)'}\n"
-                         f"Problem: {state['detail']}. {state['feedback']}"),
-        ])
-        return {"query": extract_sql(reply), "rewrites": state.get("rewrites", 0) + 1,
-                "replies": [*state.get("replies", []), ("rewriter", reply)]}
+        reply = call(
+            "rewriter",
+            [
+                SystemMessage(f"{REWRITER_SYSTEM}\n{schema_text(task)}"),
+                *few_shot(task),
+                HumanMessage(
+                    f"{task['question']}\nWrong query: {state.get('query') or '(none)'}\n"
+                    f"Problem: {state['detail']}. {state['feedback']}"
+                ),
+            ],
+        )
+        return {
+            "query": extract_sql(reply),
+            "rewrites": state.get("rewrites", 0) + 1,
+            "replies": [*state.get("replies", []), ("rewriter", reply)],
+        }
 
     def route(state: State) -> str:
         if state["verdict"] == "looks fine" or state.get("rewrites", 0) >= MAX_REWRITES:
@@ -163,8 +190,9 @@ def build_graph(model: ChatOpenAI):
 
 def run(task: dict, llm) -> State:
     """Run the graph on one task; the final state (query, verdict, rows, rewrites)."""
-    model = ChatOpenAI(base_url=llm.base_url, api_key=llm.api_key, model=llm.model,
-                       temperature=TEMPERATURE, max_retries=0)
+    model = ChatOpenAI(
+        base_url=llm.base_url, api_key=llm.api_key, model=llm.model, temperature=TEMPERATURE, max_retries=0
+    )
     return build_graph(model).invoke({"task": task}, config={"callbacks": [AglCallbackHandler()]})
 
 

@@ -23,10 +23,46 @@ SEED = 20240611
 DEPARTMENTS = ["Sales", "Marketing", "Engineering", "Finance", "Support"]
 CITIES = ["Boston", "Chicago", "Denver", "Seattle", "Austin"]
 FIRST_NAMES = [
-    "Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
-    "Karen", "Leo", "Maria", "Nick", "Olga", "Paul", "Quinn", "Rosa", "Sam", "Tina",
-    "Umar", "Vera", "Walt", "Xena", "Yusuf", "Zoe", "Anna", "Ben", "Clara", "Dan",
-    "Eva", "Fred", "Gina", "Hugo", "Ivy", "Jon", "Kim", "Liam", "Mia", "Noah",
+    "Alice",
+    "Bob",
+    "Carol",
+    "David",
+    "Emma",
+    "Frank",
+    "Grace",
+    "Henry",
+    "Irene",
+    "Jack",
+    "Karen",
+    "Leo",
+    "Maria",
+    "Nick",
+    "Olga",
+    "Paul",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tina",
+    "Umar",
+    "Vera",
+    "Walt",
+    "Xena",
+    "Yusuf",
+    "Zoe",
+    "Anna",
+    "Ben",
+    "Clara",
+    "Dan",
+    "Eva",
+    "Fred",
+    "Gina",
+    "Hugo",
+    "Ivy",
+    "Jon",
+    "Kim",
+    "Liam",
+    "Mia",
+    "Noah",
 ]
 CUSTOMERS = ["Acme", "Globex", "Initech", "Umbrella", "Hooli", "Stark", "Wayne", "Wonka"]
 PRODUCTS = ["laptop", "monitor", "keyboard", "mouse", "printer", "desk"]
@@ -58,12 +94,31 @@ def rows() -> dict[str, list[tuple]]:
     rng = random.Random(SEED)
     employees = []
     for i, name in enumerate(FIRST_NAMES, start=1):
-        employees.append((i, name, DEPARTMENTS[(i - 1) % len(DEPARTMENTS)] if i <= 10 else rng.choice(DEPARTMENTS),
-                          rng.randint(22, 64), rng.randrange(40_000, 130_001, 500), rng.choice(CITIES)))
-    departments = [(i, name, rng.randrange(100_000, 1_000_001, 10_000), rng.randint(1, 9))
-                   for i, name in enumerate(DEPARTMENTS, start=1)]
-    orders = [(i, rng.choice(CUSTOMERS), rng.choice(PRODUCTS), rng.randint(1, 20), rng.randrange(20, 2001, 10),
-               rng.choice(STATUSES)) for i in range(1, 49)]
+        employees.append(
+            (
+                i,
+                name,
+                DEPARTMENTS[(i - 1) % len(DEPARTMENTS)] if i <= 10 else rng.choice(DEPARTMENTS),
+                rng.randint(22, 64),
+                rng.randrange(40_000, 130_001, 500),
+                rng.choice(CITIES),
+            )
+        )
+    departments = [
+        (i, name, rng.randrange(100_000, 1_000_001, 10_000), rng.randint(1, 9))
+        for i, name in enumerate(DEPARTMENTS, start=1)
+    ]
+    orders = [
+        (
+            i,
+            rng.choice(CUSTOMERS),
+            rng.choice(PRODUCTS),
+            rng.randint(1, 20),
+            rng.randrange(20, 2001, 10),
+            rng.choice(STATUSES),
+        )
+        for i in range(1, 49)
+    ]
     return {"employees": employees, "departments": departments, "orders": orders}
 
 
@@ -128,6 +183,7 @@ def run_query(sql: str, path: Path | None = None) -> list[tuple]:
 
 def normalize(result: list[tuple] | list[list]) -> Counter:
     """Rows as a multiset; numbers compared as floats rounded to 2 decimals (so 5 == 5.0)."""
+
     def cell(v):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return v

@@ -61,8 +61,13 @@ def main() -> None:
     def one(task: dict) -> tuple[dict, dict]:
         final = agent.run(task, llm)
         ok = final.get("verdict") != "error" and same_result(final.get("rows", []), task["answer"])
-        return task, {"ok": ok, "query": final.get("query"), "verdict": final.get("verdict"),
-                      "rewrites": final.get("rewrites", 0), "replies": final.get("replies", [])}
+        return task, {
+            "ok": ok,
+            "query": final.get("query"),
+            "verdict": final.get("verdict"),
+            "rewrites": final.get("rewrites", 0),
+            "replies": final.get("replies", []),
+        }
 
     t0 = time.monotonic()
     try:
@@ -80,11 +85,21 @@ def main() -> None:
         per_template[task["template"]].append(float(r["ok"]))
     scores = [sum(v) / len(v) for v in per_task.values()]
     mean = sum(scores) / len(scores)
-    se = math.sqrt(sum((s - mean) ** 2 for s in scores) / (len(scores) - 1) / len(scores)) if len(scores) > 1 else 0.0
-    print(f"accuracy {mean:.3f} ± {se:.3f} (SE, n={len(scores)} tasks x {args.rollouts} runs) in {seconds:.0f}s")
+    se = (
+        math.sqrt(sum((s - mean) ** 2 for s in scores) / (len(scores) - 1) / len(scores))
+        if len(scores) > 1
+        else 0.0
+    )
+    print(
+        f"accuracy {mean:.3f} ± {se:.3f} (SE, n={len(scores)} tasks x {args.rollouts} runs) in {seconds:.0f}s"
+    )
     print("  tasks solved at least once:", sum(s > 0 for s in scores), "of", len(scores))
-    print("  final verdicts:", dict(Counter(r["verdict"] for _, r in results)),
-          " rewrites:", dict(Counter(r["rewrites"] for _, r in results)))
+    print(
+        "  final verdicts:",
+        dict(Counter(r["verdict"] for _, r in results)),
+        " rewrites:",
+        dict(Counter(r["rewrites"] for _, r in results)),
+    )
     for template, values in sorted(per_template.items()):
         print(f"  {template:26s} {sum(values) / len(values):.2f} ({len(values)} runs)")
     for task, r in results[: args.show]:

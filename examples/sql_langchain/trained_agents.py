@@ -38,11 +38,15 @@ class StepAudit:
     def matches_metrics(self) -> bool:
         from agl_trainer.loop import UNNAMED_AGENT
 
-        per_agent = {name or UNNAMED_AGENT: {"calls": self.calls[name], "trained": self.trained[name]}
-                     for name in self.calls}
-        return (sum(self.calls.values()) == self.metrics["transitions"]
-                and sum(self.trained.values()) == self.metrics["trained_transitions"]
-                and per_agent == self.metrics.get("agents", per_agent))
+        per_agent = {
+            name or UNNAMED_AGENT: {"calls": self.calls[name], "trained": self.trained[name]}
+            for name in self.calls
+        }
+        return (
+            sum(self.calls.values()) == self.metrics["transitions"]
+            and sum(self.trained.values()) == self.metrics["trained_transitions"]
+            and per_agent == self.metrics.get("agents", per_agent)
+        )
 
 
 def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[StepAudit]:
@@ -71,21 +75,39 @@ def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[Step
     algo = config.algorithm
     audits = []
     for step, row in sorted(metrics.items()):
-        used = [r for r in rollouts if r.metadata.get("split") == "train" and r.metadata.get("step") == step
-                and r.status == RolloutStatus.SUCCEEDED]
+        used = [
+            r
+            for r in rollouts
+            if r.metadata.get("split") == "train"
+            and r.metadata.get("step") == step
+            and r.status == RolloutStatus.SUCCEEDED
+        ]
         step_spans = [s for r in used for s in by_rollout[r.rollout_id]]
         result = spans_to_transitions(step_spans)
         groups = {r.rollout_id: r.group_id or r.rollout_id for r in used}
 
         def trained(agents: list[str]) -> Counter:
-            credit = assign_rewards(result, step_spans, strategy=algo.credit, gamma=algo.gamma,
-                                    weights=algo.reward_weights(), agents=agents)
+            credit = assign_rewards(
+                result,
+                step_spans,
+                strategy=algo.credit,
+                gamma=algo.gamma,
+                weights=algo.reward_weights(),
+                agents=agents,
+            )
             kept = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
             samples, _ = compute_advantages(kept, groups, algo.name, scores=credit.scores)
             return Counter(s.transition.agent_name for s in samples)
 
-        audits.append(StepAudit(step, Counter(t.agent_name for t in result.transitions), trained(algo.agents), row,
-                                trained([])))
+        audits.append(
+            StepAudit(
+                step,
+                Counter(t.agent_name for t in result.transitions),
+                trained(algo.agents),
+                row,
+                trained([]),
+            )
+        )
     return audits
 
 
@@ -106,12 +128,16 @@ def main() -> None:
         totals_trained.update(a.trained)
         totals_all.update(a.trained_without_selection)
         ok &= a.matches_metrics
-        print(f"{a.step:4d}         {' '.join(f'{a.calls[n]:8d}' for n in AGENTS)} |"
-              f"          {' '.join(f'{a.trained[n]:8d}' for n in AGENTS)} |"
-              f" {a.metrics['transitions']:20d} {a.metrics['trained_transitions']:7d}"
-              f"  {'ok' if a.matches_metrics else 'MISMATCH'}")
-    print(f"all          {' '.join(f'{totals_calls[n]:8d}' for n in AGENTS)} |"
-          f"          {' '.join(f'{totals_trained[n]:8d}' for n in AGENTS)} |")
+        print(
+            f"{a.step:4d}         {' '.join(f'{a.calls[n]:8d}' for n in AGENTS)} |"
+            f"          {' '.join(f'{a.trained[n]:8d}' for n in AGENTS)} |"
+            f" {a.metrics['transitions']:20d} {a.metrics['trained_transitions']:7d}"
+            f"  {'ok' if a.matches_metrics else 'MISMATCH'}"
+        )
+    print(
+        f"all          {' '.join(f'{totals_calls[n]:8d}' for n in AGENTS)} |"
+        f"          {' '.join(f'{totals_trained[n]:8d}' for n in AGENTS)} |"
+    )
     print(f"without algorithm.agents the updates would have trained {dict(sorted(totals_all.items()))}")
     others = set(totals_calls) - set(AGENTS)
     if others:

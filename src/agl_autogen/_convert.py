@@ -11,7 +11,13 @@ from typing import Any
 
 from agl_core import semconv
 
-__all__ = ["agent_attributes", "llm_end_attributes", "llm_start_attributes", "messages_json", "tool_attributes"]
+__all__ = [
+    "agent_attributes",
+    "llm_end_attributes",
+    "llm_start_attributes",
+    "messages_json",
+    "tool_attributes",
+]
 
 _ROLES = {
     "SystemMessage": "system",
@@ -26,8 +32,14 @@ def _json(value: Any) -> str:
 
 
 def _function_calls(calls: Sequence[Any]) -> list[dict[str, Any]]:
-    return [{"id": getattr(c, "id", None), "name": getattr(c, "name", None), "arguments": getattr(c, "arguments", None)}
-            for c in calls]
+    return [
+        {
+            "id": getattr(c, "id", None),
+            "name": getattr(c, "name", None),
+            "arguments": getattr(c, "arguments", None),
+        }
+        for c in calls
+    ]
 
 
 def message_to_dict(message: Any) -> dict[str, Any]:
@@ -45,8 +57,11 @@ def message_to_dict(message: Any) -> dict[str, Any]:
         out["tool_calls"] = _function_calls(content)
     elif role == "tool" and isinstance(content, list):
         out["content"] = [
-            {"tool_call_id": getattr(r, "call_id", None), "content": getattr(r, "content", None),
-             "is_error": getattr(r, "is_error", None)}
+            {
+                "tool_call_id": getattr(r, "call_id", None),
+                "content": getattr(r, "content", None),
+                "is_error": getattr(r, "is_error", None),
+            }
             for r in content
         ]
     else:
@@ -94,8 +109,10 @@ def llm_end_attributes(result: Any, *, capture_content: bool) -> dict[str, Any]:
     """Usage, finish reason and (optionally) the output message of a ``CreateResult``."""
     attrs: dict[str, Any] = {}
     usage = getattr(result, "usage", None)
-    for key, attr in (("prompt_tokens", semconv.GEN_AI_USAGE_INPUT_TOKENS),
-                      ("completion_tokens", semconv.GEN_AI_USAGE_OUTPUT_TOKENS)):
+    for key, attr in (
+        ("prompt_tokens", semconv.GEN_AI_USAGE_INPUT_TOKENS),
+        ("completion_tokens", semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
+    ):
         value = usage.get(key) if isinstance(usage, Mapping) else getattr(usage, key, None)
         if isinstance(value, int) and not isinstance(value, bool):
             attrs[attr] = value

@@ -72,7 +72,12 @@ class _Tracing:
 
     @contextlib.contextmanager
     def step(
-        self, hook: str, name: str, attrs: Callable[[], dict[str, Any]], *, agent: str | None = None,
+        self,
+        hook: str,
+        name: str,
+        attrs: Callable[[], dict[str, Any]],
+        *,
+        agent: str | None = None,
         kind: SpanKind = SpanKind.INTERNAL,
     ) -> Iterator[trace.Span | None]:
         """Run the block under a new span (current for the block), as ``agent``'s turn when given.
@@ -102,8 +107,15 @@ class _Tracing:
                 span.end()
 
     # --- agent invocations and tool calls (wrapping autogen-core's span helpers) --------------------
-    def wrap_helper(self, original: Callable[..., Any], *, operation: str, name_key: str,
-                    attributes: Callable[[str, dict[str, Any]], dict[str, Any]], is_agent: bool) -> Callable[..., Any]:
+    def wrap_helper(
+        self,
+        original: Callable[..., Any],
+        *,
+        operation: str,
+        name_key: str,
+        attributes: Callable[[str, dict[str, Any]], dict[str, Any]],
+        is_agent: bool,
+    ) -> Callable[..., Any]:
         """A replacement for ``trace_invoke_agent_span`` / ``trace_tool_span``: agl's span around the
         original's (called with the same arguments)."""
 
@@ -111,8 +123,12 @@ class _Tracing:
         @functools.wraps(original)
         def helper(*args: Any, **kwargs: Any) -> Iterator[Any]:
             name = str(kwargs.get(name_key, args[0] if args else operation))
-            with self.step(operation, f"{operation} {name}", lambda: attributes(name, kwargs),
-                           agent=name if is_agent else None):
+            with self.step(
+                operation,
+                f"{operation} {name}",
+                lambda: attributes(name, kwargs),
+                agent=name if is_agent else None,
+            ):
                 with original(*args, **kwargs) as inner:
                     yield inner
 
@@ -120,14 +136,24 @@ class _Tracing:
 
     def wrap_agent_helper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         return self.wrap_helper(
-            original, operation=semconv.OP_INVOKE_AGENT, name_key="agent_name", is_agent=True,
-            attributes=lambda name, kw: _convert.agent_attributes(name, kw.get("agent_id"), kw.get("agent_description")),
+            original,
+            operation=semconv.OP_INVOKE_AGENT,
+            name_key="agent_name",
+            is_agent=True,
+            attributes=lambda name, kw: _convert.agent_attributes(
+                name, kw.get("agent_id"), kw.get("agent_description")
+            ),
         )
 
     def wrap_tool_helper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         return self.wrap_helper(
-            original, operation=semconv.OP_EXECUTE_TOOL, name_key="tool_name", is_agent=False,
-            attributes=lambda name, kw: _convert.tool_attributes(name, kw.get("tool_call_id"), _current_agent.get()),
+            original,
+            operation=semconv.OP_EXECUTE_TOOL,
+            name_key="tool_name",
+            is_agent=False,
+            attributes=lambda name, kw: _convert.tool_attributes(
+                name, kw.get("tool_call_id"), _current_agent.get()
+            ),
         )
 
     # --- teams ---------------------------------------------------------------------------------------
@@ -154,16 +180,21 @@ class _Tracing:
         messages = kwargs.get("messages", args[0] if args else None)
 
         def attrs() -> dict[str, Any]:
-            return _convert.llm_start_attributes(model, messages, _current_agent.get(),
-                                                 capture_content=self.capture_content)
+            return _convert.llm_start_attributes(
+                model, messages, _current_agent.get(), capture_content=self.capture_content
+            )
 
         name = f"{semconv.OP_CHAT} {model}" if model else semconv.OP_CHAT
         return self.step(hook, name, attrs, kind=SpanKind.CLIENT)
 
     def _end_llm(self, hook: str, span: trace.Span | None, result: Any) -> None:
         if span is not None:
-            self.hooks.call(hook, lambda: span.set_attributes(
-                _convert.llm_end_attributes(result, capture_content=self.capture_content)))
+            self.hooks.call(
+                hook,
+                lambda: span.set_attributes(
+                    _convert.llm_end_attributes(result, capture_content=self.capture_content)
+                ),
+            )
 
     def wrap_create(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -242,19 +273,31 @@ def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_c
         tracing = _Tracing(get_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
         patches: list[_Patch] = []
         try:
-            for helper, wrap in ((trace_invoke_agent_span, tracing.wrap_agent_helper),
-                                 (trace_tool_span, tracing.wrap_tool_helper)):
+            for helper, wrap in (
+                (trace_invoke_agent_span, tracing.wrap_agent_helper),
+                (trace_tool_span, tracing.wrap_tool_helper),
+            ):
                 wrapper = wrap(helper)
                 for module, attribute in _helper_call_sites(helper):
                     _patch(patches, module, attribute, wrapper)
-            _patch(patches, BaseGroupChat, "run_stream", tracing.wrap_run_stream(BaseGroupChat.__dict__["run_stream"]))
+            _patch(
+                patches,
+                BaseGroupChat,
+                "run_stream",
+                tracing.wrap_run_stream(BaseGroupChat.__dict__["run_stream"]),
+            )
             try:
                 from autogen_ext.models.openai import BaseOpenAIChatCompletionClient as Client
             except ImportError:  # autogen-ext[openai] not installed: no OpenAI model client to trace
                 Client = None  # noqa: N806
             if Client is not None:
                 _patch(patches, Client, "create", tracing.wrap_create(Client.__dict__["create"]))
-                _patch(patches, Client, "create_stream", tracing.wrap_create_stream(Client.__dict__["create_stream"]))
+                _patch(
+                    patches,
+                    Client,
+                    "create_stream",
+                    tracing.wrap_create_stream(Client.__dict__["create_stream"]),
+                )
         except BaseException:
             _restore(patches)
             raise
@@ -284,5 +327,7 @@ def uninstrument() -> None:
         if _installed is not None:
             if not _restore(_installed.patches):
                 _installed.tracing.active = False
-                logger.info("agl: AutoGen was instrumented again after agl; agl's wrappers stay, switched off")
+                logger.info(
+                    "agl: AutoGen was instrumented again after agl; agl's wrappers stay, switched off"
+                )
             _installed = None

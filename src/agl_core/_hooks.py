@@ -31,7 +31,9 @@ class HookErrors:
             first = hook not in self.failed
             self.failed.add(hook)
         if first:
-            logger.exception("agl: %s hook %s failed; the agent continues untraced there", self.framework, hook)
+            logger.exception(
+                "agl: %s hook %s failed; the agent continues untraced there", self.framework, hook
+            )
 
     def call(self, hook: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, or ``None`` (reported) if it raises."""

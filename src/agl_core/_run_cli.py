@@ -63,25 +63,64 @@ def _directory(text: str) -> Path:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("agent", metavar="MODULE:FUNCTION",
-                        help="the agent function, e.g. my_agent:run (looked up in --path dirs, the current dir, sys.path)")
-    parser.add_argument("--store", type=_store_url, default=None,
-                        help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
-    parser.add_argument("--workers", type=_workers, default=1, help="rollouts run at once (default: %(default)s)")
-    parser.add_argument("--mode", choices=MODES, default="auto",
-                        help="thread, process (a hung agent is killed at its timeout), async (for 'async def' "
-                             "agents); auto picks async or thread (default: %(default)s)")
-    parser.add_argument("--rollout-timeout", type=_seconds(), default=None, metavar="S",
-                        help="seconds one rollout may run before its attempt ends as timed out (default: no limit)")
+    parser.add_argument(
+        "agent",
+        metavar="MODULE:FUNCTION",
+        help="the agent function, e.g. my_agent:run (looked up in --path dirs, the current dir, sys.path)",
+    )
+    parser.add_argument(
+        "--store",
+        type=_store_url,
+        default=None,
+        help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+    )
+    parser.add_argument(
+        "--workers", type=_workers, default=1, help="rollouts run at once (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="auto",
+        help="thread, process (a hung agent is killed at its timeout), async (for 'async def' "
+        "agents); auto picks async or thread (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rollout-timeout",
+        type=_seconds(),
+        default=None,
+        metavar="S",
+        help="seconds one rollout may run before its attempt ends as timed out (default: no limit)",
+    )
     parser.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
-    parser.add_argument("--lease", type=_seconds(), default=60.0, metavar="S",
-                        help="attempt lease in seconds, renewed by heartbeats every third of it (default: %(default)s)")
-    parser.add_argument("--path", type=_directory, action="append", default=[], metavar="DIR",
-                        help="directory to import the agent's module from (repeatable)")
-    parser.add_argument("--grace", type=_seconds(allow_zero=True), default=30.0, metavar="S",
-                        help="on SIGINT/SIGTERM, seconds running rollouts may take to finish (default: %(default)s)")
-    parser.add_argument("--report-every", type=_seconds(allow_zero=True), default=60.0,
-                        metavar="S", help="print counts this often when they changed; 0: only at exit (default: %(default)s)")
+    parser.add_argument(
+        "--lease",
+        type=_seconds(),
+        default=60.0,
+        metavar="S",
+        help="attempt lease in seconds, renewed by heartbeats every third of it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--path",
+        type=_directory,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory to import the agent's module from (repeatable)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=_seconds(allow_zero=True),
+        default=30.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds running rollouts may take to finish (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--report-every",
+        type=_seconds(allow_zero=True),
+        default=60.0,
+        metavar="S",
+        help="print counts this often when they changed; 0: only at exit (default: %(default)s)",
+    )
 
 
 def _fail(message: str, code: int) -> int:
@@ -112,8 +151,10 @@ def run_agents(args: argparse.Namespace) -> int:
         module = args.agent.partition(":")[0]
         hint = ""
         if "import" in str(exc):
-            hint = (f"\n  agl run looks for {module!r} in {', '.join(str(p) for p in search)}, then on sys.path;"
-                    f" pass --path DIR with the directory that holds {module.replace('.', '/')}.py (or its package)")
+            hint = (
+                f"\n  agl run looks for {module!r} in {', '.join(str(p) for p in search)}, then on sys.path;"
+                f" pass --path DIR with the directory that holds {module.replace('.', '/')}.py (or its package)"
+            )
         return _fail(f"{exc}{hint}", 2)
 
     client = StoreClient(url, token=token, timeout_s=30.0)
@@ -121,17 +162,29 @@ def run_agents(args: argparse.Namespace) -> int:
         published = client.get_resource(LLM_RESOURCE)
     except StoreUnavailableError as exc:
         client.close()
-        return _fail(f"{exc}\n  start a store with 'agl store serve', or point --store (or AGL_STORE_URL) at one", 1)
+        return _fail(
+            f"{exc}\n  start a store with 'agl store serve', or point --store (or AGL_STORE_URL) at one", 1
+        )
     except StoreError as exc:
         client.close()
-        return _fail(f"the store at {url} refused the request: {exc}\n  pass the store's token with --token or "
-                     "AGL_STORE_TOKEN", 1)
+        return _fail(
+            f"the store at {url} refused the request: {exc}\n  pass the store's token with --token or "
+            "AGL_STORE_TOKEN",
+            1,
+        )
 
     provider = setup_tracing(url, token=token, service_name="agl-agent")
     try:
         runner = Runner(
-            agent, client, provider, workers=args.workers, mode=mode, rollout_timeout_s=args.rollout_timeout,
-            lease_s=args.lease, otlp_endpoint=url, token=token,
+            agent,
+            client,
+            provider,
+            workers=args.workers,
+            mode=mode,
+            rollout_timeout_s=args.rollout_timeout,
+            lease_s=args.lease,
+            otlp_endpoint=url,
+            token=token,
         )
     except ValueError as exc:
         client.close()

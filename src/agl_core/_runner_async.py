@@ -65,7 +65,9 @@ class AsyncEngine:
             if claimed is None:
                 continue
             rollout, attempt = claimed
-            outcome: Outcome | None = Outcome(RolloutStatus.FAILED, error="the runner failed before the agent ran")
+            outcome: Outcome | None = Outcome(
+                RolloutStatus.FAILED, error="the runner failed before the agent ran"
+            )
             try:
                 outcome = await self._serve(rollout, attempt)
             except Exception as exc:  # the runner's own bug must not end the slot
@@ -78,8 +80,12 @@ class AsyncEngine:
         provider = state.tracer_provider
         loop = asyncio.get_running_loop()
         ended = asyncio.Event()
-        with state.heartbeats.keep(attempt.attempt_id, lambda status: loop.call_soon_threadsafe(ended.set)), \
-                rollout_scope(rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=provider) as span:
+        with (
+            state.heartbeats.keep(attempt.attempt_id, lambda status: loop.call_soon_threadsafe(ended.set)),
+            rollout_scope(
+                rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=provider
+            ) as span,
+        ):
             llm = await self._io(state.llm_for, rollout, attempt)
             if isinstance(llm, str):
                 return interpret(None, RuntimeError(llm), provider)
@@ -100,7 +106,9 @@ class AsyncEngine:
                 if ended.is_set():  # cancelled or reclaimed in the store: stop the work
                     await self._cancel(task, rollout)
                     return None
-                await asyncio.wait({task}, timeout=_SLICE_S if remaining is None else min(remaining, _SLICE_S))
+                await asyncio.wait(
+                    {task}, timeout=_SLICE_S if remaining is None else min(remaining, _SLICE_S)
+                )
                 if task.done():
                     break
             if task.cancelled():
@@ -113,8 +121,10 @@ class AsyncEngine:
         task.cancel()
         await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
         if not task.done():
-            logger.warning("agl runner: the agent of rollout %s ignored its cancellation; it is left running",
-                           rollout.rollout_id)
+            logger.warning(
+                "agl runner: the agent of rollout %s ignored its cancellation; it is left running",
+                rollout.rollout_id,
+            )
             return "its task was cancelled, but it ignored the cancellation and runs on"
         if not task.cancelled():
             task.exception()  # retrieved, so asyncio does not log it as never retrieved

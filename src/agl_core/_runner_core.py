@@ -64,7 +64,9 @@ class Heartbeats:
             self._thread.join(5.0)
 
     @contextlib.contextmanager
-    def keep(self, attempt_id: str, on_end: Callable[[RolloutStatus], None] = lambda status: None) -> Iterator[None]:
+    def keep(
+        self, attempt_id: str, on_end: Callable[[RolloutStatus], None] = lambda status: None
+    ) -> Iterator[None]:
         with self._lock:
             self._attempts[attempt_id] = on_end
         try:
@@ -92,8 +94,12 @@ class Heartbeats:
                 except Exception as exc:  # a missed beat is retried on the next tick
                     log = logger.debug if self._failing else logger.warning
                     self._failing = True
-                    log("agl runner: heartbeat for attempt %s failed (%s); retrying every %.1f s",
-                        attempt_id, exc, self.interval_s)
+                    log(
+                        "agl runner: heartbeat for attempt %s failed (%s); retrying every %.1f s",
+                        attempt_id,
+                        exc,
+                        self.interval_s,
+                    )
                     continue
                 self._failing = False
                 if attempt.status != RolloutStatus.RUNNING:
@@ -115,8 +121,15 @@ class RunState:
     """
 
     def __init__(
-        self, agent: Callable[..., Any], store: Store, tracer_provider: TracerProvider, *, workers: int,
-        rollout_timeout_s: float | None, poll_s: float, lease_s: float,
+        self,
+        agent: Callable[..., Any],
+        store: Store,
+        tracer_provider: TracerProvider,
+        *,
+        workers: int,
+        rollout_timeout_s: float | None,
+        poll_s: float,
+        lease_s: float,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -130,7 +143,13 @@ class RunState:
         self.heartbeats = Heartbeats(store, lease_s)
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
-        self._counts: dict[str, int] = {"succeeded": 0, "failed": 0, "timed_out": 0, "dropped": 0, "running": 0}
+        self._counts: dict[str, int] = {
+            "succeeded": 0,
+            "failed": 0,
+            "timed_out": 0,
+            "dropped": 0,
+            "running": 0,
+        }
         self._store_down_since: float | None = None
 
     # -- counters -------------------------------------------------------------------------------------
@@ -149,7 +168,9 @@ class RunState:
             if first:
                 self._store_down_since = time.monotonic()
         if first:
-            logger.warning("agl runner: %s failed (%s); retrying with back-off until the store answers", what, exc)
+            logger.warning(
+                "agl runner: %s failed (%s); retrying with back-off until the store answers", what, exc
+            )
         else:
             logger.debug("agl runner: %s failed again: %s", what, exc)
 
@@ -197,8 +218,10 @@ class RunState:
         self._store_ok()
         value = resource.value if resource is not None else None
         if not isinstance(value, dict) or "base_url" not in value or "model" not in value:
-            return (f"the store has no usable {LLM_RESOURCE!r} resource (got {value!r:.200}); the trainer "
-                    "publishes it ({'base_url': ..., 'model': ...}) when it starts")
+            return (
+                f"the store has no usable {LLM_RESOURCE!r} resource (got {value!r:.200}); the trainer "
+                "publishes it ({'base_url': ..., 'model': ...}) when it starts"
+            )
         return LLM(
             base_url=rollout_base_url(value["base_url"], rollout.rollout_id, attempt.attempt_id),
             model=value["model"],
@@ -228,7 +251,10 @@ class RunState:
         if outcome is None or ended is not None:
             logger.warning(
                 "agl runner: rollout %s attempt %s was ended as %s by the store while the agent ran; its result"
-                " is dropped", rollout.rollout_id, attempt.attempt_id, ended.value if ended else "finished",
+                " is dropped",
+                rollout.rollout_id,
+                attempt.attempt_id,
+                ended.value if ended else "finished",
             )
             self._add("dropped")
             return
@@ -236,12 +262,17 @@ class RunState:
         unexpected = 0
         while True:
             try:
-                self.store.complete_attempt(attempt.attempt_id, outcome.status, reward=outcome.reward, error=outcome.error)
+                self.store.complete_attempt(
+                    attempt.attempt_id, outcome.status, reward=outcome.reward, error=outcome.error
+                )
                 break
             except StoreError as exc:
                 if not isinstance(exc, StoreUnavailableError):  # e.g. cancelled or reclaimed in the meantime
-                    logger.warning("agl runner: the store did not take the result of attempt %s: %s",
-                                   attempt.attempt_id, exc)
+                    logger.warning(
+                        "agl runner: the store did not take the result of attempt %s: %s",
+                        attempt.attempt_id,
+                        exc,
+                    )
                     self._add("dropped")
                     return
                 error: BaseException = exc
@@ -251,17 +282,24 @@ class RunState:
             if self.halt.is_set() or unexpected > 5:
                 logger.error(
                     "agl runner: could not report attempt %s as %s (%s); the store times it out when its lease"
-                    " runs out", attempt.attempt_id, outcome.status.value, error,
+                    " runs out",
+                    attempt.attempt_id,
+                    outcome.status.value,
+                    error,
                 )
                 return
             self._store_failed(f"reporting attempt {attempt.attempt_id}", error)
             self.halt.wait(backoff.next())
         self._store_ok()
-        key = {RolloutStatus.SUCCEEDED: "succeeded", RolloutStatus.TIMED_OUT: "timed_out"}.get(outcome.status, "failed")
+        key = {RolloutStatus.SUCCEEDED: "succeeded", RolloutStatus.TIMED_OUT: "timed_out"}.get(
+            outcome.status, "failed"
+        )
         self._add(key)
 
     def deadline(self, start: float) -> float | None:
         return None if self.rollout_timeout_s is None else start + self.rollout_timeout_s
 
     def report_internal_error(self, worker_id: str, exc: BaseException) -> None:
-        logger.error("agl runner: worker %s hit an internal error and goes on: %s", worker_id, failure_text(exc))
+        logger.error(
+            "agl runner: worker %s hit an internal error and goes on: %s", worker_id, failure_text(exc)
+        )

@@ -49,7 +49,9 @@ def call_agent(agent: Callable[..., Any], task_input: Any, llm: LLM) -> tuple[An
         return None, exc
 
 
-def interpret(result: Any, exc: BaseException | None, tracer_provider: trace.TracerProvider | None) -> Outcome:
+def interpret(
+    result: Any, exc: BaseException | None, tracer_provider: trace.TracerProvider | None
+) -> Outcome:
     """Turn what the agent returned (or raised) into the attempt's outcome and write its ``agl.reward`` or
     ``agl.error`` span in the current rollout context."""
     if exc is None and result is not None:
@@ -75,7 +77,10 @@ def interpret(result: Any, exc: BaseException | None, tracer_provider: trace.Tra
 
 
 def end_with_error(
-    span: trace.Span, error: BaseException, status: RolloutStatus, tracer_provider: trace.TracerProvider | None
+    span: trace.Span,
+    error: BaseException,
+    status: RolloutStatus,
+    tracer_provider: trace.TracerProvider | None,
 ) -> Outcome:
     """Record an outcome the runner decided (timeout, crash, shutdown): an ``agl.error`` span under the
     rollout span, which is marked failed too."""
@@ -84,7 +89,9 @@ def end_with_error(
     return Outcome(status, error=f"{type(error).__name__}: {error}")
 
 
-def timeout_outcome(span: trace.Span, limit_s: float, how: str, tracer_provider: trace.TracerProvider | None) -> Outcome:
+def timeout_outcome(
+    span: trace.Span, limit_s: float, how: str, tracer_provider: trace.TracerProvider | None
+) -> Outcome:
     error = RolloutTimeout(
         f"the agent ran longer than the rollout timeout of {limit_s:g} s and {how}; raise the limit with "
         "'agl run --rollout-timeout SECONDS' or 'runner.rollout_timeout_s' in the trainer config"
@@ -93,5 +100,7 @@ def timeout_outcome(span: trace.Span, limit_s: float, how: str, tracer_provider:
 
 
 def halted_outcome(span: trace.Span, how: str, tracer_provider: trace.TracerProvider | None) -> Outcome:
-    error = RuntimeError(f"the runner was stopped before the agent finished (its grace period ran out) and {how}")
+    error = RuntimeError(
+        f"the runner was stopped before the agent finished (its grace period ran out) and {how}"
+    )
     return end_with_error(span, error, RolloutStatus.FAILED, tracer_provider)

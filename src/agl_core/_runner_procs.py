@@ -82,8 +82,10 @@ class _Worker:
             how = f"was killed by {name}"
         else:
             how = f"exited with code {code}"
-        return (f"the worker process running the agent (pid {self.pid}) {how} before the agent returned (os._exit,"
-                " a crash in native code, or killed from outside); a new worker process takes the next rollout")
+        return (
+            f"the worker process running the agent (pid {self.pid}) {how} before the agent returned (os._exit,"
+            " a crash in native code, or killed from outside); a new worker process takes the next rollout"
+        )
 
 
 class ProcessEngine:
@@ -107,7 +109,9 @@ class ProcessEngine:
         prefix = uuid.uuid4().hex[:6]
         for i in range(self.state.workers):
             worker_id = f"worker-{prefix}-{i}"
-            thread = threading.Thread(target=self._slot, args=(worker_id,), name=f"agl-{worker_id}", daemon=True)
+            thread = threading.Thread(
+                target=self._slot, args=(worker_id,), name=f"agl-{worker_id}", daemon=True
+            )
             thread.start()
             self._slots.append(thread)
 
@@ -133,8 +137,10 @@ class ProcessEngine:
         """Start a worker process and wait until it has imported the agent; ``None`` if it failed."""
         mine, theirs = self._context.Pipe()
         process = self._context.Process(
-            target=worker_main, args=(theirs, self.state.agent, self.otlp_endpoint, self.token),
-            name=f"agl-{worker_id}", daemon=True,
+            target=worker_main,
+            args=(theirs, self.state.agent, self.otlp_endpoint, self.token),
+            name=f"agl-{worker_id}",
+            daemon=True,
         )
         try:
             process.start()
@@ -161,9 +167,14 @@ class ProcessEngine:
                 break
         if not self.state.stopping.is_set():
             process.join(1.0)
-            how = "is not ready in time" if process.exitcode is None else f"exited with code {process.exitcode}"
-            logger.error("agl runner: the worker process for %s %s before it was ready; its error is printed above",
-                         worker_id, how)
+            how = (
+                "is not ready in time" if process.exitcode is None else f"exited with code {process.exitcode}"
+            )
+            logger.error(
+                "agl runner: the worker process for %s %s before it was ready; its error is printed above",
+                worker_id,
+                how,
+            )
         worker.kill()
         return None
 
@@ -194,7 +205,9 @@ class ProcessEngine:
             if claimed is None:
                 continue
             rollout, attempt = claimed
-            outcome: Outcome | None = Outcome(RolloutStatus.FAILED, error="the runner failed before the agent ran")
+            outcome: Outcome | None = Outcome(
+                RolloutStatus.FAILED, error="the runner failed before the agent ran"
+            )
             try:
                 outcome, keep = self._serve(worker, rollout, attempt)
                 if not keep:
@@ -214,19 +227,29 @@ class ProcessEngine:
         state = self.state
         provider = state.tracer_provider
         ended = threading.Event()
-        with state.heartbeats.keep(attempt.attempt_id, lambda status: ended.set()), rollout_scope(
-            rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=provider
-        ) as span:
+        with (
+            state.heartbeats.keep(attempt.attempt_id, lambda status: ended.set()),
+            rollout_scope(
+                rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=provider
+            ) as span,
+        ):
             llm = state.llm_for(rollout, attempt)
             if isinstance(llm, str):
                 return interpret(None, RuntimeError(llm), provider), True
             context = span.get_span_context()
-            job = (RolloutContext(rollout.rollout_id, attempt.attempt_id, rollout.task_id),
-                   context.trace_id, context.span_id, rollout.input, llm)
+            job = (
+                RolloutContext(rollout.rollout_id, attempt.attempt_id, rollout.task_id),
+                context.trace_id,
+                context.span_id,
+                rollout.input,
+                llm,
+            )
             try:
                 worker.conn.send(job)
             except (BrokenPipeError, OSError):
-                return end_with_error(span, ChildProcessError(worker.death_note()), RolloutStatus.FAILED, provider), False
+                return end_with_error(
+                    span, ChildProcessError(worker.death_note()), RolloutStatus.FAILED, provider
+                ), False
             deadline = state.deadline(time.monotonic())
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -238,11 +261,15 @@ class ProcessEngine:
                     except (EOFError, OSError):
                         ready = [worker.process.sentinel]
                 if worker.process.sentinel in ready:
-                    return end_with_error(span, ChildProcessError(worker.death_note()), RolloutStatus.FAILED, provider), False
+                    return end_with_error(
+                        span, ChildProcessError(worker.death_note()), RolloutStatus.FAILED, provider
+                    ), False
                 if remaining is not None and remaining <= 0:
                     worker.kill()
                     assert state.rollout_timeout_s is not None
-                    return timeout_outcome(span, state.rollout_timeout_s, "its worker process was killed", provider), False
+                    return timeout_outcome(
+                        span, state.rollout_timeout_s, "its worker process was killed", provider
+                    ), False
                 if state.halt.is_set():
                     worker.kill()
                     return halted_outcome(span, "its worker process was killed", provider), False

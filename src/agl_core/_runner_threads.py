@@ -44,7 +44,8 @@ class _AgentCall:
         if abandoned_at is not None:
             logger.warning(
                 "agl runner: the agent of rollout %s returned %.1f s after it was timed out; its result is dropped",
-                self.rollout.rollout_id, time.monotonic() - abandoned_at,
+                self.rollout.rollout_id,
+                time.monotonic() - abandoned_at,
             )
             self.engine.abandoned_ended()
 
@@ -81,7 +82,9 @@ class ThreadEngine:
         prefix = uuid.uuid4().hex[:6]
         for i in range(self.state.workers):
             worker_id = f"worker-{prefix}-{i}"
-            thread = threading.Thread(target=self._slot, args=(worker_id,), name=f"agl-{worker_id}", daemon=True)
+            thread = threading.Thread(
+                target=self._slot, args=(worker_id,), name=f"agl-{worker_id}", daemon=True
+            )
             thread.start()
             self._slots.append(thread)
 
@@ -93,8 +96,10 @@ class ThreadEngine:
     def close(self) -> None:
         with self._lock:
             if self._abandoned:
-                logger.warning("agl runner: %d timed-out agent thread(s) are still running; they are left behind",
-                               self._abandoned)
+                logger.warning(
+                    "agl runner: %d timed-out agent thread(s) are still running; they are left behind",
+                    self._abandoned,
+                )
 
     def kill(self) -> None:
         pass  # threads cannot be stopped; the process exiting ends them
@@ -116,7 +121,9 @@ class ThreadEngine:
             logger.warning(
                 "agl runner: %d timed-out agent thread(s) are still running (the limit is %d); worker %s waits"
                 " for one to end before taking more work. Threads cannot be stopped: run hanging agents in"
-                " mode 'process', where they are killed at the timeout", self._abandoned, self.max_abandoned,
+                " mode 'process', where they are killed at the timeout",
+                self._abandoned,
+                self.max_abandoned,
                 worker_id,
             )
         return not full
@@ -131,7 +138,9 @@ class ThreadEngine:
             if claimed is None:
                 continue
             rollout, attempt = claimed
-            outcome: Outcome | None = Outcome(RolloutStatus.FAILED, error="the runner failed before the agent ran")
+            outcome: Outcome | None = Outcome(
+                RolloutStatus.FAILED, error="the runner failed before the agent ran"
+            )
             try:
                 outcome = self._serve(rollout, attempt)
             except Exception as exc:  # the runner's own bug must not kill the worker
@@ -142,16 +151,21 @@ class ThreadEngine:
     def _serve(self, rollout: Rollout, attempt: Attempt) -> Outcome | None:
         state = self.state
         provider = state.tracer_provider
-        with state.heartbeats.keep(attempt.attempt_id), rollout_scope(
-            rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=provider
-        ) as span:
+        with (
+            state.heartbeats.keep(attempt.attempt_id),
+            rollout_scope(
+                rollout.rollout_id, attempt.attempt_id, rollout.task_id, tracer_provider=provider
+            ) as span,
+        ):
             llm = state.llm_for(rollout, attempt)
             if isinstance(llm, str):
                 return interpret(None, RuntimeError(llm), provider)
             call = _AgentCall(self, rollout)
             context = contextvars.copy_context()  # the rollout's identity travels with the agent's thread
             thread = threading.Thread(
-                target=context.run, args=(call.run, state.agent, llm), name=f"agl-agent-{rollout.rollout_id}",
+                target=context.run,
+                args=(call.run, state.agent, llm),
+                name=f"agl-agent-{rollout.rollout_id}",
                 daemon=True,
             )
             thread.start()
@@ -160,5 +174,7 @@ class ThreadEngine:
                 return interpret(call.result, call.error, provider)
             if ended == "timeout":
                 assert state.rollout_timeout_s is not None
-                return timeout_outcome(span, state.rollout_timeout_s, "its thread was left running detached", provider)
+                return timeout_outcome(
+                    span, state.rollout_timeout_s, "its thread was left running detached", provider
+                )
             return halted_outcome(span, "its thread was left running detached", provider)

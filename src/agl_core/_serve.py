@@ -35,7 +35,9 @@ def _config(app: Any, log_level: str) -> uvicorn.Config:
 class BackgroundServer:
     """Serve ``app`` on a daemon thread. ``port=0`` picks a free port; ``url`` tells which."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning"
+    ) -> None:
         self._sock = _bind(host, port)
         bound_host, bound_port = self._sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
@@ -44,7 +46,10 @@ class BackgroundServer:
         self._server = uvicorn.Server(_config(app, log_level))
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"agl-server-{bound_port}", daemon=True
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name=f"agl-server-{bound_port}",
+            daemon=True,
         )
 
     def start(self, timeout_s: float = 15.0) -> BackgroundServer:

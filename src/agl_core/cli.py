@@ -30,30 +30,57 @@ def _port(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agl", description="Train any LLM agent with reinforcement learning.")
+    parser = argparse.ArgumentParser(
+        prog="agl", description="Train any LLM agent with reinforcement learning."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     store = commands.add_parser("store", help="the collector-store").add_subparsers(
         dest="store_command", required=True, metavar="SUBCOMMAND"
     )
     serve = store.add_parser("serve", help="run the collector-store")
-    serve.add_argument("--db", default="agl-store.sqlite",
-                       help="SQLite file, or postgresql://user@host:port/db (default: %(default)s)")
+    serve.add_argument(
+        "--db",
+        default="agl-store.sqlite",
+        help="SQLite file, or postgresql://user@host:port/db (default: %(default)s)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--http-port", type=_port, default=4318, help="OTLP/HTTP and API port (default: %(default)s)")
+    serve.add_argument(
+        "--http-port", type=_port, default=4318, help="OTLP/HTTP and API port (default: %(default)s)"
+    )
     serve.add_argument("--grpc-port", type=_port, default=4317, help="OTLP/gRPC port (default: %(default)s)")
     serve.add_argument("--no-grpc", action="store_true", help="do not start the OTLP/gRPC receiver")
     serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' on every request")
-    serve.add_argument("--redact", action="append", default=[], metavar="RULE",
-                       help="redact at ingest (repeatable): key:GLOB, regex:PATTERN, email, api-key")
-    serve.add_argument("--retention", action="append", default=[], metavar="RULE",
-                       help="delete old spans (repeatable): a duration like 7d or 12h, and/or 'consumed'")
-    serve.add_argument("--parse-workers", type=int, default=1,
-                       help="processes decoding OTLP beside the writer; 0 decodes in the server process (default: %(default)s)")
-    serve.add_argument("--max-pending-spans", type=int, default=200_000,
-                       help="write backlog above which ingest answers 'retry later' (default: %(default)s)")
+    serve.add_argument(
+        "--redact",
+        action="append",
+        default=[],
+        metavar="RULE",
+        help="redact at ingest (repeatable): key:GLOB, regex:PATTERN, email, api-key",
+    )
+    serve.add_argument(
+        "--retention",
+        action="append",
+        default=[],
+        metavar="RULE",
+        help="delete old spans (repeatable): a duration like 7d or 12h, and/or 'consumed'",
+    )
+    serve.add_argument(
+        "--parse-workers",
+        type=int,
+        default=1,
+        help="processes decoding OTLP beside the writer; 0 decodes in the server process (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-pending-spans",
+        type=int,
+        default=200_000,
+        help="write backlog above which ingest answers 'retry later' (default: %(default)s)",
+    )
     stats = store.add_parser("stats", help="print what a running store holds")
-    stats.add_argument("--url", default=None, help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
+    stats.add_argument(
+        "--url", default=None, help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})"
+    )
     stats.add_argument("--token", default=None)
 
     gateway = commands.add_parser("gateway", help="the LLM gateway").add_subparsers(
@@ -61,32 +88,48 @@ def _parser() -> argparse.ArgumentParser:
     )
     from .gateway._cli import add_serve_arguments
 
-    add_serve_arguments(gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port)
+    add_serve_arguments(
+        gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port
+    )
     from ._run_cli import add_run_arguments
 
-    add_run_arguments(commands.add_parser(
-        "run", help="run an agent on the rollouts queued in a store (runners on any machine)",
-        description="Run MODULE:FUNCTION on the rollouts a trainer queues in a running store, until SIGINT/SIGTERM "
-                    "(the first lets running rollouts finish, a second exits at once).",
-    ))
+    add_run_arguments(
+        commands.add_parser(
+            "run",
+            help="run an agent on the rollouts queued in a store (runners on any machine)",
+            description="Run MODULE:FUNCTION on the rollouts a trainer queues in a running store, until SIGINT/SIGTERM "
+            "(the first lets running rollouts finish, a second exits at once).",
+        )
+    )
     inspect = commands.add_parser("inspect", help="print a rollout's span tree, transitions and problems")
     inspect.add_argument("rollout_id", metavar="ROLLOUT_ID")
-    inspect.add_argument("--store", default=None,
-                         help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
+    inspect.add_argument(
+        "--store",
+        default=None,
+        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+    )
     inspect.add_argument("--token", default=None)
 
     train = commands.add_parser("train", help="train an agent from a YAML config")
     train.add_argument("config", help="path of the trainer's YAML config")
     train.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one config key, e.g. --set train.steps=2 (repeatable)",
     )
     train.add_argument("--print-config", action="store_true", help="print the validated config and exit")
     again = train.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true",
-                       help="continue the run in output_dir from its newest checkpoint")
-    again.add_argument("--overwrite", action="store_true",
-                       help="start over, deleting the checkpoints, metrics and store of a run in output_dir")
+    again.add_argument(
+        "--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over, deleting the checkpoints, metrics and store of a run in output_dir",
+    )
     return parser
 
 
@@ -129,7 +172,11 @@ def _store_serve(args: argparse.Namespace) -> int:
     except (StoreError, OSError, ImportError) as exc:
         return fail(f"cannot open {args.db}: {exc}")
     service = StoreService(
-        store, token=args.token, redactor=redactor, retention=retention, max_pending_spans=args.max_pending_spans,
+        store,
+        token=args.token,
+        redactor=redactor,
+        retention=retention,
+        max_pending_spans=args.max_pending_spans,
         parse_workers=args.parse_workers,
     )
     try:
@@ -190,7 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"agl inspect: {exc}", file=sys.stderr)
             return 1
         if not spans:
-            print(f"agl inspect: the store at {url} has no spans of rollout {args.rollout_id!r}", file=sys.stderr)
+            print(
+                f"agl inspect: the store at {url} has no spans of rollout {args.rollout_id!r}",
+                file=sys.stderr,
+            )
             return 1
         print(format_rollout(args.rollout_id, spans))
         return 0
@@ -204,8 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        return run_train(args.config, args.overrides, print_config=args.print_config,
-                         resume=args.resume, overwrite=args.overwrite)
+        return run_train(
+            args.config,
+            args.overrides,
+            print_config=args.print_config,
+            resume=args.resume,
+            overwrite=args.overwrite,
+        )
     return 2
 
 

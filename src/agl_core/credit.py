@@ -121,7 +121,9 @@ def select_agents(transitions: Sequence[Transition], patterns: Sequence[str] | N
     """Keep transitions whose agent name matches any glob in ``patterns`` (all when ``patterns`` is empty)."""
     if not patterns:
         return list(transitions)
-    return [t for t in transitions if t.agent_name and any(fnmatch.fnmatchcase(t.agent_name, p) for p in patterns)]
+    return [
+        t for t in transitions if t.agent_name and any(fnmatch.fnmatchcase(t.agent_name, p) for p in patterns)
+    ]
 
 
 # --- intermediate rewards -------------------------------------------------------------------------------
@@ -210,7 +212,11 @@ def _tool_call_ids(span: Span) -> list[str]:
                 if isinstance(call, Mapping) and isinstance(call.get("id"), str):
                     ids.append(call["id"])
     for key, value in span.attributes.items():
-        if key.startswith("llm.output_messages.") and key.endswith(".tool_call.id") and isinstance(value, str):
+        if (
+            key.startswith("llm.output_messages.")
+            and key.endswith(".tool_call.id")
+            and isinstance(value, str)
+        ):
             ids.append(value)
     return ids
 
@@ -218,7 +224,9 @@ def _tool_call_ids(span: Span) -> list[str]:
 class _Rollout:
     """One rollout's calls and span tree, with the attachment rules of the module docstring."""
 
-    def __init__(self, spans: Sequence[Span], transitions: Sequence[Transition], partners: Mapping[str, list[str]]) -> None:
+    def __init__(
+        self, spans: Sequence[Span], transitions: Sequence[Transition], partners: Mapping[str, list[str]]
+    ) -> None:
         self.tree = SpanTree(spans)
         by_id = self.tree.by_id
         self.calls: list[_Call] = []
@@ -326,7 +334,9 @@ def _rollout_events(rollout_id: str, rollout: _Rollout) -> list[RewardEvent]:
         gateway = rollout.tree.by_id[call.transition.span_id or ""]
         reasons, ids = _malformed(gateway)
         malformed_ids |= ids
-        events.extend(RewardEvent(rollout_id, call.index, MALFORMED_TOOL_CALL, gateway.span_id, 1.0, r) for r in reasons)
+        events.extend(
+            RewardEvent(rollout_id, call.index, MALFORMED_TOOL_CALL, gateway.span_id, 1.0, r) for r in reasons
+        )
     for span in _tool_spans(rollout.tree):
         call_id = span.attributes.get(semconv.GEN_AI_TOOL_CALL_ID)
         if call_id in malformed_ids:
@@ -334,12 +344,16 @@ def _rollout_events(rollout_id: str, rollout: _Rollout) -> list[RewardEvent]:
         call = rollout.by_tool_call_id.get(call_id) if isinstance(call_id, str) else None
         call = call or rollout.attach(span)
         kind = TOOL_ERROR if span.is_error else TOOL_SUCCESS
-        events.append(RewardEvent(rollout_id, call.index, kind, span.span_id, 1.0, tool_name(span) or span.name))
+        events.append(
+            RewardEvent(rollout_id, call.index, kind, span.span_id, 1.0, tool_name(span) or span.name)
+        )
     for span in rollout.tree.spans:
         value = _explicit_value(span)
         if value is not None:
             name = str(span.attributes.get(semconv.REWARD_NAME))
-            events.append(RewardEvent(rollout_id, rollout.attach(span).index, EXPLICIT, span.span_id, value, name))
+            events.append(
+                RewardEvent(rollout_id, rollout.attach(span).index, EXPLICIT, span.span_id, value, name)
+            )
         elif is_timeout_error(span):
             call = rollout.last_call(span.attempt_id)
             label = str(span.attributes.get(semconv.ERROR_TYPE))
@@ -397,9 +411,13 @@ class CreditResult:
             else:
                 lines.append(f"{count} {noun} ({self.weights.weight(kind):+.4g} each)")
         if self.dropped:
-            lines.append(f"{len(self.dropped)} intermediate rewards on calls of agents not trained, not added")
+            lines.append(
+                f"{len(self.dropped)} intermediate rewards on calls of agents not trained, not added"
+            )
         if self.timeout_rewarded:
-            lines.append(f"{len(self.timeout_rewarded)} timed-out rollouts trained with the timeout episode reward")
+            lines.append(
+                f"{len(self.timeout_rewarded)} timed-out rollouts trained with the timeout episode reward"
+            )
         return lines
 
 
@@ -456,7 +474,9 @@ def assign_rewards(
         applied.append(event)
         extra[(event.rollout_id, event.call_index)] += weight * event.value
     out = [
-        dataclasses.replace(t, reward=t.reward + extra[key]) if (key := (t.rollout_id, t.call_index)) in extra else t
+        dataclasses.replace(t, reward=t.reward + extra[key])
+        if (key := (t.rollout_id, t.call_index)) in extra
+        else t
         for t in base
     ]
     per_rollout: dict[str, float] = defaultdict(float)

@@ -32,7 +32,9 @@ def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem
         reasons = span.attributes.get(semconv.TOOL_CALL_MALFORMED_REASONS) or ()
         tags.append("malformed tool call" + (f" ({', '.join(map(str, reasons))})" if reasons else ""))
     if span.name == semconv.SPAN_REWARD:
-        tags.append(f"{span.attributes.get(semconv.REWARD_NAME, 'episode')}={span.attributes.get(semconv.REWARD_VALUE)}")
+        tags.append(
+            f"{span.attributes.get(semconv.REWARD_NAME, 'episode')}={span.attributes.get(semconv.REWARD_VALUE)}"
+        )
     if span.is_error:
         tags.append(f"ERROR {span.status_message}".rstrip())
     if span.span_id in transition_of:
@@ -51,7 +53,9 @@ def format_rollout(rollout_id: str, spans: Sequence[Span]) -> str:
     result = spans_to_transitions(spans)
     transition_of = {t.span_id: t.call_index for t in result.transitions if t.span_id}
     transition_of.update({f: transition_of[g] for f, g in result.joins.items() if g in transition_of})
-    problem_of = {p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id}
+    problem_of = {
+        p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id
+    }
     llm_calls = sum(1 for s in spans if kind_of(s) == GATEWAY and semconv.PROMPT_TOKEN_IDS in s.attributes)
     lines = [
         f"rollout {rollout_id}: {len(spans)} spans, {llm_calls} LLM calls through the gateway, "
@@ -59,10 +63,14 @@ def format_rollout(rollout_id: str, spans: Sequence[Span]) -> str:
         "",
         "span tree",
     ]
-    lines += ["  " + "  " * depth + _describe(span, tree, transition_of, problem_of) for depth, span in tree.walk()]
+    lines += [
+        "  " + "  " * depth + _describe(span, tree, transition_of, problem_of) for depth, span in tree.walk()
+    ]
     lines += ["", "transitions"]
     if result.transitions:
-        lines.append(f"  {'#':>3}  {'agent':<20} {'prompt':>7} {'response':>9} {'reward':>8} {'policy':>7}  gateway span")
+        lines.append(
+            f"  {'#':>3}  {'agent':<20} {'prompt':>7} {'response':>9} {'reward':>8} {'policy':>7}  gateway span"
+        )
         for t in result.transitions:
             lines.append(
                 f"  {t.call_index:>3}  {(t.agent_name or '-'):<20} {len(t.prompt_ids):>7} {len(t.response_ids):>9} "

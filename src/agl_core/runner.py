@@ -100,8 +100,11 @@ class RunnerCounts:
     running: int = 0
 
     def summary(self) -> str:
-        return (f"{self.succeeded} done, {self.failed} failed, {self.timed_out} timed out"
-                + (f", {self.dropped} dropped" if self.dropped else "") + f", {self.running} running")
+        return (
+            f"{self.succeeded} done, {self.failed} failed, {self.timed_out} timed out"
+            + (f", {self.dropped} dropped" if self.dropped else "")
+            + f", {self.running} running"
+        )
 
 
 AgentFn = Callable[[Any, LLM], Any]
@@ -161,7 +164,9 @@ def load_agent(spec: str, *, search_paths: Sequence[Path] = ()) -> AgentFn:
     except ImportError as exc:
         raise ValueError(f"cannot import agent module {module_name!r}: {exc}") from exc
     except Exception as exc:
-        raise ValueError(f"importing agent module {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(
+            f"importing agent module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -236,7 +241,9 @@ class Runner:
         if poll_s <= 0:
             raise ValueError(f"poll_s must be > 0, got {poll_s}")
         if rollout_timeout_s is not None and not rollout_timeout_s > 0:
-            raise ValueError(f"rollout_timeout_s must be > 0 seconds or None (no limit), got {rollout_timeout_s}")
+            raise ValueError(
+                f"rollout_timeout_s must be > 0 seconds or None (no limit), got {rollout_timeout_s}"
+            )
         if max_abandoned_threads is not None and max_abandoned_threads < 0:
             raise ValueError(f"max_abandoned_threads must be >= 0, got {max_abandoned_threads}")
         self.mode = resolve_mode(agent, mode)
@@ -254,8 +261,13 @@ class Runner:
                     "as the store, or otlp_endpoint"
                 )
         self._state = RunState(
-            agent, store, tracer_provider, workers=workers, rollout_timeout_s=rollout_timeout_s,
-            poll_s=poll_s, lease_s=lease_s,
+            agent,
+            store,
+            tracer_provider,
+            workers=workers,
+            rollout_timeout_s=rollout_timeout_s,
+            poll_s=poll_s,
+            lease_s=lease_s,
         )
         self._engine: Any = None
         self._max_abandoned = max(workers, 8) if max_abandoned_threads is None else max_abandoned_threads
@@ -280,7 +292,9 @@ class Runner:
             elif self.mode == "process":
                 from ._runner_procs import ProcessEngine
 
-                self._engine = ProcessEngine(self._state, otlp_endpoint=self._otlp_endpoint, token=self._token)
+                self._engine = ProcessEngine(
+                    self._state, otlp_endpoint=self._otlp_endpoint, token=self._token
+                )
             else:
                 from ._runner_async import AsyncEngine
 
@@ -308,7 +322,8 @@ class Runner:
                 if running:
                     logger.warning(
                         "agl runner: %d rollout(s) still running after the %g s grace period; ending them as failed",
-                        running, timeout_s,
+                        running,
+                        timeout_s,
                     )
                 self._state.halt.set()
                 if not engine.join(time.monotonic() + 15.0):

@@ -36,4 +36,6 @@ def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 def otlp_env_configured() -> bool:
     """True when the user set a standard OTLP traces endpoint, which then decides where spans go."""
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )

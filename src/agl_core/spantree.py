@@ -126,7 +126,9 @@ def usage(span: Span) -> tuple[int | None, int | None]:
     """(input tokens, output tokens) an LLM span reports, ``None`` where it reports nothing."""
     attrs = span.attributes
     prompt = _int(attrs.get(semconv.GEN_AI_USAGE_INPUT_TOKENS, attrs.get(semconv.LLM_TOKEN_COUNT_PROMPT)))
-    completion = _int(attrs.get(semconv.GEN_AI_USAGE_OUTPUT_TOKENS, attrs.get(semconv.LLM_TOKEN_COUNT_COMPLETION)))
+    completion = _int(
+        attrs.get(semconv.GEN_AI_USAGE_OUTPUT_TOKENS, attrs.get(semconv.LLM_TOKEN_COUNT_COMPLETION))
+    )
     return prompt, completion
 
 
@@ -139,7 +141,9 @@ def langgraph_role(name: str, metadata: Mapping[str, Any] | None) -> str | None:
     if node is not None:
         return "node" if node == name else None
     # A graph's own run carries only this marker (LangGraph 1.x); older versions mark no graph run.
-    return "graph" if metadata.get("ls_integration") == _LANGGRAPH and name != _LANGGRAPH_DEFAULT_NAME else None
+    return (
+        "graph" if metadata.get("ls_integration") == _LANGGRAPH and name != _LANGGRAPH_DEFAULT_NAME else None
+    )
 
 
 def _langgraph_role(span: Span) -> str | None:
@@ -193,7 +197,9 @@ class SpanTree:
         if name is None:
             # Outermost first: a named graph, else a node, encloses everything below it.
             roles = [(s, _langgraph_role(s)) for s in reversed(lineage)]
-            found = next((s for s, r in roles if r == "graph"), None) or next((s for s, r in roles if r == "node"), None)
+            found = next((s for s, r in roles if r == "graph"), None) or next(
+                (s for s, r in roles if r == "node"), None
+            )
             name = found.name if found is not None else None
         self._agent_cache[span.span_id] = name
         return name
@@ -203,7 +209,9 @@ class SpanTree:
         ``span`` belongs to."""
         name = self.agent_name(span)
         for ancestor in self.ancestors(span):
-            if (kind_of(ancestor) == AGENT or _langgraph_role(ancestor)) and self.agent_name(ancestor) == name:
+            if (kind_of(ancestor) == AGENT or _langgraph_role(ancestor)) and self.agent_name(
+                ancestor
+            ) == name:
                 return ancestor
         return None
 

@@ -138,7 +138,9 @@ def rollout_scope(
     try:
         attrs: dict[str, Any] = rollout_attributes(rollout)
         attrs[semconv.SOURCE] = semconv.SOURCE_RUNNER
-        with get_tracer(tracer_provider).start_as_current_span(semconv.SPAN_ROLLOUT, attributes=attrs) as span:
+        with get_tracer(tracer_provider).start_as_current_span(
+            semconv.SPAN_ROLLOUT, attributes=attrs
+        ) as span:
             yield span
     finally:
         otel_context.detach(token)
@@ -150,7 +152,9 @@ def join_rollout(rollout: RolloutContext, parent: trace.SpanContext | None = Non
     another process): spans started inside carry the rollout's identity and hang under ``parent``, the
     context of that span (none: they start a trace of their own)."""
     current = trace.NonRecordingSpan(parent) if parent is not None else trace.INVALID_SPAN
-    token = otel_context.attach(otel_context.set_value(_ROLLOUT_KEY, rollout, trace.set_span_in_context(current)))
+    token = otel_context.attach(
+        otel_context.set_value(_ROLLOUT_KEY, rollout, trace.set_span_in_context(current))
+    )
     try:
         yield
     finally:

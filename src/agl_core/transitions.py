@@ -167,15 +167,15 @@ def spans_to_transitions(spans: Iterable[Span], *, timeout_reward: float | None 
     return TransitionResult(tuple(transitions), tuple(problems), joins, tuple(timeout_rewarded))
 
 
-
-
 def _join_source(
     rollout_id: str, calls: Sequence[Span], gateway: Sequence[Span]
 ) -> tuple[dict[str, Span], list[Problem]]:
     """Join one source's framework LLM spans to gateway spans: ``{gateway span id: framework span}``."""
     joined: dict[str, Span] = {}
     by_response_id = {
-        s.attributes[semconv.GEN_AI_RESPONSE_ID]: s for s in calls if semconv.GEN_AI_RESPONSE_ID in s.attributes
+        s.attributes[semconv.GEN_AI_RESPONSE_ID]: s
+        for s in calls
+        if semconv.GEN_AI_RESPONSE_ID in s.attributes
     }
     by_span_id = {s.span_id: s for s in calls}
     for g in gateway:
@@ -225,7 +225,9 @@ def _rollout_transitions(
         if kind_of(span) == LLM:
             by_source[source_of(span)].append(span)
     problems: list[Problem] = []
-    task_id = next((str(s.attributes[semconv.TASK_ID]) for s in spans if semconv.TASK_ID in s.attributes), None)
+    task_id = next(
+        (str(s.attributes[semconv.TASK_ID]) for s in spans if semconv.TASK_ID in s.attributes), None
+    )
     attempt_id = next((s.attempt_id for s in spans if s.attempt_id), None)
 
     # An agl adapter's span is the preferred partner of a gateway call; OpenInference's comes next.

@@ -117,8 +117,15 @@ class AglCallbackHandler(BaseCallbackHandler):
     # --- LLM calls -----------------------------------------------------------------------------------
     # Every hook catches its own errors inline (a decorator would re-pack LangChain's many keyword
     # arguments on each of the ~8 events of an LLM call; this is the hot path).
-    def _llm_start(self, operation: str, serialized: dict[str, Any] | None, run_id: UUID,
-                   parent_run_id: UUID | None, content: str | None, kwargs: dict[str, Any]) -> None:
+    def _llm_start(
+        self,
+        operation: str,
+        serialized: dict[str, Any] | None,
+        run_id: UUID,
+        parent_run_id: UUID | None,
+        content: str | None,
+        kwargs: dict[str, Any],
+    ) -> None:
         model = _convert.model_name(serialized, kwargs)
         attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: operation}
         if model:
@@ -134,16 +141,30 @@ class AglCallbackHandler(BaseCallbackHandler):
         name = f"{operation} {model}" if model else operation
         self._start(run_id, parent_run_id, name, attrs, SpanKind.CLIENT, agent)
 
-    def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[Any]], *, run_id: UUID,
-                            parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+    def on_chat_model_start(
+        self,
+        serialized: dict[str, Any],
+        messages: list[list[Any]],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
         try:
             content = _convert.messages_json(messages) if self.capture_content else None
             self._llm_start(semconv.OP_CHAT, serialized, run_id, parent_run_id, content, kwargs)
         except Exception:
             self.hook_errors.report("on_chat_model_start")
 
-    def on_llm_start(self, serialized: dict[str, Any], prompts: list[str], *, run_id: UUID,
-                     parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+    def on_llm_start(
+        self,
+        serialized: dict[str, Any],
+        prompts: list[str],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
         try:
             content = json.dumps(prompts[:1]) if self.capture_content else None
             self._llm_start(semconv.OP_TEXT_COMPLETION, serialized, run_id, parent_run_id, content, kwargs)
@@ -167,8 +188,15 @@ class AglCallbackHandler(BaseCallbackHandler):
             self.hook_errors.report("on_llm_error")
 
     # --- chains / graph nodes ------------------------------------------------------------------------
-    def on_chain_start(self, serialized: dict[str, Any] | None, inputs: Any, *, run_id: UUID,
-                       parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+    def on_chain_start(
+        self,
+        serialized: dict[str, Any] | None,
+        inputs: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
         try:
             if kwargs.get("run_type") in _FOLDED_RUN_TYPES and parent_run_id in self._runs:
                 parent = self._runs[parent_run_id]
@@ -200,11 +228,21 @@ class AglCallbackHandler(BaseCallbackHandler):
             self.hook_errors.report("on_chain_error")
 
     # --- tools ---------------------------------------------------------------------------------------
-    def on_tool_start(self, serialized: dict[str, Any] | None, input_str: str, *, run_id: UUID,
-                      parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+    def on_tool_start(
+        self,
+        serialized: dict[str, Any] | None,
+        input_str: str,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
         try:
             name = _convert.run_name(serialized, kwargs, "tool")
-            attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL, semconv.GEN_AI_TOOL_NAME: name}
+            attrs: dict[str, Any] = {
+                semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL,
+                semconv.GEN_AI_TOOL_NAME: name,
+            }
             call_id = kwargs.get("tool_call_id") or (kwargs.get("metadata") or {}).get("tool_call_id")
             if isinstance(call_id, str):
                 attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id

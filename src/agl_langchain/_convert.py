@@ -15,7 +15,10 @@ def message_to_dict(message: Any) -> dict[str, Any]:
     """An OpenAI-style ``{"role", "content"}`` dict for a LangChain ``BaseMessage``."""
     role = _ROLES.get(getattr(message, "type", ""), getattr(message, "type", "user"))
     content = getattr(message, "content", message)
-    out: dict[str, Any] = {"role": role, "content": content if isinstance(content, (str, list)) else str(content)}
+    out: dict[str, Any] = {
+        "role": role,
+        "content": content if isinstance(content, (str, list)) else str(content),
+    }
     tool_calls = getattr(message, "tool_calls", None)
     if tool_calls:
         out["tool_calls"] = [
@@ -109,9 +112,12 @@ def output_json(response: Any) -> str:
     for batch in getattr(response, "generations", None) or []:
         for generation in batch:
             message = getattr(generation, "message", None)
-            texts.append(message_to_dict(message) if message is not None else {"role": "assistant", "content": generation.text})
+            texts.append(
+                message_to_dict(message)
+                if message is not None
+                else {"role": "assistant", "content": generation.text}
+            )
     return json.dumps(texts, ensure_ascii=False, default=str)
-
 
 
 def tool_result_error(output: Any) -> str | None:

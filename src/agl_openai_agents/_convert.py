@@ -116,7 +116,12 @@ def start_attributes(data: Any) -> dict[str, Any]:
 
 def start_info(data: Any) -> tuple[str, dict[str, Any], str | None, bool]:
     """``(span name, start attributes, agent name, is an LLM call)`` in one pass (the hot path)."""
-    return span_name(data), start_attributes(data), agent_name(data), getattr(data, "type", "") in ("generation", "response")
+    return (
+        span_name(data),
+        start_attributes(data),
+        agent_name(data),
+        getattr(data, "type", "") in ("generation", "response"),
+    )
 
 
 def _usage(usage: Any) -> dict[str, int]:
@@ -124,7 +129,10 @@ def _usage(usage: Any) -> dict[str, int]:
         return {}
     get = usage.get if isinstance(usage, Mapping) else lambda k: getattr(usage, k, None)
     out = {}
-    for key, attr in (("input_tokens", semconv.GEN_AI_USAGE_INPUT_TOKENS), ("output_tokens", semconv.GEN_AI_USAGE_OUTPUT_TOKENS)):
+    for key, attr in (
+        ("input_tokens", semconv.GEN_AI_USAGE_INPUT_TOKENS),
+        ("output_tokens", semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
+    ):
         value = get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             out[attr] = value

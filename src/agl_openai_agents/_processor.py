@@ -64,7 +64,9 @@ class AglTracingProcessor(TracingProcessor):
     the agent name.
     """
 
-    def __init__(self, *, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False) -> None:
+    def __init__(
+        self, *, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False
+    ) -> None:
         self.capture_content = capture_content
         self._tracer = get_tracer(tracer_provider)
         # Each operation on it is a single dict operation (atomic under the GIL); an SDK span's start and
@@ -75,17 +77,30 @@ class AglTracingProcessor(TracingProcessor):
         #: ``uninstrument()`` turns the processor off when it cannot take it out of the SDK.
         self.enabled = True
 
-    def _start(self, key: str, parent_key: str | None, name: str, attrs: dict[str, Any], agent: str | None,
-               kind: SpanKind = SpanKind.INTERNAL) -> _Open:
+    def _start(
+        self,
+        key: str,
+        parent_key: str | None,
+        name: str,
+        attrs: dict[str, Any],
+        agent: str | None,
+        kind: SpanKind = SpanKind.INTERNAL,
+    ) -> _Open:
         parent = self._open.get(parent_key) if parent_key else None
         if parent is not None:  # the rollout was read where the SDK trace started
-            ctx, rollout, agent = trace.set_span_in_context(parent.span), parent.rollout, agent or parent.agent
+            ctx, rollout, agent = (
+                trace.set_span_in_context(parent.span),
+                parent.rollout,
+                agent or parent.agent,
+            )
         else:
             ctx, rollout = otel_context.get_current(), rollout_attributes()
         attrs = {**attrs, **rollout, semconv.SOURCE: semconv.SOURCE_OPENAI_AGENTS}
         if agent and semconv.GEN_AI_AGENT_NAME not in attrs:
             attrs[semconv.GEN_AI_AGENT_NAME] = agent
-        opened = _Open(self._tracer.start_span(name, context=ctx, kind=kind, attributes=attrs), rollout, agent)
+        opened = _Open(
+            self._tracer.start_span(name, context=ctx, kind=kind, attributes=attrs), rollout, agent
+        )
         self._open[key] = opened
         return opened
 
@@ -117,14 +132,22 @@ class AglTracingProcessor(TracingProcessor):
             if _convert.is_bookkeeping(data) and parent_key in self._open:
                 parent = self._open[parent_key]
                 agent = _convert.agent_name(data) or parent.agent
-                self._open[span.span_id] = _Open(parent.span, parent.rollout, agent, parent.tool_calls, folded=True)
+                self._open[span.span_id] = _Open(
+                    parent.span, parent.rollout, agent, parent.tool_calls, folded=True
+                )
                 return
             name, attrs, agent, llm = _convert.start_info(data)
-            opened = self._start(span.span_id, parent_key, name, attrs, agent, SpanKind.CLIENT if llm else SpanKind.INTERNAL)
+            opened = self._start(
+                span.span_id, parent_key, name, attrs, agent, SpanKind.CLIENT if llm else SpanKind.INTERNAL
+            )
             if llm and self._headers is not None:
                 context = opened.span.get_span_context()
-                traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
-                opened.headers_token = self._headers.set({**(self._headers.get() or {}), semconv.HEADER_TRACEPARENT: traceparent})
+                traceparent = (
+                    f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+                )
+                opened.headers_token = self._headers.set(
+                    {**(self._headers.get() or {}), semconv.HEADER_TRACEPARENT: traceparent}
+                )
         except Exception:
             self.hook_errors.report("on_span_start")
 
@@ -137,7 +160,9 @@ class AglTracingProcessor(TracingProcessor):
             if opened.headers_token is not None and self._headers is not None:
                 try:
                     self._headers.reset(opened.headers_token)
-                except ValueError:  # ended in another context than it started in; nothing of ours is left there
+                except (
+                    ValueError
+                ):  # ended in another context than it started in; nothing of ours is left there
                     pass
             data = span.span_data
             kind = data.type
@@ -153,7 +178,9 @@ class AglTracingProcessor(TracingProcessor):
                 otel_span.update_name(_convert.span_name(data))
             if attrs:
                 otel_span.set_attributes(attrs)
-            if span.error:  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
+            if (
+                span.error
+            ):  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
                 error_type, description = _convert.error_description(span.error)
                 otel_span.set_attribute(semconv.ERROR_TYPE, error_type)
                 otel_span.set_status(Status(StatusCode.ERROR, description))
@@ -213,7 +240,9 @@ def instrument(
         if replace_processors:
             replaced = _sdk_processors()
             if replaced is None:
-                logger.warning("agl: cannot list the Agents SDK's trace processors; uninstrument() cannot restore them")
+                logger.warning(
+                    "agl: cannot list the Agents SDK's trace processors; uninstrument() cannot restore them"
+                )
                 replaced = ()
             set_trace_processors([processor])
         else:
@@ -237,6 +266,8 @@ def uninstrument() -> None:
             return
         current = _sdk_processors()
         if current is None:
-            logger.warning("agl: cannot list the Agents SDK's trace processors; agl's stays registered, switched off")
+            logger.warning(
+                "agl: cannot list the Agents SDK's trace processors; agl's stays registered, switched off"
+            )
             return
         set_trace_processors([p for p in current if p is not installed.processor])

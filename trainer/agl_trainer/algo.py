@@ -85,14 +85,20 @@ def group_advantages(
 
 
 def compute_advantages(
-    transitions: Sequence[Transition], group_of: Mapping[str, str], algorithm: str = "grpo", *, eps: float = 1e-6,
+    transitions: Sequence[Transition],
+    group_of: Mapping[str, str],
+    algorithm: str = "grpo",
+    *,
+    eps: float = 1e-6,
     scores: Mapping[str, float] | None = None,
 ) -> tuple[list[Advantaged], GroupReport]:
     """Advantages for ``algorithm`` (one of :data:`ALGORITHMS`); groups without reward variance are skipped.
     ``scores``: rollout scores for the group baselines (see :func:`group_advantages`)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    samples, report = group_advantages(transitions, group_of, scale_by_std=algorithm == "grpo", eps=eps, scores=scores)
+    samples, report = group_advantages(
+        transitions, group_of, scale_by_std=algorithm == "grpo", eps=eps, scores=scores
+    )
     if algorithm == "reinforce_pp" and samples:
         values = [s.advantage for s in samples]
         mean = sum(values) / len(values)

@@ -34,8 +34,10 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    found = [
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / STATE_FILE).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -44,7 +46,13 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def save_checkpoint(
-    root: Path, step: int, *, model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int = 2
+    root: Path,
+    step: int,
+    *,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int = 2,
 ) -> Path:
     """Write the checkpoint of ``step`` and drop all but the ``keep`` newest; returns its directory."""
     root.mkdir(parents=True, exist_ok=True)
@@ -87,7 +95,9 @@ def load_checkpoint(path: Path, *, model: Any, optimizer: torch.optim.Optimizer)
         result = set_peft_model_state_dict(model, load_file(str(adapter)))
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:
-            raise CheckpointError(f"{path}: the adapter does not fit this model (unexpected keys {unexpected[:3]})")
+            raise CheckpointError(
+                f"{path}: the adapter does not fit this model (unexpected keys {unexpected[:3]})"
+            )
     else:
         weights = path / "model.safetensors"
         if not weights.is_file():

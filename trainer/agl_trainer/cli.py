@@ -9,7 +9,11 @@ from .config import ConfigError, load_config
 
 
 def run_train(
-    config_path: str, overrides: list[str], *, print_config: bool = False, resume: bool = False,
+    config_path: str,
+    overrides: list[str],
+    *,
+    print_config: bool = False,
+    resume: bool = False,
     overwrite: bool = False,
 ) -> int:
     try:

@@ -248,7 +248,9 @@ class VLLMServingConfig(_Strict):
     @pydantic.model_validator(mode="after")
     def _url_or_launch(self) -> VLLMServingConfig:
         if self.url is not None and "launch" in self.model_fields_set:
-            raise ValueError("serving.vllm: set either 'url' (a running server) or 'launch' (start one), not both")
+            raise ValueError(
+                "serving.vllm: set either 'url' (a running server) or 'launch' (start one), not both"
+            )
         if self.url is None and self.upstream_model is not None:
             raise ValueError(
                 "serving.vllm.upstream_model names the model of a running server; it needs serving.vllm.url"
@@ -328,7 +330,9 @@ def check_verl_section(section: dict[str, Any]) -> None:
         if name in _VERL_REPLACED:
             raise ValueError(f"verl.{name} is not used by agl ({_VERL_REPLACED[name]})")
         if name not in VERL_SECTIONS:
-            raise ValueError(f"verl.{name}: agl passes on only these sections of verl's config: {', '.join(VERL_SECTIONS)}")
+            raise ValueError(
+                f"verl.{name}: agl passes on only these sections of verl's config: {', '.join(VERL_SECTIONS)}"
+            )
     for path in _dotted_keys(section):
         if path in VERL_RESERVED_KEYS:
             raise ValueError(f"verl.{path} is set by agl from '{VERL_RESERVED_KEYS[path]}'; set that instead")
@@ -396,8 +400,12 @@ class TrainerConfig(_Strict):
         elif self.verl:
             raise ValueError("the verl: section applies only with update.backend: verl")
         vllm = self.serving.vllm
-        if (self.serving.backend == "vllm" and vllm.url is None and vllm.launch.model is None
-                and self.model.source in ("smollm2", "tiny")):
+        if (
+            self.serving.backend == "vllm"
+            and vllm.url is None
+            and vllm.launch.model is None
+            and self.model.source in ("smollm2", "tiny")
+        ):
             raise ValueError(
                 f"serving.vllm.launch.model: 'vllm serve' needs a model directory or a Hub name, and model.source"
                 f" is agl's built-in {self.model.source!r}; set launch.model, or serving.vllm.url"
@@ -421,7 +429,9 @@ def _fields_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> list[st
             return []
         annotation = field.annotation
         candidates = [annotation, *getattr(annotation, "__args__", ())]
-        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, pydantic.BaseModel)), None)
+        current = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, pydantic.BaseModel)), None
+        )
         if current is None:
             return []
     return list(current.model_fields)
@@ -505,7 +515,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         elif not (_HUB_NAME.match(source) and _loads_from_hub(config)):
             hub = (
                 "; a Hub name (org/model) is accepted with serving.backend vllm or update.backend verl"
-                if _HUB_NAME.match(source) else ""
+                if _HUB_NAME.match(source)
+                else ""
             )
             raise ConfigError(
                 f"{path}: 'model.source': {source!r} is neither 'smollm2', 'tiny' nor a model directory "

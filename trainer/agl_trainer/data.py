@@ -113,7 +113,9 @@ def load_splits(config: TasksConfig) -> tuple[list[Task], list[Task]]:
         order = list(range(len(train)))
         random.Random(config.split_seed).shuffle(order)
         held = set(order[:n_val])
-        return [t for i, t in enumerate(train) if i not in held], [t for i, t in enumerate(train) if i in held]
+        return [t for i, t in enumerate(train) if i not in held], [
+            t for i, t in enumerate(train) if i in held
+        ]
     return train, []
 
 

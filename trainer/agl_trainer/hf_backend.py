@@ -123,8 +123,14 @@ class _Row:
         self.finish: str | None = None
         needs_text = request.stream or bool(request.stop) or job.tool_format is not None
         self.assembler = (
-            TextAssembler(backend._decode, stop=request.stop, tool_format=job.tool_format, forced_name=request.forced_tool)
-            if needs_text else None
+            TextAssembler(
+                backend._decode,
+                stop=request.stop,
+                tool_format=job.tool_format,
+                forced_name=request.forced_tool,
+            )
+            if needs_text
+            else None
         )
 
     @property
@@ -162,7 +168,9 @@ class HFBackend:
         #: Held by the worker for each batch; hold it to change the weights (then bump ``policy_version``).
         self.lock = _PolicyLock()
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+        im_end = (
+            tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+        )
         if isinstance(im_end, int):
             eos.add(im_end)
         self.stop_ids = frozenset(eos)
@@ -187,7 +195,9 @@ class HFBackend:
         except (StopIteration, AttributeError):
             return torch.device("cpu")
 
-    def render_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
+    def render_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> list[int]:
         """Token ids of the chat template applied to ``messages``, ending with the assistant turn's start."""
         return self.renderer.render(messages, tools)
 
@@ -203,7 +213,9 @@ class HFBackend:
     def _prepare(self, request: ChatRequest, sink: Callable[[Event | BaseException], None]) -> _Job:
         try:
             if request.is_chat:
-                prompt_ids = self.renderer.render(request.messages, request.tools if request.tools_enabled else None)
+                prompt_ids = self.renderer.render(
+                    request.messages, request.tools if request.tools_enabled else None
+                )
             else:
                 prompt_ids = self.renderer.encode(request.prompt)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -221,7 +233,9 @@ class HFBackend:
         forced_ids: list[int] = []
         if tool_format is not None and (request.tool_choice == "required" or request.forced_tool):
             text = forced_prefix(tool_format, request.forced_tool)
-            forced_ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)][: max_new - 1]
+            forced_ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)][
+                : max_new - 1
+            ]
         return _Job(request, prompt_ids, max_new, tool_format, forced_ids, sink, open_choices=request.n)
 
     def _submit(self, job: _Job) -> None:
@@ -337,11 +351,17 @@ class HFBackend:
             state.update(load_file(str(file), device=str(self.device)))
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         missing, unexpected = target.load_state_dict(state, strict=False)
-        tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(target.config, "tie_word_embeddings", False) else set()
+        tied = (
+            {k for k in missing if k.endswith("lm_head.weight")}
+            if getattr(target.config, "tie_word_embeddings", False)
+            else set()
+        )
         lora = {k for k in missing if "lora_" in k}
         if unexpected or set(missing) - tied - lora:
             shown = sorted(set(unexpected) | (set(missing) - tied - lora))[:5]
-            raise BackendError(f"the weights in {path} do not fit the served model (mismatched keys: {', '.join(shown)})")
+            raise BackendError(
+                f"the weights in {path} do not fit the served model (mismatched keys: {', '.join(shown)})"
+            )
 
     # -- the worker -----------------------------------------------------------------------------------
 
@@ -396,10 +416,13 @@ class HFBackend:
             ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long, device=device)
             mask = torch.zeros((len(jobs), width), dtype=torch.long, device=device)
             for i, job in enumerate(jobs):
-                ids[i, width - len(job.prompt_ids):] = torch.tensor(job.prompt_ids, device=device)
-                mask[i, width - len(job.prompt_ids):] = 1
+                ids[i, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids, device=device)
+                mask[i, width - len(job.prompt_ids) :] = 1
             out = self._forward(
-                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
             )
             past = out.past_key_values
             logits = out.logits[:, -1].float()
@@ -427,8 +450,11 @@ class HFBackend:
                 mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
                 step_ids = torch.tensor([[row.response[-1]] for row in rows], device=device)
                 out = self._forward(
-                    input_ids=step_ids, attention_mask=mask, position_ids=positions[:, None],
-                    past_key_values=past, use_cache=True,
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=positions[:, None],
+                    past_key_values=past,
+                    use_cache=True,
                 )
                 past = out.past_key_values
                 logits = out.logits[:, -1].float()
@@ -483,7 +509,9 @@ class HFBackend:
     def _entry(self, token: int, lp: float, top: tuple[tuple[str, float], ...]) -> dict[str, Any]:
         text = self._token_text(token)
         return {
-            "token": text, "logprob": lp, "bytes": list(text.encode()),
+            "token": text,
+            "logprob": lp,
+            "bytes": list(text.encode()),
             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top],
         }
 
@@ -503,17 +531,19 @@ class HFBackend:
         if calls:
             finish = "tool_calls"
         job.open_choices -= 1
-        job.sink(Completion(
-            text=text,
-            finish_reason=finish,
-            prompt_ids=tuple(job.prompt_ids),
-            response_ids=tuple(row.response),
-            response_logprobs=tuple(row.logprobs),
-            policy_version=version,
-            response_tokens=tuple(self._token_text(t) for t in row.response),
-            index=row.index,
-            tool_calls=tuple(calls),
-            top_logprobs=tuple(row.tops) if request.top_logprobs else None,
-            forced_tokens=len(job.forced_ids),
-            tool_call_unparseable=unparseable,
-        ))
+        job.sink(
+            Completion(
+                text=text,
+                finish_reason=finish,
+                prompt_ids=tuple(job.prompt_ids),
+                response_ids=tuple(row.response),
+                response_logprobs=tuple(row.logprobs),
+                policy_version=version,
+                response_tokens=tuple(self._token_text(t) for t in row.response),
+                index=row.index,
+                tool_calls=tuple(calls),
+                top_logprobs=tuple(row.tops) if request.top_logprobs else None,
+                forced_tokens=len(job.forced_ids),
+                tool_call_unparseable=unparseable,
+            )
+        )

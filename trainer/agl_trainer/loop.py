@@ -156,7 +156,11 @@ def _format(m: StepMetrics, total_steps: int) -> str:
     reward = f"{m.mean_reward:.3f}" if m.mean_reward is not None else "n/a"
     # On-policy, the PPO loss starts near 0 by construction (ratio 1, advantages centred per group); the
     # gradient norm shows the update's size.
-    loss = f"{m.loss:+.4f} grad_norm={m.grad_norm:.3f}" if m.loss is not None and m.grad_norm is not None else "skipped"
+    loss = (
+        f"{m.loss:+.4f} grad_norm={m.grad_norm:.3f}"
+        if m.loss is not None and m.grad_norm is not None
+        else "skipped"
+    )
     extra = f" failed={m.rollouts_failed}" if m.rollouts_failed else ""
     extra += f" late={m.rollouts_late}" if m.rollouts_late else ""
     return (
@@ -209,7 +213,9 @@ class _Run:
             server = BackgroundServer(create_store_app(store)).start()
             stack.callback(server.stop)
             self.store_url = server.url
-        self.display.line(f"store: {self.store_url} ({'remote' if config.store.url else self.out / config.store.path})")
+        self.display.line(
+            f"store: {self.store_url} ({'remote' if config.store.url else self.out / config.store.path})"
+        )
         self.client = StoreClient(self.store_url)
         stack.callback(self.client.close)
 
@@ -230,8 +236,13 @@ class _Run:
                 lora = config.model.lora
                 model = get_peft_model(
                     model,
-                    LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                               target_modules=list(lora.target_modules), task_type="CAUSAL_LM"),
+                    LoraConfig(
+                        r=lora.r,
+                        lora_alpha=lora.alpha,
+                        lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules),
+                        task_type="CAUSAL_LM",
+                    ),
                 )
             self.model = model
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -242,10 +253,14 @@ class _Run:
             self.optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
             if config.algorithm.kl_coef > 0:
                 if config.model.lora is None:
-                    raise ValueError("algorithm.kl_coef > 0 needs model.lora (the base model is the reference)")
+                    raise ValueError(
+                        "algorithm.kl_coef > 0 needs model.lora (the base model is the reference)"
+                    )
                 from .update import reference_logprobs_fn
 
-                self.reference = reference_logprobs_fn(model, self.tokenizer.pad_token_id or 0, bf16=config.update.bf16)
+                self.reference = reference_logprobs_fn(
+                    model, self.tokenizer.pad_token_id or 0, bf16=config.update.bf16
+                )
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         if config.update.backend == "verl":
@@ -260,9 +275,11 @@ class _Run:
         self.gateway_provider = _tracer_provider(self.store_url, "agl-gateway")
         stack.callback(self.gateway_provider.shutdown)
         self.gateway = BackgroundServer(
-            create_gateway_app(self.serving.backend, tracer_provider=self.gateway_provider,
-                               renderer=self.serving.renderer),
-            config.gateway.host, config.gateway.port,
+            create_gateway_app(
+                self.serving.backend, tracer_provider=self.gateway_provider, renderer=self.serving.renderer
+            ),
+            config.gateway.host,
+            config.gateway.port,
         ).start()
         stack.callback(self.gateway.stop)
         self.display.line(
@@ -277,28 +294,46 @@ class _Run:
         self.stack.callback(self.agent_provider.force_flush)
         self.publish()
         if not config.runner.workers:
-            command = run_command(config.agent, self.store_url, workers=1, mode=config.runner.mode,
-                                  rollout_timeout_s=config.runner.rollout_timeout_s, paths=[config.base_dir])
+            command = run_command(
+                config.agent,
+                self.store_url,
+                workers=1,
+                mode=config.runner.mode,
+                rollout_timeout_s=config.runner.rollout_timeout_s,
+                paths=[config.base_dir],
+            )
             self.display.line(f"runner: none started (runner.workers: 0); start runners with:\n  {command}")
             return
         runner = Runner(
-            agent, self.client, self.agent_provider, workers=config.runner.workers, mode=config.runner.mode,
-            rollout_timeout_s=config.runner.rollout_timeout_s, otlp_endpoint=self.store_url,
+            agent,
+            self.client,
+            self.agent_provider,
+            workers=config.runner.workers,
+            mode=config.runner.mode,
+            rollout_timeout_s=config.runner.rollout_timeout_s,
+            otlp_endpoint=self.store_url,
         ).start()
         self.stack.callback(lambda: runner.stop(timeout_s=10.0))
-        timeout = f", {config.runner.rollout_timeout_s:g}s per rollout" if config.runner.rollout_timeout_s else ""
+        timeout = (
+            f", {config.runner.rollout_timeout_s:g}s per rollout" if config.runner.rollout_timeout_s else ""
+        )
         self.display.line(f"runner: {runner.workers} worker(s) in {runner.mode} mode{timeout}")
 
     def publish(self) -> None:
         self.client.put_resource(
             LLM_RESOURCE,
-            {"base_url": self.gateway.url, "model": self.config.model.served_name,
-             "policy_version": self.serving.policy_version},
+            {
+                "base_url": self.gateway.url,
+                "model": self.config.model.served_name,
+                "policy_version": self.serving.policy_version,
+            },
         )
 
     # --- rollouts ---------------------------------------------------------------------------------
 
-    def run_rollouts(self, label: str, requests: list[dict[str, Any]]) -> tuple[list[Rollout], list[Rollout], list[Rollout]]:
+    def run_rollouts(
+        self, label: str, requests: list[dict[str, Any]]
+    ) -> tuple[list[Rollout], list[Rollout], list[Rollout]]:
         """Enqueue, wait until done or the step deadline, cancel the late ones; (succeeded, failed, late)."""
         queued = self.client.enqueue_rollouts(requests)
         ids = [r.rollout_id for r in queued]
@@ -323,7 +358,9 @@ class _Run:
         failed = [r for r in rollouts if r.status.finished and r.status != RolloutStatus.SUCCEEDED]
         for r in failed[:3]:
             last_error = (r.attempts[-1].error or "").strip().splitlines()[-1:] if r.attempts else []
-            self.display.line(f"  rollout {r.rollout_id} {r.status.value}: {last_error[0] if last_error else ''}")
+            self.display.line(
+                f"  rollout {r.rollout_id} {r.status.value}: {last_error[0] if last_error else ''}"
+            )
         if len(failed) > 3:
             self.display.line(f"  ... and {len(failed) - 3} more failed rollouts (agl inspect ROLLOUT_ID)")
         if late:
@@ -348,9 +385,15 @@ class _Run:
         v = self.config.validation
         chosen = list(tasks[: v.max_tasks] if v.max_tasks else tasks)
         requests = [
-            {"task_id": t.task_id, "input": t.input, "group_id": f"val{step}:{t.task_id}",
-             "metadata": {"split": "val", "step": step}, "max_attempts": self.config.runner.max_attempts}
-            for t in chosen for _ in range(v.rollouts_per_task)
+            {
+                "task_id": t.task_id,
+                "input": t.input,
+                "group_id": f"val{step}:{t.task_id}",
+                "metadata": {"split": "val", "step": step},
+                "max_attempts": self.config.runner.max_attempts,
+            }
+            for t in chosen
+            for _ in range(v.rollouts_per_task)
         ]
         done, failed, late = self.run_rollouts(f"validation @ step {step}", requests)
         rewards = _rewards(done, self.client.all_spans)
@@ -377,13 +420,19 @@ class _Run:
         """The finished rollouts to train on, and the spans of their last attempts."""
         rewards_config = self.config.algorithm.rewards
         # a timed-out rollout has no episode reward; it is trained only when the config gives it one
-        used = done + [r for r in failed if r.status == RolloutStatus.TIMED_OUT
-                       and rewards_config.timeout_episode_reward is not None]
+        used = done + [
+            r
+            for r in failed
+            if r.status == RolloutStatus.TIMED_OUT and rewards_config.timeout_episode_reward is not None
+        ]
         # a retried rollout keeps the spans of its earlier attempts (even late LLM calls of a timed-out
         # one); only its last attempt is the episode being trained
         last_attempts = {r.attempts[-1].attempt_id for r in used if r.attempts}
-        spans = [s for s in self.client.all_spans([r.rollout_id for r in used])
-                 if s.attempt_id is None or s.attempt_id in last_attempts]
+        spans = [
+            s
+            for s in self.client.all_spans([r.rollout_id for r in used])
+            if s.attempt_id is None or s.attempt_id in last_attempts
+        ]
         return used, spans
 
     def _batch(self, used: list[Rollout], spans: list[Any]) -> _Batch:
@@ -391,16 +440,30 @@ class _Run:
         config = self.config
         result = spans_to_transitions(spans, timeout_reward=config.algorithm.rewards.timeout_episode_reward)
         credit = assign_rewards(
-            result, spans, strategy=config.algorithm.credit, gamma=config.algorithm.gamma,
-            weights=config.algorithm.reward_weights(), agents=config.algorithm.agents,
+            result,
+            spans,
+            strategy=config.algorithm.credit,
+            gamma=config.algorithm.gamma,
+            weights=config.algorithm.reward_weights(),
+            agents=config.algorithm.agents,
         )
         transitions = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
         group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
-        samples, report = compute_advantages(transitions, group_of, config.algorithm.name, scores=credit.scores)
-        return _Batch(result, credit, explain_untrained([r.rollout_id for r in used], result, transitions),
-                      samples, report, group_of)
+        samples, report = compute_advantages(
+            transitions, group_of, config.algorithm.name, scores=credit.scores
+        )
+        return _Batch(
+            result,
+            credit,
+            explain_untrained([r.rollout_id for r in used], result, transitions),
+            samples,
+            report,
+            group_of,
+        )
 
-    def train_step(self, step: int, tasks: list[Task], draw: Callable[[int], list[Task]] | None = None) -> StepMetrics:
+    def train_step(
+        self, step: int, tasks: list[Task], draw: Callable[[int], list[Task]] | None = None
+    ) -> StepMetrics:
         """Roll out ``tasks``, update the policy on the result and publish it. With ``train.resample_rounds``,
         ``draw(n)`` gives ``n`` more tasks when fewer than ``tasks_per_step`` groups have differing rewards."""
         from .update import update_step
@@ -416,10 +479,15 @@ class _Run:
         while True:
             prefix = f"step{step}" if not extra_rounds else f"step{step}.{extra_rounds}"
             requests = [
-                {"task_id": t.task_id, "input": t.input, "group_id": f"{prefix}:{t.task_id}",
-                 "metadata": {"split": "train", "step": step, "round": extra_rounds},
-                 "max_attempts": config.runner.max_attempts}
-                for t in tasks for _ in range(config.train.rollouts_per_task)
+                {
+                    "task_id": t.task_id,
+                    "input": t.input,
+                    "group_id": f"{prefix}:{t.task_id}",
+                    "metadata": {"split": "train", "step": step, "round": extra_rounds},
+                    "max_attempts": config.runner.max_attempts,
+                }
+                for t in tasks
+                for _ in range(config.train.rollouts_per_task)
             ]
             label = f"rollouts of step {step}" + (f" (redraw {extra_rounds})" if extra_rounds else "")
             round_done, round_failed, round_late = self.run_rollouts(label, requests)
@@ -434,7 +502,13 @@ class _Run:
             extra_rounds += 1
             tasks = draw(missing)
             drawn += tasks
-        result, credit, untrained, samples, report = batch.result, batch.credit, batch.untrained, batch.samples, batch.report
+        result, credit, untrained, samples, report = (
+            batch.result,
+            batch.credit,
+            batch.untrained,
+            batch.samples,
+            batch.report,
+        )
         rewards = list(_rewards(done, lambda ids: spans).values())
         stats, update_s = None, 0.0
         if samples:
@@ -444,11 +518,16 @@ class _Run:
                 # under the serving lock no batch runs on half-updated weights or under the old version
                 with self.serving.lock:
                     stats = update_step(
-                        self.model, self.optimizer, samples,
-                        clip_eps=config.algorithm.clip_eps, pad_id=self.pad_id,
+                        self.model,
+                        self.optimizer,
+                        samples,
+                        clip_eps=config.algorithm.clip_eps,
+                        pad_id=self.pad_id,
                         max_grad_norm=config.algorithm.max_grad_norm,
                         micro_batch_tokens=config.algorithm.micro_batch_tokens,
-                        kl_coef=config.algorithm.kl_coef, reference=self.reference, bf16=config.update.bf16,
+                        kl_coef=config.algorithm.kl_coef,
+                        reference=self.reference,
+                        bf16=config.update.bf16,
                     )
                     self.serving.publish(self.model, version)
             else:
@@ -491,8 +570,12 @@ class _Run:
                 f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal), skipped"
             )
         if len(metrics.agents) > 1 or config.algorithm.agents:
-            self.display.line("  agents: " + ", ".join(
-                f"{name} {c['trained']}/{c['calls']} calls trained" for name, c in metrics.agents.items()))
+            self.display.line(
+                "  agents: "
+                + ", ".join(
+                    f"{name} {c['trained']}/{c['calls']} calls trained" for name, c in metrics.agents.items()
+                )
+            )
         for line in credit.summary():
             self.display.line(f"  {line}")
         call_problems = Counter(p.reason for p in result.problems if p.span_id is not None)
@@ -513,16 +596,26 @@ class _Run:
             fh.write(json.dumps({"kind": "train", "time": time.time(), **dataclasses.asdict(metrics)}) + "\n")
         if metrics.mean_reward is not None:
             self.train_curve.append((metrics.step, metrics.mean_reward))
-        self.scalars.add(metrics.step, {
-            "train/mean_reward": metrics.mean_reward, "train/loss": metrics.loss, "train/grad_norm": metrics.grad_norm,
-            "train/tokens_per_s": metrics.tokens_per_s, "train/rollouts_failed": float(metrics.rollouts_failed),
-            "train/policy_version": float(metrics.policy_version),
-        })
+        self.scalars.add(
+            metrics.step,
+            {
+                "train/mean_reward": metrics.mean_reward,
+                "train/loss": metrics.loss,
+                "train/grad_norm": metrics.grad_norm,
+                "train/tokens_per_s": metrics.tokens_per_s,
+                "train/rollouts_failed": float(metrics.rollouts_failed),
+                "train/policy_version": float(metrics.policy_version),
+            },
+        )
 
     def redraw(self) -> None:
         if self.config.logging.plot:
-            self.plot = plot_reward_curve(self.plot_path, self.train_curve, self.val_curve,
-                                          title=f"{self.config.agent} ({self.config.algorithm.name})")
+            self.plot = plot_reward_curve(
+                self.plot_path,
+                self.train_curve,
+                self.val_curve,
+                title=f"{self.config.agent} ({self.config.algorithm.name})",
+            )
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -535,8 +628,14 @@ class _Run:
             "before": dataclasses.asdict(self.before) if self.before else None,
             "config": self.config.model_dump(mode="json"),
         }
-        return save_checkpoint(self.out / CHECKPOINTS_DIR, step, model=self.model, optimizer=self.optimizer,
-                               state=state, keep=self.config.checkpoint.keep)
+        return save_checkpoint(
+            self.out / CHECKPOINTS_DIR,
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=state,
+            keep=self.config.checkpoint.keep,
+        )
 
     def restore(self, path: Path, sampler: TaskSampler) -> int:
         state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
@@ -629,7 +728,11 @@ def _prepare_output(out: Path, *, resume: bool, overwrite: bool, store_file: str
 
 
 def train(
-    config: TrainerConfig, *, echo: Callable[[str], None] = print, resume: bool = False, overwrite: bool = False
+    config: TrainerConfig,
+    *,
+    echo: Callable[[str], None] = print,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> RunResult:
     """Run the training job ``config`` describes; see the module docstring.
 
@@ -644,9 +747,12 @@ def train(
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
     if resume and config.update.backend == "verl":
-        raise ValueError("--resume is not supported with update.backend verl (its weights live in verl's workers)")
-    checkpoint = _prepare_output(out, resume=resume, overwrite=overwrite,
-                                 store_file=None if config.store.url else config.store.path)
+        raise ValueError(
+            "--resume is not supported with update.backend verl (its weights live in verl's workers)"
+        )
+    checkpoint = _prepare_output(
+        out, resume=resume, overwrite=overwrite, store_file=None if config.store.url else config.store.path
+    )
     torch.set_num_threads(config.train.threads)
     # peft asks transformers a deprecated question on every wrap; not actionable for a user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -656,19 +762,27 @@ def train(
     train_tasks, val_tasks = load_splits(config.tasks)
     sampler = TaskSampler(train_tasks, seed=config.train.seed)
     steps = config.train.steps
-    validating = bool(val_tasks) and (config.validation.before or config.validation.after or config.validation.every_steps)
+    validating = bool(val_tasks) and (
+        config.validation.before or config.validation.after or config.validation.every_steps
+    )
 
     with ExitStack() as stack, Display(config.logging.progress, steps, echo=echo) as display:
         run = _Run(config, display, stack)
         display.line(
             f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
-            + ("" if val_tasks else " (no validation split: set tasks.val or tasks.val_fraction to measure held-out reward)")
+            + (
+                ""
+                if val_tasks
+                else " (no validation split: set tasks.val or tasks.val_fraction to measure held-out reward)"
+            )
         )
         run.start()
         start_step = 1
         if checkpoint is not None:
             start_step = run.restore(checkpoint, sampler) + 1
-            display.line(f"resumed from {checkpoint} at step {start_step} (policy v{run.serving.policy_version})")
+            display.line(
+                f"resumed from {checkpoint} at step {start_step} (policy v{run.serving.policy_version})"
+            )
         if checkpoint is not None:
             run.cancel_inflight()  # before any worker can pick up the killed step's rollouts
         run.start_runners(agent)
@@ -687,7 +801,9 @@ def train(
             if step == steps or (every and step % every == 0):
                 last_saved = run.save(step, sampler) or last_saved
             run.redraw()
-            display.end_step(step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s)
+            display.end_step(
+                step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s
+            )
         after = None
         if validating and config.validation.after:
             after = run.evaluate(steps, val_tasks)
@@ -706,6 +822,7 @@ def train(
         if run.scalars.enabled:
             display.line(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
         display.line(
-            f"done: metrics in {run.metrics_path}" + ("" if config.store.url else f", spans in {out / config.store.path}")
+            f"done: metrics in {run.metrics_path}"
+            + ("" if config.store.url else f", spans in {out / config.store.path}")
         )
         return RunResult(run.history, run.before, after, run.plot, last_saved)

@@ -13,7 +13,14 @@ from typing import Any
 
 from agl_core import settings
 
-__all__ = ["ModelNotFoundError", "load_policy", "load_tokenizer", "smollm2_gguf_path", "tiny_model", "torch_device"]
+__all__ = [
+    "ModelNotFoundError",
+    "load_policy",
+    "load_tokenizer",
+    "smollm2_gguf_path",
+    "tiny_model",
+    "torch_device",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -47,8 +47,12 @@ class Display:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False,
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                transient=False,
             )
 
     def __enter__(self) -> Display:
@@ -71,19 +75,31 @@ class Display:
 
     def start_step(self, step: int, completed: int) -> None:
         if self._progress is not None:
-            self._progress.update(self._bar, completed=completed, description=f"step {step}/{self.total_steps}")
+            self._progress.update(
+                self._bar, completed=completed, description=f"step {step}/{self.total_steps}"
+            )
 
     def rollouts(self, label: str, done: int, failed: int, total: int) -> None:
         if self._progress is not None:
             info = f"{failed} failed" if failed else ""
-            self._progress.update(self._rollouts, description=label, completed=done + failed, total=total,
-                                  info=info, visible=True)
+            self._progress.update(
+                self._rollouts,
+                description=label,
+                completed=done + failed,
+                total=total,
+                info=info,
+                visible=True,
+            )
 
-    def end_step(self, completed: int, *, reward: float | None, loss: float | None, tokens_per_s: float) -> None:
+    def end_step(
+        self, completed: int, *, reward: float | None, loss: float | None, tokens_per_s: float
+    ) -> None:
         if self._progress is not None:
             info = (
-                f"reward {reward:.3f}" if reward is not None else "reward n/a"
-            ) + (f"  loss {loss:+.4f}" if loss is not None else "") + f"  {tokens_per_s:,.0f} tok/s"
+                (f"reward {reward:.3f}" if reward is not None else "reward n/a")
+                + (f"  loss {loss:+.4f}" if loss is not None else "")
+                + f"  {tokens_per_s:,.0f} tok/s"
+            )
             self._progress.update(self._bar, completed=completed, info=info)
             self._progress.update(self._rollouts, visible=False)
 
@@ -150,8 +166,16 @@ def plot_reward_curve(
             ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label="train (mean reward of the step)")
         if val:
             xs, ys, errs = zip(*val)
-            ax.errorbar(xs, ys, yerr=errs, marker="s", markersize=4, capsize=3, linewidth=1.2,
-                        label="validation (mean ± SE)")
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=errs,
+                marker="s",
+                markersize=4,
+                capsize=3,
+                linewidth=1.2,
+                label="validation (mean ± SE)",
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("reward")
         ax.set_title(title)

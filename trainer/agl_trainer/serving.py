@@ -51,9 +51,12 @@ def vllm_launch_kwargs(config: TrainerConfig) -> dict[str, Any]:
     if config.model.lora is None:
         raise ValueError("serving.backend vllm needs model.lora")
     args = [
-        "--tensor-parallel-size", str(launch.tensor_parallel_size),
-        "--gpu-memory-utilization", str(launch.gpu_memory_utilization),
-        "--max-loras", "2",
+        "--tensor-parallel-size",
+        str(launch.tensor_parallel_size),
+        "--gpu-memory-utilization",
+        str(launch.gpu_memory_utilization),
+        "--max-loras",
+        "2",
     ]
     if launch.max_model_len is not None:
         args += ["--max-model-len", str(launch.max_model_len)]
@@ -217,7 +220,9 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
         from .hf_backend import HFBackend
 
         backend = HFBackend(
-            model, tokenizer, model_name=config.model.served_name,
+            model,
+            tokenizer,
+            model_name=config.model.served_name,
             default_max_tokens=config.gateway.default_max_tokens,
         )
         return HFServing(backend)
@@ -227,7 +232,9 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
 
     vllm = config.serving.vllm
     if vllm.url is not None:
-        backend = VLLMBackend(vllm.url.rstrip("/"), model_name=config.model.served_name, upstream_model=vllm.upstream_model)
+        backend = VLLMBackend(
+            vllm.url.rstrip("/"), model_name=config.model.served_name, upstream_model=vllm.upstream_model
+        )
     else:
         backend = VLLMBackend.launch(**vllm_launch_kwargs(config))
     renderer = TemplateRenderer(tokenizer) if tokenizer is not None else None

@@ -133,7 +133,9 @@ def response_logprobs(
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
         keep[i, start - 1 : len(seq) - 1] = True
-    targets = torch.tensor([t for s in samples for t in s.transition.response_ids], dtype=torch.long, device=device)
+    targets = torch.tensor(
+        [t for s in samples for t in s.transition.response_ids], dtype=torch.long, device=device
+    )
     with _autocast(device, bf16):
         logits = _logits_at(model, ids.to(device), mask.to(device), keep.to(device)).float()
     # log_softmax(logits)[target] without a second (positions, vocab) tensor kept for the backward pass
@@ -141,7 +143,9 @@ def response_logprobs(
     return list(logprobs.split([len(s.transition.response_ids) for s in samples]))
 
 
-def reference_logprobs_fn(model: Any, pad_id: int, reference: Any = None, *, bf16: bool = False) -> ReferenceFn:
+def reference_logprobs_fn(
+    model: Any, pad_id: int, reference: Any = None, *, bf16: bool = False
+) -> ReferenceFn:
     """How to get the reference policy's logprobs: a separate frozen ``reference`` model, or, for a
     LoRA (peft) model, the same model with its adapter switched off (no second copy in memory)."""
 
@@ -206,7 +210,11 @@ def batch_loss(
         losses = []
         for i, (s, lp) in enumerate(zip(micro, new)):
             behaviour = s.transition.response_logprobs
-            old = torch.tensor(behaviour, dtype=lp.dtype, device=lp.device) if behaviour is not None else lp.detach()
+            old = (
+                torch.tensor(behaviour, dtype=lp.dtype, device=lp.device)
+                if behaviour is not None
+                else lp.detach()
+            )
             advantage = torch.tensor(s.advantage, dtype=lp.dtype, device=lp.device)
             token_loss, was_clipped = ppo_clip_token_loss(lp, old, advantage, clip_eps)
             if ref is not None:
@@ -250,8 +258,15 @@ def update_step(
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss, info = batch_loss(
-        model, samples, clip_eps=clip_eps, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens, backward=True,
-        kl_coef=kl_coef, reference=reference, bf16=bf16,
+        model,
+        samples,
+        clip_eps=clip_eps,
+        pad_id=pad_id,
+        micro_batch_tokens=micro_batch_tokens,
+        backward=True,
+        kl_coef=kl_coef,
+        reference=reference,
+        bf16=bf16,
     )
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0

@@ -92,7 +92,9 @@ class VerlBatch:
         require_verl()
         from verl import DataProto
 
-        return DataProto.from_dict(tensors=dict(self.tensors), non_tensors=dict(self.non_tensors), meta_info=dict(self.meta_info))
+        return DataProto.from_dict(
+            tensors=dict(self.tensors), non_tensors=dict(self.non_tensors), meta_info=dict(self.meta_info)
+        )
 
 
 def to_verl_batch(
@@ -140,7 +142,9 @@ def to_verl_batch(
     if prompt_length is not None and longest_prompt > prompt_length:
         raise ValueError(f"a prompt has {longest_prompt} tokens, more than prompt_length={prompt_length}")
     if response_length is not None and longest_response > response_length:
-        raise ValueError(f"a response has {longest_response} tokens, more than response_length={response_length}")
+        raise ValueError(
+            f"a response has {longest_response} tokens, more than response_length={response_length}"
+        )
     width_p = prompt_length or longest_prompt
     width_r = response_length or longest_response
     size = len(samples)
@@ -157,8 +161,8 @@ def to_verl_batch(
     for i, s in enumerate(samples):
         t = s.transition
         n_p, n_r = len(t.prompt_ids), len(t.response_ids)
-        prompts[i, width_p - n_p:] = torch.tensor(t.prompt_ids, dtype=torch.long)
-        prompt_mask[i, width_p - n_p:] = 1
+        prompts[i, width_p - n_p :] = torch.tensor(t.prompt_ids, dtype=torch.long)
+        prompt_mask[i, width_p - n_p :] = 1
         responses[i, :n_r] = torch.tensor(t.response_ids, dtype=torch.long)
         response_mask[i, :n_r] = 1
         weight = size / (len(calls) * calls[t.rollout_id]) if rollout_weights else 1.0
@@ -208,7 +212,9 @@ def pad_batch(batch: VerlBatch, multiple: int) -> VerlBatch:
         if key in silenced:
             extra.zero_()
         tensors[key] = torch.cat([value, extra], dim=0)
-    non_tensors = {key: np.concatenate([value, value[rows.numpy()]]) for key, value in batch.non_tensors.items()}
+    non_tensors = {
+        key: np.concatenate([value, value[rows.numpy()]]) for key, value in batch.non_tensors.items()
+    }
     return VerlBatch(tensors, non_tensors, dict(batch.meta_info))
 
 
@@ -270,12 +276,18 @@ def _layer(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
         existing = next((k for k in out if k.lstrip("+") == name), None)
         old = out.pop(existing) if existing is not None else None
         marked = str(key).startswith("+") or (existing or "").startswith("+")
-        merged = _layer(old, value) if isinstance(old, dict) and isinstance(value, Mapping) else copy.deepcopy(value)
+        merged = (
+            _layer(old, value)
+            if isinstance(old, dict) and isinstance(value, Mapping)
+            else copy.deepcopy(value)
+        )
         out[("+" if marked else "") + name] = dict(merged) if isinstance(merged, Mapping) else merged
     return out
 
 
-def merge_verl_config(defaults: Mapping[str, Any], overrides: Mapping[str, Any], *, source: str = "verl") -> dict[str, Any]:
+def merge_verl_config(
+    defaults: Mapping[str, Any], overrides: Mapping[str, Any], *, source: str = "verl"
+) -> dict[str, Any]:
     """``overrides`` merged onto verl's ``defaults`` (plain mappings; lists replace).
 
     A key that a non-empty mapping of ``defaults`` lacks is a ``ValueError`` naming it and the closest
@@ -285,7 +297,9 @@ def merge_verl_config(defaults: Mapping[str, Any], overrides: Mapping[str, Any],
     return _merge_known(dict(defaults), overrides, "verl", source)
 
 
-def _merge_known(defaults: dict[str, Any], overrides: Mapping[str, Any], path: str, source: str) -> dict[str, Any]:
+def _merge_known(
+    defaults: dict[str, Any], overrides: Mapping[str, Any], path: str, source: str
+) -> dict[str, Any]:
     out = copy.deepcopy(defaults)
     for key, value in overrides.items():
         name = str(key).lstrip("+")
@@ -381,11 +395,17 @@ class VerlUpdater:
         if not ray.is_initialized():
             # as verl's own entry point does (verl/trainer/main_ppo.py, run_ppo)
             ray_init = OmegaConf.to_container(self.verl.ray_kwargs.ray_init)
-            runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(self.verl), ray_init.pop("runtime_env", None) or {})
+            runtime_env = OmegaConf.merge(
+                get_ppo_ray_runtime_env(self.verl), ray_init.pop("runtime_env", None) or {}
+            )
             ray.init(**ray_init, runtime_env=OmegaConf.to_container(runtime_env))
             self._started_ray = True
-        pool = RayResourcePool(process_on_nodes=[trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=True, max_colocate_count=1)
-        worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=self.verl.actor_rollout_ref, role="actor")
+        pool = RayResourcePool(
+            process_on_nodes=[trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=True, max_colocate_count=1
+        )
+        worker = RayClassWithInitArgs(
+            cls=ray.remote(ActorRolloutRefWorker), config=self.verl.actor_rollout_ref, role="actor"
+        )
         workers = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name=trainer.device)
         workers.init_model()
         return workers
@@ -420,8 +440,12 @@ class VerlUpdater:
         from .update import UpdateStats
 
         actor = self.verl.actor_rollout_ref.actor
-        batch = pad_batch(to_verl_batch(samples, pad_id=self.pad_id, group_of=group_of), self.workers.world_size)
-        if "old_log_probs" not in batch.tensors:  # calls without behaviour logprobs: ratio 1, as in the torch backend
+        batch = pad_batch(
+            to_verl_batch(samples, pad_id=self.pad_id, group_of=group_of), self.workers.world_size
+        )
+        if (
+            "old_log_probs" not in batch.tensors
+        ):  # calls without behaviour logprobs: ratio 1, as in the torch backend
             batch = batch.with_tensors(old_log_probs=self._log_probs(batch, reference=False))
         if actor.use_kl_loss:
             batch = batch.with_tensors(ref_log_prob=self._log_probs(batch, reference=True))
@@ -466,12 +490,24 @@ class VerlUpdater:
         merged = self.work_dir / f"merged-v{version}"
         target = self.work_dir / "adapters" / f"v{version}"
         self.workers.save_checkpoint(local_path=str(checkpoint), global_step=version, max_ckpt_to_keep=1)
-        command = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
-                   "--local_dir", str(checkpoint), "--target_dir", str(merged)]
+        command = [
+            sys.executable,
+            "-m",
+            "verl.model_merger",
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local_dir",
+            str(checkpoint),
+            "--target_dir",
+            str(merged),
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0 or not (merged / "lora_adapter" / "adapter_config.json").is_file():
             tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-            raise RuntimeError(f"verl's model merger made no LoRA adapter from {checkpoint} (status {done.returncode}): {tail}")
+            raise RuntimeError(
+                f"verl's model merger made no LoRA adapter from {checkpoint} (status {done.returncode}): {tail}"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         (merged / "lora_adapter").rename(target)

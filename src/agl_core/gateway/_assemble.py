@@ -40,7 +40,9 @@ class TextAssembler:
         #: After :meth:`finish`: the text opened a tool call that could not be parsed.
         self.tool_call_unparseable = False
 
-    def push(self, token_id: int, logprob_entry: Mapping[str, Any] | None = None) -> tuple[str, list[Mapping[str, Any]]]:
+    def push(
+        self, token_id: int, logprob_entry: Mapping[str, Any] | None = None
+    ) -> tuple[str, list[Mapping[str, Any]]]:
         """Add a token; returns ``(new text to stream, logprob entries released with it)``.
         After a stop string :attr:`stopped` is true and the choice must end."""
         self.ids.append(token_id)
@@ -63,11 +65,15 @@ class TextAssembler:
             at = text.find(tool_call_start(self._tool_format))
             if at >= 0:
                 visible = text[:at]
-        hold = 0 if final and not self._tool_format else held_back(visible, self._markers, whitespace=bool(self._tool_format))
+        hold = (
+            0
+            if final and not self._tool_format
+            else held_back(visible, self._markers, whitespace=bool(self._tool_format))
+        )
         releasable = visible[: len(visible) - hold]
         if len(releasable) <= self._sent:
             return "", []
-        new = releasable[self._sent:]
+        new = releasable[self._sent :]
         self._sent = len(releasable)
         released, self._pending = self._pending, []
         return new, released
@@ -84,7 +90,7 @@ class TextAssembler:
             else:
                 self.tool_call_unparseable = tool_call_start(self._tool_format) in text
         shown = content or ""
-        delta = shown[self._sent:] if len(shown) > self._sent else ""
+        delta = shown[self._sent :] if len(shown) > self._sent else ""
         self._sent = max(self._sent, len(shown))
         released, self._pending = self._pending, []
         return content, calls, delta, released

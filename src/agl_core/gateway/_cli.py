@@ -27,31 +27,79 @@ def _positive(text: str) -> int:
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
-    serve.add_argument("--backend", choices=["hf", "vllm", "openai"], default="hf",
-                       help="hf: transformers in this process (CPU or one GPU); vllm: a vLLM server (launched, or"
-                            " --upstream); openai: any OpenAI-compatible endpoint, evaluation only (default: %(default)s)")
-    serve.add_argument("--model", default=None,
-                       help="hf: smollm2, tiny or a local model directory (default: smollm2); vllm: the model"
-                            " 'vllm serve' loads when the gateway launches it")
-    serve.add_argument("--served-name", default=None,
-                       help="model name clients use (default: agl-policy for hf and vllm, the upstream model for openai)")
-    serve.add_argument("--upstream", default=None, metavar="URL",
-                       help="base URL of a running server, ending with /v1 (required for openai; vllm connects instead of launching)")
-    serve.add_argument("--upstream-model", default=None, help="model name the upstream server knows (default: --served-name)")
+    serve.add_argument(
+        "--backend",
+        choices=["hf", "vllm", "openai"],
+        default="hf",
+        help="hf: transformers in this process (CPU or one GPU); vllm: a vLLM server (launched, or"
+        " --upstream); openai: any OpenAI-compatible endpoint, evaluation only (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="hf: smollm2, tiny or a local model directory (default: smollm2); vllm: the model"
+        " 'vllm serve' loads when the gateway launches it",
+    )
+    serve.add_argument(
+        "--served-name",
+        default=None,
+        help="model name clients use (default: agl-policy for hf and vllm, the upstream model for openai)",
+    )
+    serve.add_argument(
+        "--upstream",
+        default=None,
+        metavar="URL",
+        help="base URL of a running server, ending with /v1 (required for openai; vllm connects instead of launching)",
+    )
+    serve.add_argument(
+        "--upstream-model", default=None, help="model name the upstream server knows (default: --served-name)"
+    )
     serve.add_argument("--api-key", default=None, help="bearer token for the upstream server")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=port_type, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--store", default=None, metavar="URL",
-                       help=f"collector-store receiving the spans (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})")
-    serve.add_argument("--tokenizer", default=None, metavar="DIR",
-                       help="tokenizer directory for the drift check of vllm / openai calls (default: --model when it is a directory)")
-    serve.add_argument("--no-drift-check", action="store_true", help="do not render prompts to check the backend's token ids")
-    serve.add_argument("--max-batch", type=_positive, default=16, help="hf: most sequences decoded together (default: %(default)s)")
-    serve.add_argument("--max-tokens", type=_positive, default=256, help="hf: response length when a request does not say (default: %(default)s)")
-    serve.add_argument("--threads", type=_positive, default=None, help="hf: torch CPU threads (default: torch's choice)")
-    serve.add_argument("--admin-token", default=None, help="require 'Authorization: Bearer TOKEN' to publish policy versions")
-    serve.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[], metavar="ARG",
-                       help="extra argument for 'vllm serve' when the gateway launches it (repeatable)")
+    serve.add_argument(
+        "--port", type=port_type, default=8000, help="port to listen on (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help=f"collector-store receiving the spans (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+    )
+    serve.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="tokenizer directory for the drift check of vllm / openai calls (default: --model when it is a directory)",
+    )
+    serve.add_argument(
+        "--no-drift-check", action="store_true", help="do not render prompts to check the backend's token ids"
+    )
+    serve.add_argument(
+        "--max-batch",
+        type=_positive,
+        default=16,
+        help="hf: most sequences decoded together (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=256,
+        help="hf: response length when a request does not say (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--threads", type=_positive, default=None, help="hf: torch CPU threads (default: torch's choice)"
+    )
+    serve.add_argument(
+        "--admin-token", default=None, help="require 'Authorization: Bearer TOKEN' to publish policy versions"
+    )
+    serve.add_argument(
+        "--vllm-arg",
+        dest="vllm_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for 'vllm serve' when the gateway launches it (repeatable)",
+    )
 
 
 class _UsageError(Exception):
@@ -61,13 +109,21 @@ class _UsageError(Exception):
 def _check(args: argparse.Namespace) -> None:
     if args.backend == "openai":
         if not args.upstream:
-            raise _UsageError("--backend openai needs --upstream URL (the OpenAI-compatible endpoint, ending with /v1)")
+            raise _UsageError(
+                "--backend openai needs --upstream URL (the OpenAI-compatible endpoint, ending with /v1)"
+            )
         if not (args.upstream_model or args.served_name):
-            raise _UsageError("--backend openai needs --upstream-model (or --served-name): the model to ask for")
+            raise _UsageError(
+                "--backend openai needs --upstream-model (or --served-name): the model to ask for"
+            )
     if args.backend == "vllm" and not (args.upstream or args.model):
-        raise _UsageError("--backend vllm needs --upstream URL (a running 'vllm serve') or --model (to launch one)")
+        raise _UsageError(
+            "--backend vllm needs --upstream URL (a running 'vllm serve') or --model (to launch one)"
+        )
     if args.backend == "vllm" and args.upstream and args.vllm_args:
-        raise _UsageError("--vllm-arg only applies when the gateway launches vLLM; drop it or drop --upstream")
+        raise _UsageError(
+            "--vllm-arg only applies when the gateway launches vLLM; drop it or drop --upstream"
+        )
     if args.upstream and not args.upstream.startswith(("http://", "https://")):
         raise _UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
     if args.backend != "hf" and (args.threads or args.max_batch != 16 or args.max_tokens != 256):
@@ -83,6 +139,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
     if args.backend == "hf":
         try:
             import torch
+
             from agl_trainer.hf_backend import HFBackend
             from agl_trainer.model import load_policy
         except ImportError as exc:
@@ -97,7 +154,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
         if torch.cuda.is_available():
             model = model.cuda()
         name = args.served_name or "agl-policy"
-        backend = HFBackend(model, tokenizer, model_name=name, default_max_tokens=args.max_tokens, max_batch=args.max_batch)
+        backend = HFBackend(
+            model, tokenizer, model_name=name, default_max_tokens=args.max_tokens, max_batch=args.max_batch
+        )
         # The backend renders prompts with the model's own tokenizer; the check would compare it with itself.
         return backend, None, f"{source} with transformers on {backend.device}"
     tokenizer_dir = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
@@ -106,14 +165,20 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
         from .openai_backend import OpenAIBackend
 
         upstream_model = args.upstream_model or args.served_name
-        backend = OpenAIBackend(args.upstream, model_name=args.served_name or upstream_model,
-                                upstream_model=upstream_model, api_key=args.api_key)
+        backend = OpenAIBackend(
+            args.upstream,
+            model_name=args.served_name or upstream_model,
+            upstream_model=upstream_model,
+            api_key=args.api_key,
+        )
         return backend, renderer, f"{upstream_model} at {args.upstream} (evaluation only)"
     from .vllm_backend import VLLMBackend
 
     name = args.served_name or "agl-policy"
     if args.upstream:
-        backend = VLLMBackend(args.upstream, model_name=name, upstream_model=args.upstream_model, api_key=args.api_key)
+        backend = VLLMBackend(
+            args.upstream, model_name=name, upstream_model=args.upstream_model, api_key=args.api_key
+        )
         return backend, renderer, f"vLLM at {args.upstream}"
     backend = VLLMBackend.launch(args.model, model_name=name, extra_args=args.vllm_args)
     return backend, renderer, f"{args.model} with a vLLM server it launched at {backend.base_url}"
@@ -141,7 +206,9 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     store = settings.store_url(args.store)
     provider = TracerProvider(resource=Resource.create({"service.name": "agl-gateway"}))
     provider.add_span_processor(BatchSpanProcessor(make_otlp_exporter(store), schedule_delay_millis=200))
-    app = create_gateway_app(backend, tracer_provider=provider, renderer=renderer, admin_token=args.admin_token)
+    app = create_gateway_app(
+        backend, tracer_provider=provider, renderer=renderer, admin_token=args.admin_token
+    )
     print(
         f"agl gateway: http://{args.host}:{args.port}/v1 serving {', '.join(backend.model_names)!s} ({description});"
         f" spans to {store}" + ("" if renderer is None else "; checking prompt token ids"),

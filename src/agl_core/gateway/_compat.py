@@ -43,4 +43,6 @@ def as_backend(backend: Any) -> Backend:
         return backend  # type: ignore[no-any-return]
     if callable(getattr(backend, "chat", None)):
         return _BlockingChatBackend(backend)  # type: ignore[return-value]
-    raise TypeError(f"{type(backend).__name__} is not a gateway backend: it has neither generate() nor chat()")
+    raise TypeError(
+        f"{type(backend).__name__} is not a gateway backend: it has neither generate() nor chat()"
+    )

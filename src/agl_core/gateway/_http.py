@@ -74,7 +74,9 @@ class _Conn:
 class Response:
     """Status and headers of an answer; its body is read with :meth:`read` or :meth:`lines`."""
 
-    def __init__(self, pool: Pool, conn: _Conn, status: int, reason: str, headers: dict[str, str], keep_alive: bool) -> None:
+    def __init__(
+        self, pool: Pool, conn: _Conn, status: int, reason: str, headers: dict[str, str], keep_alive: bool
+    ) -> None:
         self._pool = pool
         self._conn: _Conn | None = conn
         self.status = status
@@ -192,10 +194,13 @@ class Pool:
     async def _connect(self) -> _Conn:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, ssl=self._ssl, limit=1 << 20), self.connect_timeout
+                asyncio.open_connection(self.host, self.port, ssl=self._ssl, limit=1 << 20),
+                self.connect_timeout,
             )
         except asyncio.TimeoutError:
-            raise ConnectFailed(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g}s") from None
+            raise ConnectFailed(
+                f"no connection to {self.host}:{self.port} within {self.connect_timeout:g}s"
+            ) from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc.strerror or exc}") from None
         return _Conn(reader, writer)
@@ -228,11 +233,15 @@ class Pool:
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 conn.close()
                 if conn.timed_out:
-                    raise TimedOut(f"{self.host}:{self.port} did not answer within {self.read_timeout:g}s") from None
+                    raise TimedOut(
+                        f"{self.host}:{self.port} did not answer within {self.read_timeout:g}s"
+                    ) from None
                 partial = getattr(exc, "partial", b"")
                 if reused and not partial:
                     continue  # the server had closed this idle connection: once more on a new one
-                raise HTTPFailure(f"the connection to {self.host}:{self.port} broke: {type(exc).__name__}") from None
+                raise HTTPFailure(
+                    f"the connection to {self.host}:{self.port} broke: {type(exc).__name__}"
+                ) from None
             except asyncio.LimitOverrunError:
                 conn.close()
                 raise HTTPFailure("the server's response headers are too large") from None

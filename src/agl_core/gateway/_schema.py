@@ -45,8 +45,12 @@ class _Message(pydantic.BaseModel):
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
-                if part.get("type") not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
-                    raise RequestError(f"only text content parts are supported, got a {part.get('type')!r} part", "messages")
+                if part.get("type") not in ("text", "input_text", "output_text") or not isinstance(
+                    part.get("text"), str
+                ):
+                    raise RequestError(
+                        f"only text content parts are supported, got a {part.get('type')!r} part", "messages"
+                    )
                 texts.append(part["text"])
             out["content"] = "".join(texts)
         elif self.content is None:
@@ -117,11 +121,18 @@ def parse_chat(raw: bytes) -> tuple[ChatIn, ChatRequest]:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        name = (
+            (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        )
         if choice.get("type") != "function" or not name:
-            raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', "tool_choice")
+            raise RequestError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
         if not tools or name not in {t["function"]["name"] for t in tools}:
-            raise RequestError(f"tool_choice names function {name!r}, which is not among the request's tools", "tool_choice")
+            raise RequestError(
+                f"tool_choice names function {name!r}, which is not among the request's tools", "tool_choice"
+            )
     elif choice == "required" and not tools:
         raise RequestError('tool_choice "required" needs at least one tool in "tools"', "tool_choice")
     if body.top_logprobs and not body.logprobs:

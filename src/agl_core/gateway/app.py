@@ -69,8 +69,12 @@ def rollout_base_url(gateway_url: str, rollout_id: str, attempt_id: str | None =
     return url + "/v1"
 
 
-def _openai_error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+def _openai_error(
+    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status
+    )
 
 
 def _error_of(exc: BackendError) -> tuple[int, str, str, str | None]:
@@ -111,10 +115,16 @@ def logprob_entries(result: Completion, top: int) -> list[dict[str, Any]]:
     out = []
     for i, (tok, lp) in enumerate(zip(tokens, result.response_logprobs)):
         alternatives = tops[i][:top] if top and i < len(tops) else ()
-        out.append({
-            "token": tok, "logprob": lp, "bytes": list(tok.encode()),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alternatives],
-        })
+        out.append(
+            {
+                "token": tok,
+                "logprob": lp,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alternatives
+                ],
+            }
+        )
     return out
 
 
@@ -128,10 +138,16 @@ class _Call:
         self.endpoint = endpoint
         self.t0 = time.time_ns()
         self.first_event_ns: int | None = None
-        self.id = (f"chatcmpl-{uuid.uuid4().hex}" if chat.is_chat else f"cmpl-{uuid.uuid4().hex}")
+        self.id = f"chatcmpl-{uuid.uuid4().hex}" if chat.is_chat else f"cmpl-{uuid.uuid4().hex}"
         self.created = self.t0 // 1_000_000_000
         headers = request.headers
-        self.parent = _propagator.extract({"traceparent": headers["traceparent"], "tracestate": headers.get("tracestate", "")}) if "traceparent" in headers else None
+        self.parent = (
+            _propagator.extract(
+                {"traceparent": headers["traceparent"], "tracestate": headers.get("tracestate", "")}
+            )
+            if "traceparent" in headers
+            else None
+        )
         rollout_id = request.path_params.get("rollout_id") or headers.get(semconv.HEADER_ROLLOUT_ID)
         attempt_id = request.path_params.get("attempt_id") or headers.get(semconv.HEADER_ATTEMPT_ID)
         self.rollout = RolloutContext(rollout_id, attempt_id) if rollout_id else None
@@ -144,7 +160,9 @@ class _Call:
     def _render(self, renderer: TemplateRenderer) -> list[int] | None:
         try:
             if self.chat.is_chat:
-                return renderer.render(self.chat.messages, self.chat.tools if self.chat.tools_enabled else None)
+                return renderer.render(
+                    self.chat.messages, self.chat.tools if self.chat.tools_enabled else None
+                )
             return renderer.encode(self.chat.prompt)  # type: ignore[arg-type]
         except Exception:  # the backend reports the template error itself; nothing to compare
             return None
@@ -156,18 +174,22 @@ class _Call:
     def _base_attributes(self) -> dict[str, Any]:
         chat, backend = self.chat, self.app.backend
         attrs: dict[str, Any] = rollout_attributes(self.rollout) if self.rollout else {}
-        attrs.update({
-            semconv.SOURCE: semconv.SOURCE_GATEWAY,
-            semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT if chat.is_chat else semconv.OP_TEXT_COMPLETION,
-            semconv.GEN_AI_PROVIDER_NAME: "agl",
-            semconv.GEN_AI_REQUEST_MODEL: self.model,
-            semconv.GEN_AI_REQUEST_TEMPERATURE: chat.temperature,
-            semconv.GEN_AI_REQUEST_TOP_P: chat.top_p,
-            semconv.GEN_AI_RESPONSE_ID: self.id,
-            semconv.TRAINABLE: backend.trainable,
-            semconv.GATEWAY_BACKEND: getattr(backend, "kind", type(backend).__name__),
-            semconv.STREAM: chat.stream,
-        })
+        attrs.update(
+            {
+                semconv.SOURCE: semconv.SOURCE_GATEWAY,
+                semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT
+                if chat.is_chat
+                else semconv.OP_TEXT_COMPLETION,
+                semconv.GEN_AI_PROVIDER_NAME: "agl",
+                semconv.GEN_AI_REQUEST_MODEL: self.model,
+                semconv.GEN_AI_REQUEST_TEMPERATURE: chat.temperature,
+                semconv.GEN_AI_REQUEST_TOP_P: chat.top_p,
+                semconv.GEN_AI_RESPONSE_ID: self.id,
+                semconv.TRAINABLE: backend.trainable,
+                semconv.GATEWAY_BACKEND: getattr(backend, "kind", type(backend).__name__),
+                semconv.STREAM: chat.stream,
+            }
+        )
         messages = chat.messages if chat.is_chat else [{"role": "user", "content": chat.prompt}]
         attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(list(messages), ensure_ascii=False)
         if chat.max_tokens:
@@ -185,8 +207,12 @@ class _Call:
     def _span(self, attrs: dict[str, Any]) -> trace.Span:
         return self.app.tracer.start_span(
             f"{'chat' if self.chat.is_chat else 'text_completion'} {self.model}",
-            context=self.parent, kind=SpanKind.SERVER, attributes=attrs, start_time=self.t0,
-            record_exception=False, set_status_on_exception=False,
+            context=self.parent,
+            kind=SpanKind.SERVER,
+            attributes=attrs,
+            start_time=self.t0,
+            record_exception=False,
+            set_status_on_exception=False,
         )
 
     async def record(self, error: tuple[str, str] | None = None) -> None:
@@ -219,7 +245,9 @@ class _Call:
                 if drift:
                     logger.warning(
                         "agl gateway: prompt token ids of %s differ from the chat template's (%d vs %d tokens)",
-                        self.id, len(prompt_ids), len(expected),
+                        self.id,
+                        len(prompt_ids),
+                        len(expected),
                     )
         metrics.prompt_tokens += len(prompt_ids)
         for result in self.completions:
@@ -263,8 +291,14 @@ def _tool_call_check(result: Completion, chat: ChatRequest) -> dict[str, Any]:
 
 
 class _Gateway:
-    def __init__(self, backend: Backend, tracer: trace.Tracer, renderer: TemplateRenderer | None,
-                 metrics: GatewayMetrics, admin_token: str | None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tracer: trace.Tracer,
+        renderer: TemplateRenderer | None,
+        metrics: GatewayMetrics,
+        admin_token: str | None,
+    ) -> None:
         self.backend = backend
         self.tracer = tracer
         self.renderer = renderer
@@ -280,7 +314,10 @@ class _Gateway:
         return await self._serve(request, "completions", parse_completion)
 
     async def models(self, request: Request) -> Response:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "agl"} for name in self.backend.model_names]
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "agl"}
+            for name in self.backend.model_names
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -295,31 +332,51 @@ class _Gateway:
         if self.admin_token is not None:
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if not hmac.compare_digest(given, self.admin_token):
-                return _openai_error(401, "publishing a policy needs 'Authorization: Bearer <admin token>'", "authentication_error")
+                return _openai_error(
+                    401,
+                    "publishing a policy needs 'Authorization: Bearer <admin token>'",
+                    "authentication_error",
+                )
         update_policy = getattr(self.backend, "update_policy", None)
         if update_policy is None:
-            return _openai_error(501, f"the {getattr(self.backend, 'kind', 'configured')} backend cannot load new policy versions", "invalid_request_error")
+            return _openai_error(
+                501,
+                f"the {getattr(self.backend, 'kind', 'configured')} backend cannot load new policy versions",
+                "invalid_request_error",
+            )
         try:
             body = json.loads(await request.body())
-            update = PolicyUpdate(version=int(body["version"]), path=str(body["path"]), kind=body.get("kind", "lora"))
+            update = PolicyUpdate(
+                version=int(body["version"]), path=str(body["path"]), kind=body.get("kind", "lora")
+            )
             if update.kind not in ("lora", "full"):
                 raise ValueError(f"kind must be 'lora' or 'full', got {update.kind!r}")
         except (ValueError, KeyError, TypeError) as exc:
-            return _openai_error(400, f'expected {{"version": int, "path": str, "kind": "lora"|"full"}}: {exc}', "invalid_request_error")
+            return _openai_error(
+                400,
+                f'expected {{"version": int, "path": str, "kind": "lora"|"full"}}: {exc}',
+                "invalid_request_error",
+            )
         try:
             await update_policy(update)
         except BackendError as exc:
             status, message, kind, _ = _error_of(exc)
-            return _openai_error(status if status != 502 else 500, f"cannot load policy v{update.version}: {exc}", kind)
+            return _openai_error(
+                status if status != 502 else 500, f"cannot load policy v{update.version}: {exc}", kind
+            )
         return JSONResponse({"policy_version": update.version})
 
     # -- the generation path --------------------------------------------------------------------------
 
-    async def _serve(self, request: Request, endpoint: str, parse: Callable[[bytes], tuple[Any, ChatRequest]]) -> Response:
+    async def _serve(
+        self, request: Request, endpoint: str, parse: Callable[[bytes], tuple[Any, ChatRequest]]
+    ) -> Response:
         metrics = self.metrics
         raw = await request.body()
         if len(raw) > _MAX_BODY:
-            return self._done(endpoint, _openai_error(413, f"request body over {_MAX_BODY} bytes", "invalid_request_error"))
+            return self._done(
+                endpoint, _openai_error(413, f"request body over {_MAX_BODY} bytes", "invalid_request_error")
+            )
         try:
             body, chat = parse(raw)
         except pydantic.ValidationError as exc:
@@ -331,12 +388,20 @@ class _Gateway:
                 message = f"invalid request: {param}: {err['msg']}"
             return self._done(endpoint, _openai_error(400, message, "invalid_request_error", param))
         except RequestError as exc:
-            return self._done(endpoint, _openai_error(400, f"invalid request: {exc}", "invalid_request_error", exc.param))
+            return self._done(
+                endpoint, _openai_error(400, f"invalid request: {exc}", "invalid_request_error", exc.param)
+            )
         if body.model not in self.backend.model_names:
-            return self._done(endpoint, _openai_error(
-                404, f"model {body.model!r} does not exist here; available: {', '.join(self.backend.model_names)}",
-                "invalid_request_error", "model", "model_not_found",
-            ))
+            return self._done(
+                endpoint,
+                _openai_error(
+                    404,
+                    f"model {body.model!r} does not exist here; available: {', '.join(self.backend.model_names)}",
+                    "invalid_request_error",
+                    "model",
+                    "model_not_found",
+                ),
+            )
         call = _Call(self, request, chat, body.model, endpoint)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         metrics.inflight += 1
@@ -392,7 +457,13 @@ class _Format:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def envelope(self, call: _Call, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": call.id, "object": name, "created": call.created, "model": call.model, "choices": choices}
+        return {
+            "id": call.id,
+            "object": name,
+            "created": call.created,
+            "model": call.model,
+            "choices": choices,
+        }
 
     def response(self, call: _Call) -> dict[str, Any]:
         out = self.envelope(call, self.object_name, [self.choice(call, c) for c in call.completions])
@@ -403,11 +474,23 @@ class _Format:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         if result.tool_calls:
             message["tool_calls"] = [dict(c) for c in result.tool_calls]
-        logprobs = _chat_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
-        return {"index": result.index, "message": message, "finish_reason": result.finish_reason, "logprobs": logprobs}
+        logprobs = (
+            _chat_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
+        )
+        return {
+            "index": result.index,
+            "message": message,
+            "finish_reason": result.finish_reason,
+            "logprobs": logprobs,
+        }
 
     def opening(self, call: _Call, index: int) -> dict[str, Any] | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
     def delta(self, call: _Call, event: ChoiceDelta) -> dict[str, Any]:
         delta: dict[str, Any] = {}
@@ -415,7 +498,11 @@ class _Format:
             delta["content"] = event.text
         if event.tool_calls:
             delta["tool_calls"] = [dict(c) for c in event.tool_calls]
-        logprobs = _chat_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs)) if call.chat.logprobs and event.logprobs else None
+        logprobs = (
+            _chat_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs))
+            if call.chat.logprobs and event.logprobs
+            else None
+        )
         return {"index": event.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
     def closing(self, call: _Call, result: Completion) -> dict[str, Any]:
@@ -426,14 +513,25 @@ class _TextFormat(_Format):
     object_name = chunk_name = "text_completion"
 
     def choice(self, call: _Call, result: Completion) -> dict[str, Any]:
-        logprobs = _text_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
-        return {"index": result.index, "text": result.text or "", "logprobs": logprobs, "finish_reason": result.finish_reason}
+        logprobs = (
+            _text_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
+        )
+        return {
+            "index": result.index,
+            "text": result.text or "",
+            "logprobs": logprobs,
+            "finish_reason": result.finish_reason,
+        }
 
     def opening(self, call: _Call, index: int) -> dict[str, Any] | None:
         return None
 
     def delta(self, call: _Call, event: ChoiceDelta) -> dict[str, Any]:
-        logprobs = _text_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs)) if call.chat.logprobs and event.logprobs else None
+        logprobs = (
+            _text_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs))
+            if call.chat.logprobs and event.logprobs
+            else None
+        )
         return {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
 
     def closing(self, call: _Call, result: Completion) -> dict[str, Any]:
@@ -453,7 +551,9 @@ def _trim_top(entries: Sequence[Mapping[str, Any]], top: int) -> list[Mapping[st
 class _EventStream:
     """Server-sent events for one streamed call; records the call's spans when the stream ends."""
 
-    def __init__(self, gateway: _Gateway, call: _Call, events: AsyncIterator[Event], first: Event, include_usage: bool) -> None:
+    def __init__(
+        self, gateway: _Gateway, call: _Call, events: AsyncIterator[Event], first: Event, include_usage: bool
+    ) -> None:
         self.gateway = gateway
         self.call = call
         self.events = events
@@ -613,7 +713,9 @@ def create_gateway_app(
     set, is required to publish a new policy version. A backend with only a blocking
     ``chat(model, request) -> Completion`` method (the older interface) is accepted too.
     """
-    gateway = _Gateway(as_backend(backend), get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token)
+    gateway = _Gateway(
+        as_backend(backend), get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token
+    )
     routes = [
         Route("/metrics", gateway.metrics_text, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),

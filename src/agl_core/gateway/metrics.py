@@ -33,11 +33,36 @@ class GatewayMetrics:
         for (endpoint, status), count in sorted(self.requests.items()):
             lines.append(f'agl_gateway_requests_total{{endpoint="{endpoint}",code="{status}"}} {count}')
         for name, kind, help_text, value in (
-            ("agl_gateway_prompt_checks_total", "counter", "Calls whose prompt token ids were checked against the gateway's own chat-template rendering.", self.prompt_checks),
-            ("agl_gateway_prompt_drift_total", "counter", "Checked calls where the backend's prompt token ids differed from the gateway's rendering.", self.prompt_drift),
-            ("agl_gateway_client_disconnects_total", "counter", "Streams whose client went away before the end.", self.client_disconnects),
-            ("agl_gateway_prompt_tokens_total", "counter", "Prompt tokens of answered calls.", self.prompt_tokens),
-            ("agl_gateway_completion_tokens_total", "counter", "Generated tokens of answered calls.", self.completion_tokens),
+            (
+                "agl_gateway_prompt_checks_total",
+                "counter",
+                "Calls whose prompt token ids were checked against the gateway's own chat-template rendering.",
+                self.prompt_checks,
+            ),
+            (
+                "agl_gateway_prompt_drift_total",
+                "counter",
+                "Checked calls where the backend's prompt token ids differed from the gateway's rendering.",
+                self.prompt_drift,
+            ),
+            (
+                "agl_gateway_client_disconnects_total",
+                "counter",
+                "Streams whose client went away before the end.",
+                self.client_disconnects,
+            ),
+            (
+                "agl_gateway_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of answered calls.",
+                self.prompt_tokens,
+            ),
+            (
+                "agl_gateway_completion_tokens_total",
+                "counter",
+                "Generated tokens of answered calls.",
+                self.completion_tokens,
+            ),
             ("agl_gateway_inflight_requests", "gauge", "Requests being served now.", self.inflight),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -60,7 +60,10 @@ class _ChoiceState:
 
     def merge_tool_calls(self, deltas: Sequence[Mapping[str, Any]]) -> None:
         for delta in deltas:
-            call = self.tool_calls.setdefault(int(delta.get("index", 0)), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            call = self.tool_calls.setdefault(
+                int(delta.get("index", 0)),
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
             if delta.get("id"):
                 call["id"] = delta["id"]
             fn = delta.get("function") or {}
@@ -109,7 +112,12 @@ class OpenAIBackend:
         loop = asyncio.get_running_loop()
         pool = self._pools.get(loop)
         if pool is None:
-            pool = Pool(self.base_url, headers=self._headers, timeout_s=self._timeout_s, max_idle=self._max_connections)
+            pool = Pool(
+                self.base_url,
+                headers=self._headers,
+                timeout_s=self._timeout_s,
+                max_idle=self._max_connections,
+            )
             self._pools[loop] = pool
         return pool
 
@@ -133,7 +141,12 @@ class OpenAIBackend:
         return {"logprobs": request.top_logprobs}
 
     def _body(self, request: ChatRequest, model: str) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "temperature": request.temperature, "top_p": request.top_p, "n": request.n}
+        body: dict[str, Any] = {
+            "model": model,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "n": request.n,
+        }
         if request.is_chat:
             body["messages"] = [dict(m) for m in request.messages]
             if request.tools:
@@ -193,7 +206,9 @@ class OpenAIBackend:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BackendError(f"bad answer from {self.base_url}: {type(exc).__name__}: {exc}") from None
 
-    def _completion(self, request: ChatRequest, data: Mapping[str, Any], choice: Mapping[str, Any], version: int) -> Completion:
+    def _completion(
+        self, request: ChatRequest, data: Mapping[str, Any], choice: Mapping[str, Any], version: int
+    ) -> Completion:
         if request.is_chat:
             message = choice.get("message") or {}
             text, calls = message.get("content"), tuple(message.get("tool_calls") or ())
@@ -203,17 +218,37 @@ class OpenAIBackend:
             text, calls = choice.get("text", ""), ()
             entries = _entries_of_text_logprobs(choice.get("logprobs"))
             prompt_ids = choice.get("prompt_token_ids") or ()
-        return self._result(request, choice, version, text, calls, entries, prompt_ids, choice.get("token_ids") or (), data.get("model"))
+        return self._result(
+            request,
+            choice,
+            version,
+            text,
+            calls,
+            entries,
+            prompt_ids,
+            choice.get("token_ids") or (),
+            data.get("model"),
+        )
 
     def _result(
-        self, request: ChatRequest, choice: Mapping[str, Any], version: int, text: str | None,
-        calls: Sequence[Mapping[str, Any]], entries: Sequence[Mapping[str, Any]], prompt_ids: Sequence[int],
-        token_ids: Sequence[int], served: str | None,
+        self,
+        request: ChatRequest,
+        choice: Mapping[str, Any],
+        version: int,
+        text: str | None,
+        calls: Sequence[Mapping[str, Any]],
+        entries: Sequence[Mapping[str, Any]],
+        prompt_ids: Sequence[int],
+        token_ids: Sequence[int],
+        served: str | None,
     ) -> Completion:
         logprobs = tuple(float(e["logprob"]) for e in entries) if entries else None
         tops = (
-            tuple(tuple((t["token"], float(t["logprob"])) for t in e.get("top_logprobs") or ()) for e in entries)
-            if request.top_logprobs else None
+            tuple(
+                tuple((t["token"], float(t["logprob"])) for t in e.get("top_logprobs") or ()) for e in entries
+            )
+            if request.top_logprobs
+            else None
         )
         return Completion(
             text=text,
@@ -229,7 +264,9 @@ class OpenAIBackend:
             served_model=served,
         )
 
-    async def _stream_events(self, request: ChatRequest, response: Response, version: int) -> AsyncIterator[Event]:
+    async def _stream_events(
+        self, request: ChatRequest, response: Response, version: int
+    ) -> AsyncIterator[Event]:
         states: dict[int, _ChoiceState] = {}
         prompt_ids: list[int] = []
         served: str | None = None
@@ -266,10 +303,19 @@ class OpenAIBackend:
                     yield ChoiceDelta(index, text, tool_calls=tuple(calls), logprobs=tuple(entries))
                 if choice.get("finish_reason"):
                     calls_done = tuple(c for _, c in sorted(state.tool_calls.items()))
-                    content = "".join(state.text) if (state.text and any(state.text)) or not calls_done else None
+                    content = (
+                        "".join(state.text) if (state.text and any(state.text)) or not calls_done else None
+                    )
                     yield self._result(
-                        request, choice, version, content, calls_done, state.entries,
-                        prompt_ids or state.prompt_ids, state.token_ids, served,
+                        request,
+                        choice,
+                        version,
+                        content,
+                        calls_done,
+                        state.entries,
+                        prompt_ids or state.prompt_ids,
+                        state.token_ids,
+                        served,
                     )
 
 
@@ -281,6 +327,10 @@ def _entries_of_text_logprobs(logprobs: Mapping[str, Any] | None) -> list[dict[s
     values = logprobs.get("token_logprobs") or []
     tops = logprobs.get("top_logprobs") or [None] * len(tokens)
     return [
-        {"token": t, "logprob": v, "top_logprobs": [{"token": k, "logprob": x} for k, x in (top or {}).items()]}
+        {
+            "token": t,
+            "logprob": v,
+            "top_logprobs": [{"token": k, "logprob": x} for k, x in (top or {}).items()],
+        }
         for t, v, top in zip(tokens, values, tops)
     ]

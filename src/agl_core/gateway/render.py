@@ -24,7 +24,9 @@ class TemplateRenderer:
         self.template: str | None = template if isinstance(template, str) else None
         self.tool_format: ToolFormat = tool_format_of(self.template)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of the chat template applied to ``messages`` (and ``tools``), ending with the start
         of the assistant's turn. Raises ``ValueError`` when the template cannot render them."""
         prepared, native_tools = prepare_messages(messages, tools, self.template)

@@ -132,7 +132,9 @@ def prepare_messages(
 def forced_prefix(fmt: ToolFormat, function_name: str | None) -> str:
     """Text a response must start with for ``tool_choice`` "required" (no name) or a named function."""
     if fmt == "mistral":
-        return f'{_MISTRAL_OPEN}[{{"name": "{function_name}", "arguments": ' if function_name else _MISTRAL_OPEN
+        return (
+            f'{_MISTRAL_OPEN}[{{"name": "{function_name}", "arguments": ' if function_name else _MISTRAL_OPEN
+        )
     if fmt == "llama3_json":
         return f'{{"name": "{function_name}", "parameters": ' if function_name else '{"name": "'
     return f'{HERMES_OPEN}\n{{"name": "{function_name}", "arguments": ' if function_name else HERMES_OPEN
@@ -141,7 +143,11 @@ def forced_prefix(fmt: ToolFormat, function_name: str | None) -> str:
 def _call(name: Any, arguments: Any) -> dict[str, Any]:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": str(name), "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": str(name), "arguments": arguments},
+    }
 
 
 _decoder = json.JSONDecoder()
@@ -194,7 +200,7 @@ def _forced_arguments(body: str, name: str) -> str:
     """The raw arguments text of a forced call whose JSON did not parse (OpenAI: arguments may be invalid)."""
     head = f'{{"name": "{name}", "arguments": '
     raw = body.strip()
-    raw = raw[len(head):] if raw.startswith(head) else raw
+    raw = raw[len(head) :] if raw.startswith(head) else raw
     return raw[:-1].rstrip() if raw.endswith("}") else raw
 
 
@@ -210,16 +216,16 @@ def parse_tool_calls(
     if fmt == "mistral":
         at = text.find(_MISTRAL_OPEN)
         if at >= 0:
-            parsed = _json_prefix(text[at + len(_MISTRAL_OPEN):])
+            parsed = _json_prefix(text[at + len(_MISTRAL_OPEN) :])
             calls = _from_objects(parsed[0], "arguments") if parsed else None
             if calls:
                 return text[:at], calls
         return text, []
     stripped = text.lstrip()
     if stripped.startswith("<|python_tag|>"):
-        stripped = stripped[len("<|python_tag|>"):]
+        stripped = stripped[len("<|python_tag|>") :]
     parsed = _json_prefix(stripped)
-    if parsed is not None and not stripped[parsed[1]:].strip(" \n;"):
+    if parsed is not None and not stripped[parsed[1] :].strip(" \n;"):
         calls = _from_objects(parsed[0], "parameters")
         if calls:
             return "", calls

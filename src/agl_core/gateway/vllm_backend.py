@@ -45,7 +45,9 @@ class VLLMBackend(OpenAIBackend):
     kind = "vllm"
     trainable = True
 
-    def __init__(self, base_url: str, *, model_name: str, upstream_model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, base_url: str, *, model_name: str, upstream_model: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(base_url, model_name=model_name, upstream_model=upstream_model, **kwargs)
         self._adapter: str | None = None
         self._loaded: collections.deque[str] = collections.deque()
@@ -130,9 +132,16 @@ class VLLMBackend(OpenAIBackend):
         The server's output goes to this process's stderr. :meth:`close` stops it.
         """
         launch = {
-            "model": model, "model_name": model_name, "host": host, "port": port or _free_port(host),
-            "tool_call_parser": tool_call_parser, "enable_lora": enable_lora, "max_lora_rank": max_lora_rank,
-            "extra_args": tuple(extra_args), "command": tuple(command), "env": dict(env or {}),
+            "model": model,
+            "model_name": model_name,
+            "host": host,
+            "port": port or _free_port(host),
+            "tool_call_parser": tool_call_parser,
+            "enable_lora": enable_lora,
+            "max_lora_rank": max_lora_rank,
+            "extra_args": tuple(extra_args),
+            "command": tuple(command),
+            "env": dict(env or {}),
             "startup_timeout_s": startup_timeout_s,
         }
         backend = cls(f"http://{host}:{launch['port']}/v1", model_name=model_name)
@@ -142,7 +151,16 @@ class VLLMBackend(OpenAIBackend):
 
     def _argv(self, model: str) -> list[str]:
         a = self._launch_args or {}
-        argv = [*a["command"], model, "--host", a["host"], "--port", str(a["port"]), "--served-model-name", a["model_name"]]
+        argv = [
+            *a["command"],
+            model,
+            "--host",
+            a["host"],
+            "--port",
+            str(a["port"]),
+            "--served-model-name",
+            a["model_name"],
+        ]
         if a["tool_call_parser"]:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", a["tool_call_parser"]]
         if a["enable_lora"]:
@@ -160,13 +178,17 @@ class VLLMBackend(OpenAIBackend):
         try:
             self._process = subprocess.Popen(argv, env=env, stdout=sys.stderr, stderr=sys.stderr)
         except OSError as exc:
-            raise BackendUnavailableError(f"cannot start {' '.join(argv[:2])}: {exc}; is vllm installed (agl[gpu])?") from None
+            raise BackendUnavailableError(
+                f"cannot start {' '.join(argv[:2])}: {exc}; is vllm installed (agl[gpu])?"
+            ) from None
         root = self.base_url.removesuffix("/v1")
         deadline = time.monotonic() + a["startup_timeout_s"]
         while time.monotonic() < deadline:
             code = self._process.poll()
             if code is not None:
-                raise BackendUnavailableError(f"{' '.join(argv)} exited with status {code} before it was ready")
+                raise BackendUnavailableError(
+                    f"{' '.join(argv)} exited with status {code} before it was ready"
+                )
             try:
                 if httpx.get(f"{root}/health", timeout=2.0).status_code == 200:
                     return

@@ -32,5 +32,5 @@ def open_store(db: str) -> Store:
         except Exception as exc:
             raise StoreError(f"cannot open PostgreSQL at {db}: {exc}") from None
     if db.startswith("sqlite:///"):
-        db = db[len("sqlite:///"):]
+        db = db[len("sqlite:///") :]
     return SqliteStore(db)

@@ -22,7 +22,12 @@ MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 
 
 def start_grpc_server(
-    pipeline: IngestPipeline, host: str = "127.0.0.1", port: int = 4317, *, token: str | None = None, workers: int = 16
+    pipeline: IngestPipeline,
+    host: str = "127.0.0.1",
+    port: int = 4317,
+    *,
+    token: str | None = None,
+    workers: int = 16,
 ) -> tuple[Any, int]:
     """Start the receiver; returns ``(server, bound_port)``. Stop it with ``server.stop(grace)``."""
     try:
@@ -36,7 +41,9 @@ def start_grpc_server(
         if expected is not None:
             given = dict(context.invocation_metadata()).get("authorization", "")
             if not hmac.compare_digest(str(given).encode(), expected):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+                context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)"
+                )
         try:
             batch = pipeline.parse_async(body).result()
             pipeline.submit(batch).result()

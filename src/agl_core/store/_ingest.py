@@ -30,7 +30,9 @@ class Overloaded(Exception):
     """The store's write backlog is full; the sender should retry after ``retry_after_s``."""
 
     def __init__(self, pending: int, limit: int, retry_after_s: int = 1) -> None:
-        super().__init__(f"the store is busy ({pending} spans waiting to be written, limit {limit}); retry later")
+        super().__init__(
+            f"the store is busy ({pending} spans waiting to be written, limit {limit}); retry later"
+        )
         self.retry_after_s = retry_after_s
 
 
@@ -110,7 +112,9 @@ class IngestPipeline:
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._write_loop, name="agl-store-writer", daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._write_loop, name="agl-store-writer", daemon=True
+                    )
                     self._thread.start()
 
     def _write_loop(self) -> None:

@@ -168,9 +168,13 @@ def extract_rows(
                 start_ns, end_ns = span.start_time_unix_nano, span.end_time_unix_nano
                 # hot loop: the common valid case is checked inline, details only on failure
                 if (
-                    len(trace_id) != 16 or len(span_id) != 8 or (parent and len(parent) != 8)
-                    or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN
-                    or start_ns > _MAX_TIME_NS or end_ns > _MAX_TIME_NS
+                    len(trace_id) != 16
+                    or len(span_id) != 8
+                    or (parent and len(parent) != 8)
+                    or trace_id == _ZERO_TRACE
+                    or span_id == _ZERO_SPAN
+                    or start_ns > _MAX_TIME_NS
+                    or end_ns > _MAX_TIME_NS
                 ):
                     rejected += 1
                     first_error = first_error or f"span {span.name[:100]!r}: {_span_problem(span)}"
@@ -197,8 +201,19 @@ def extract_rows(
                 if len(name) > _MAX_NAME or "\x00" in name:
                     name = _clean_text(name[:_MAX_NAME])
                 append(
-                    (trace_id, span_id, parent or None, name, start_ns, end_ns, span.status.code,
-                     rollout_id, attempt_id, scope_key, body)
+                    (
+                        trace_id,
+                        span_id,
+                        parent or None,
+                        name,
+                        start_ns,
+                        end_ns,
+                        span.status.code,
+                        rollout_id,
+                        attempt_id,
+                        scope_key,
+                        body,
+                    )
                 )
     return ParsedBatch(rows, scopes, rejected, first_error)
 
@@ -260,7 +275,8 @@ def row_to_span(seq: int, body: bytes, resource: dict[str, Any]) -> Span:
         status_code=_STATUS_NAMES.get(proto.status.code, "UNSET"),
         status_message=proto.status.message,
         events=tuple(
-            {"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes(e.attributes)} for e in proto.events
+            {"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes(e.attributes)}
+            for e in proto.events
         ),
         resource=resource,
         seq=seq,

@@ -183,7 +183,9 @@ class SqlStore:
         with self._write() as conn:
             if new_scopes:
                 conn.executemany(
-                    self._sql("INSERT INTO span_scopes (scope_key, resource, scope) VALUES (?,?,?) ON CONFLICT DO NOTHING"),
+                    self._sql(
+                        "INSERT INTO span_scopes (scope_key, resource, scope) VALUES (?,?,?) ON CONFLICT DO NOTHING"
+                    ),
                     new_scopes,
                 )
             added = self._insert_spans(conn, rows) if rows else 0
@@ -240,7 +242,9 @@ class SqlStore:
             where.append("start_ns < ?")
             args.append(start_before_ns)
         args.append(limit)
-        rows = self._read(f"SELECT seq, scope_key, body FROM spans WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?", args)
+        rows = self._read(
+            f"SELECT seq, scope_key, body FROM spans WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?", args
+        )
         return [row_to_span(seq, bytes(body), self._resource(bytes(key))) for seq, key, body in rows]
 
     # --- rollouts ------------------------------------------------------------------------------------
@@ -286,12 +290,16 @@ class SqlStore:
         now = time.time()
         with self._write() as conn:
             row = self._exec(
-                conn, f"SELECT rollout_id FROM rollouts WHERE status = ? ORDER BY seq LIMIT 1{self._lock_rows}", [_Q]
+                conn,
+                f"SELECT rollout_id FROM rollouts WHERE status = ? ORDER BY seq LIMIT 1{self._lock_rows}",
+                [_Q],
             ).fetchone()
             if row is None:
                 return None
             rollout_id = row[0]
-            (number,) = self._exec(conn, "SELECT COUNT(*) FROM attempts WHERE rollout_id = ?", [rollout_id]).fetchone()
+            (number,) = self._exec(
+                conn, "SELECT COUNT(*) FROM attempts WHERE rollout_id = ?", [rollout_id]
+            ).fetchone()
             attempt_id = f"at-{uuid.uuid4().hex[:16]}"
             self._exec(
                 conn,
@@ -308,7 +316,9 @@ class SqlStore:
         cancelled, or reclaimed after its lease ran out) tells the runner to stop working on it."""
         now = time.time()
         with self._write() as conn:
-            row = self._exec(conn, "SELECT status FROM attempts WHERE attempt_id = ?", [attempt_id]).fetchone()
+            row = self._exec(
+                conn, "SELECT status FROM attempts WHERE attempt_id = ?", [attempt_id]
+            ).fetchone()
             if row is None:
                 raise NotFoundError(f"no attempt {attempt_id!r}")
             if row[0] == _R:
@@ -341,13 +351,22 @@ class SqlStore:
                 raise NotFoundError(f"no attempt {attempt_id!r}")
             rollout_id, current, number, max_attempts = row
             if RolloutStatus(current).finished:
-                raise StoreError(f"attempt {attempt_id!r} already finished as {current!r}; its result is not recorded")
+                raise StoreError(
+                    f"attempt {attempt_id!r} already finished as {current!r}; its result is not recorded"
+                )
             self._finish_attempt(conn, attempt_id, rollout_id, number, max_attempts, status, error, reward)
             return self._load_rollouts(conn, [rollout_id])[0]
 
     def _finish_attempt(
-        self, conn: Any, attempt_id: str, rollout_id: str, number: int, max_attempts: int,
-        status: RolloutStatus, error: str | None, reward: float | None,
+        self,
+        conn: Any,
+        attempt_id: str,
+        rollout_id: str,
+        number: int,
+        max_attempts: int,
+        status: RolloutStatus,
+        error: str | None,
+        reward: float | None,
     ) -> None:
         self._exec(
             conn,
@@ -374,8 +393,14 @@ class SqlStore:
             ).fetchall()
             for attempt_id, rollout_id, number, max_attempts, worker in expired:
                 self._finish_attempt(
-                    conn, attempt_id, rollout_id, number, max_attempts, RolloutStatus.TIMED_OUT,
-                    f"lease expired: runner {worker!r} stopped sending heartbeats", None,
+                    conn,
+                    attempt_id,
+                    rollout_id,
+                    number,
+                    max_attempts,
+                    RolloutStatus.TIMED_OUT,
+                    f"lease expired: runner {worker!r} stopped sending heartbeats",
+                    None,
                 )
         return len(expired)
 
@@ -429,7 +454,9 @@ class SqlStore:
             f" FROM attempts WHERE {clause} ORDER BY number",
             values,
         ).fetchall():
-            attempts.setdefault(a[1], []).append(Attempt(a[0], a[1], a[2], RolloutStatus(a[3]), a[4], a[5], a[6], a[7]))
+            attempts.setdefault(a[1], []).append(
+                Attempt(a[0], a[1], a[2], RolloutStatus(a[3]), a[4], a[5], a[6], a[7])
+            )
         order = {rid: i for i, rid in enumerate(rollout_ids)}
         rollouts = [
             Rollout(
@@ -455,7 +482,9 @@ class SqlStore:
     # --- resources -----------------------------------------------------------------------------------
     def put_resource(self, name: str, value: Any) -> Resource:
         with self._write() as conn:
-            (latest,) = self._exec(conn, "SELECT COALESCE(MAX(version), 0) FROM resources WHERE name = ?", [name]).fetchone()
+            (latest,) = self._exec(
+                conn, "SELECT COALESCE(MAX(version), 0) FROM resources WHERE name = ?", [name]
+            ).fetchone()
             self._exec(
                 conn,
                 "INSERT INTO resources (name, version, value, created_at) VALUES (?,?,?,?)",
@@ -464,7 +493,9 @@ class SqlStore:
         return Resource(name, latest + 1, value)
 
     def get_resource(self, name: str) -> Resource | None:
-        rows = self._read("SELECT version, value FROM resources WHERE name = ? ORDER BY version DESC LIMIT 1", [name])
+        rows = self._read(
+            "SELECT version, value FROM resources WHERE name = ? ORDER BY version DESC LIMIT 1", [name]
+        )
         return Resource(name, rows[0][0], json.loads(rows[0][1])) if rows else None
 
     # --- retention -----------------------------------------------------------------------------------
@@ -476,7 +507,9 @@ class SqlStore:
         with self._write() as conn:
             return self._exec(conn, f"UPDATE rollouts SET consumed = 1 WHERE {clause}", values).rowcount
 
-    def apply_retention(self, *, max_age_s: float | None = None, consumed: bool = False, now: float | None = None) -> int:
+    def apply_retention(
+        self, *, max_age_s: float | None = None, consumed: bool = False, now: float | None = None
+    ) -> int:
         """Delete spans that started more than ``max_age_s`` ago, and (``consumed``) the spans of rollouts
         marked consumed. Returns how many spans were deleted."""
         deleted = 0

@@ -35,12 +35,22 @@ def _rollouts(data: Any) -> list[Rollout]:
 
 
 def _span_query(
-    rollout_ids: Sequence[str] | None, attempt_id: str | None, trace_id: str | None,
-    start_after_ns: int | None, start_before_ns: int | None, after_seq: int, limit: int,
+    rollout_ids: Sequence[str] | None,
+    attempt_id: str | None,
+    trace_id: str | None,
+    start_after_ns: int | None,
+    start_before_ns: int | None,
+    after_seq: int,
+    limit: int,
 ) -> _Call:
     body: dict[str, Any] = {"after_seq": after_seq, "limit": limit}
-    for key, value in (("rollout_ids", None if rollout_ids is None else list(rollout_ids)), ("attempt_id", attempt_id),
-                       ("trace_id", trace_id), ("start_after_ns", start_after_ns), ("start_before_ns", start_before_ns)):
+    for key, value in (
+        ("rollout_ids", None if rollout_ids is None else list(rollout_ids)),
+        ("attempt_id", attempt_id),
+        ("trace_id", trace_id),
+        ("start_after_ns", start_after_ns),
+        ("start_before_ns", start_before_ns),
+    ):
         if value is not None:
             body[key] = value
     return _Call("POST", "/api/spans/query", body, lambda d: [_wire.span_from_json(s) for s in d["spans"]])
@@ -52,19 +62,31 @@ def _enqueue(requests: Iterable[RolloutRequest]) -> _Call:
 
 def _dequeue(worker_id: str, lease_s: float) -> _Call:
     return _Call(
-        "POST", "/api/rollouts/dequeue", {"worker_id": worker_id, "lease_s": lease_s},
-        lambda d: None if d is None else (_wire.rollout_from_json(d["rollout"]), _wire.attempt_from_json(d["attempt"])),
+        "POST",
+        "/api/rollouts/dequeue",
+        {"worker_id": worker_id, "lease_s": lease_s},
+        lambda d: (
+            None
+            if d is None
+            else (_wire.rollout_from_json(d["rollout"]), _wire.attempt_from_json(d["attempt"]))
+        ),
     )
 
 
 def _heartbeat(attempt_id: str, lease_s: float) -> _Call:
-    return _Call("POST", f"/api/attempts/{attempt_id}/heartbeat", {"lease_s": lease_s},
-                 lambda d: _wire.attempt_from_json(d["attempt"]))
+    return _Call(
+        "POST",
+        f"/api/attempts/{attempt_id}/heartbeat",
+        {"lease_s": lease_s},
+        lambda d: _wire.attempt_from_json(d["attempt"]),
+    )
 
 
 def _complete(attempt_id: str, status: RolloutStatus, reward: float | None, error: str | None) -> _Call:
     body = {"status": RolloutStatus(status).value, "reward": reward, "error": error}
-    return _Call("POST", f"/api/attempts/{attempt_id}/complete", body, lambda d: _wire.rollout_from_json(d["rollout"]))
+    return _Call(
+        "POST", f"/api/attempts/{attempt_id}/complete", body, lambda d: _wire.rollout_from_json(d["rollout"])
+    )
 
 
 def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], Any] = _rollouts) -> _Call:
@@ -72,7 +94,9 @@ def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], Any]
 
 
 def _put_resource(name: str, value: Any) -> _Call:
-    return _Call("PUT", f"/api/resources/{name}", {"value": value}, lambda d: _wire.resource_from_json(d["resource"]))
+    return _Call(
+        "PUT", f"/api/resources/{name}", {"value": value}, lambda d: _wire.resource_from_json(d["resource"])
+    )
 
 
 def _get_resource(name: str) -> _Call:
@@ -116,10 +140,19 @@ class StoreClient:
         return _answer(call, response)
 
     def query_spans(
-        self, *, rollout_ids: Sequence[str] | None = None, attempt_id: str | None = None, trace_id: str | None = None,
-        start_after_ns: int | None = None, start_before_ns: int | None = None, after_seq: int = 0, limit: int = 10_000,
+        self,
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        attempt_id: str | None = None,
+        trace_id: str | None = None,
+        start_after_ns: int | None = None,
+        start_before_ns: int | None = None,
+        after_seq: int = 0,
+        limit: int = 10_000,
     ) -> list[Span]:
-        return self._run(_span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit))
+        return self._run(
+            _span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit)
+        )
 
     def all_spans(self, rollout_ids: Sequence[str], *, page: int = 10_000) -> list[Span]:
         """Every span of the given rollouts, paging through the store."""
@@ -155,7 +188,9 @@ class StoreClient:
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
         return self._run(_ids_call("/api/rollouts/query", rollout_ids))
 
-    def wait_for_rollouts(self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2) -> list[Rollout]:
+    def wait_for_rollouts(
+        self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2
+    ) -> list[Rollout]:
         """Poll until every rollout has finished or ``timeout_s`` passed; returns their latest state."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -201,15 +236,26 @@ class AsyncStoreClient:
         return _answer(call, response)
 
     async def query_spans(
-        self, *, rollout_ids: Sequence[str] | None = None, attempt_id: str | None = None, trace_id: str | None = None,
-        start_after_ns: int | None = None, start_before_ns: int | None = None, after_seq: int = 0, limit: int = 10_000,
+        self,
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        attempt_id: str | None = None,
+        trace_id: str | None = None,
+        start_after_ns: int | None = None,
+        start_before_ns: int | None = None,
+        after_seq: int = 0,
+        limit: int = 10_000,
     ) -> list[Span]:
-        return await self._run(_span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit))
+        return await self._run(
+            _span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit)
+        )
 
     async def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
         return await self._run(_enqueue(requests))
 
-    async def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
+    async def dequeue_rollout(
+        self, worker_id: str, *, lease_s: float = 60.0
+    ) -> tuple[Rollout, Attempt] | None:
         return await self._run(_dequeue(worker_id, lease_s))
 
     async def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt:
@@ -229,7 +275,9 @@ class AsyncStoreClient:
     async def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
         return await self._run(_ids_call("/api/rollouts/query", rollout_ids))
 
-    async def wait_for_rollouts(self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2) -> list[Rollout]:
+    async def wait_for_rollouts(
+        self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2
+    ) -> list[Rollout]:
         deadline = time.monotonic() + timeout_s
         while True:
             rollouts = await self.get_rollouts(rollout_ids)

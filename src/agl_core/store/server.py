@@ -118,7 +118,9 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 _GRPC_CODES = {400: 3, 401: 16, 413: 8, 415: 3, 503: 14}
 
 
-def _otlp_error(status: int, message: str, *, as_json: bool = False, retry_after_s: int | None = None) -> Response:
+def _otlp_error(
+    status: int, message: str, *, as_json: bool = False, retry_after_s: int | None = None
+) -> Response:
     error = status_pb2.Status(code=_GRPC_CODES.get(status, 2), message=message)
     headers = {"retry-after": str(retry_after_s)} if retry_after_s is not None else None
     if as_json:
@@ -133,7 +135,9 @@ async def _read_body(request: Request) -> bytes:
         if not declared.isdigit():
             raise _HttpError(400, f"invalid Content-Length header {declared!r}")
         if int(declared) > MAX_BODY_BYTES:
-            raise _HttpError(413, f"body of {declared} bytes is over the {MAX_BODY_BYTES}-byte limit", "too_large")
+            raise _HttpError(
+                413, f"body of {declared} bytes is over the {MAX_BODY_BYTES}-byte limit", "too_large"
+            )
     chunks = []
     size = 0
     async for chunk in request.stream():
@@ -190,7 +194,9 @@ def create_store_app(
     def api(handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
             if not authorized(request):
-                return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", "unauthorized")
+                return _error(
+                    401, "missing or wrong bearer token (Authorization: Bearer <token>)", "unauthorized"
+                )
             try:
                 return await handler(request)
             except _HttpError as exc:
@@ -206,10 +212,13 @@ def create_store_app(
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         as_json = ctype == "application/json"
         if not authorized(request):
-            return _otlp_error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", as_json=as_json)
+            return _otlp_error(
+                401, "missing or wrong bearer token (Authorization: Bearer <token>)", as_json=as_json
+            )
         if ctype != _PROTOBUF and not as_json:
             return _otlp_error(
-                415, f"content type {ctype or '(none)'!r} is not supported; send {_PROTOBUF} or application/json"
+                415,
+                f"content type {ctype or '(none)'!r} is not supported; send {_PROTOBUF} or application/json",
             )
         try:
             body = await _read_body(request)
@@ -225,11 +234,16 @@ def create_store_app(
         except Overloaded as exc:
             return _otlp_error(503, str(exc), as_json=as_json, retry_after_s=exc.retry_after_s)
         except StoreError as exc:
-            return _otlp_error(503, f"the store could not write the spans: {exc}", as_json=as_json, retry_after_s=1)
+            return _otlp_error(
+                503, f"the store could not write the spans: {exc}", as_json=as_json, retry_after_s=1
+            )
         if as_json:
             body_json: dict[str, Any] = {}
             if batch.rejected:
-                body_json["partialSuccess"] = {"rejectedSpans": str(batch.rejected), "errorMessage": batch.error_message}
+                body_json["partialSuccess"] = {
+                    "rejectedSpans": str(batch.rejected),
+                    "errorMessage": batch.error_message,
+                }
             return JSONResponse(body_json)
         return Response(encode_export_response(batch.rejected, batch.error_message), media_type=_PROTOBUF)
 
@@ -244,7 +258,9 @@ def create_store_app(
         if claimed is None:
             return Response(status_code=204)
         rollout, attempt = claimed
-        return JSONResponse({"rollout": _wire.rollout_to_json(rollout), "attempt": _wire.attempt_to_json(attempt)})
+        return JSONResponse(
+            {"rollout": _wire.rollout_to_json(rollout), "attempt": _wire.attempt_to_json(attempt)}
+        )
 
     async def query_rollouts(request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
@@ -271,7 +287,10 @@ def create_store_app(
         body = await _json_body(request, _CompleteIn)
         rollout = await run_in_threadpool(
             lambda: store.complete_attempt(
-                request.path_params["attempt_id"], RolloutStatus(body.status), reward=body.reward, error=body.error
+                request.path_params["attempt_id"],
+                RolloutStatus(body.status),
+                reward=body.reward,
+                error=body.error,
             )
         )
         return JSONResponse({"rollout": _wire.rollout_to_json(rollout)})
@@ -280,9 +299,13 @@ def create_store_app(
         body = await _json_body(request, _SpanQueryIn)
         spans = await run_in_threadpool(
             lambda: store.query_spans(
-                rollout_ids=body.rollout_ids, attempt_id=body.attempt_id, trace_id=body.trace_id,
-                start_after_ns=body.start_after_ns, start_before_ns=body.start_before_ns,
-                after_seq=body.after_seq, limit=body.limit,
+                rollout_ids=body.rollout_ids,
+                attempt_id=body.attempt_id,
+                trace_id=body.trace_id,
+                start_after_ns=body.start_after_ns,
+                start_before_ns=body.start_before_ns,
+                after_seq=body.after_seq,
+                limit=body.limit,
             )
         )
         return JSONResponse({"spans": [_wire.span_to_json(s) for s in spans]})
@@ -324,4 +347,3 @@ def create_store_app(
     )
     app.state.pipeline = ingest
     return app
-

@@ -53,7 +53,9 @@ class RetentionPolicy:
                 try:
                     max_age = parse_duration(rule)
                 except ValueError as exc:
-                    raise ValueError(f"--retention {rule!r}: give a duration (7d, 12h) or 'consumed' ({exc})") from None
+                    raise ValueError(
+                        f"--retention {rule!r}: give a duration (7d, 12h) or 'consumed' ({exc})"
+                    ) from None
         return cls(max_age, consumed) if (max_age or consumed) else None
 
 
@@ -100,9 +102,13 @@ class StoreService:
     def maintain_once(self) -> None:
         reclaimed = self.store.reclaim_expired()
         if reclaimed:
-            logger.warning("agl store: reclaimed %d attempts whose runner stopped sending heartbeats", reclaimed)
+            logger.warning(
+                "agl store: reclaimed %d attempts whose runner stopped sending heartbeats", reclaimed
+            )
         if self.retention is not None:
-            deleted = self.store.apply_retention(max_age_s=self.retention.max_age_s, consumed=self.retention.consumed)
+            deleted = self.store.apply_retention(
+                max_age_s=self.retention.max_age_s, consumed=self.retention.consumed
+            )
             if deleted:
                 logger.info("agl store: retention deleted %d spans", deleted)
 

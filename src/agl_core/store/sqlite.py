@@ -27,7 +27,9 @@ class SqliteStore(SqlStore):
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
         if str(path) == ":memory:":
-            raise ValueError("SqliteStore needs a file path (readers and the writer share it); use a temporary file")
+            raise ValueError(
+                "SqliteStore needs a file path (readers and the writer share it); use a temporary file"
+            )
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._synchronous = synchronous.upper()
