@@ -584,7 +584,7 @@ def test_worker_processes_import_neither_the_store_nor_the_gateway():
     import sys
 
     code = (
-        "import sys, agl_core._runner_worker\n"
+        "import sys, agl_core.runner._worker\n"
         "print([m for m in ('agl_core.store', 'agl_core.gateway', 'httpx', 'starlette') if m in sys.modules])"
     )
     out = subprocess.run(

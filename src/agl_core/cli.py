@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_arguments(
         gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port
     )
-    from ._run_cli import add_run_arguments
+    from .runner._cli import add_run_arguments
 
     add_run_arguments(
         commands.add_parser(
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_gateway_serve(args)
     if args.command == "run":
-        from ._run_cli import run_agents
+        from .runner._cli import run_agents
 
         return run_agents(args)
     if args.command == "inspect":

@@ -15,7 +15,6 @@ from . import semconv
 
 __all__ = [
     "Attempt",
-    "AttemptStatus",
     "Resource",
     "Rollout",
     "RolloutStatus",
@@ -38,9 +37,6 @@ class RolloutStatus(str, enum.Enum):
     @property
     def finished(self) -> bool:
         return self not in (RolloutStatus.QUEUED, RolloutStatus.RUNNING)
-
-
-AttemptStatus = RolloutStatus
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """OpenAI-compatible LLM gateway recording exact token ids on spans."""
 
-from .app import create_gateway_app, rollout_base_url
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .backend import (
     Backend,
     BackendError,
@@ -15,6 +18,10 @@ from .backend import (
 )
 from .metrics import GatewayMetrics
 from .render import TemplateRenderer, load_renderer
+from .urls import rollout_base_url
+
+if TYPE_CHECKING:
+    from .app import create_gateway_app
 
 __all__ = [
     "Backend",
@@ -33,3 +40,14 @@ __all__ = [
     "load_renderer",
     "rollout_base_url",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The web app (Starlette) loads on first use of ``create_gateway_app``: the runner imports
+    # ``agl_core.gateway.urls`` for rollout URLs and must not pull in a web framework with it.
+    if name == "create_gateway_app":
+        from .app import create_gateway_app
+
+        globals()[name] = create_gateway_app
+        return create_gateway_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

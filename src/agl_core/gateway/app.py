@@ -51,6 +51,7 @@ from .backend import (
 from .metrics import GatewayMetrics
 from .render import TemplateRenderer
 from .tools import malformed_tool_calls
+from .urls import API_PREFIXES, rollout_base_url
 
 __all__ = ["create_gateway_app", "rollout_base_url"]
 
@@ -59,14 +60,6 @@ logger = logging.getLogger(__name__)
 _MAX_BODY = 8 * 1024 * 1024
 _propagator = TraceContextTextMapPropagator()
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-def rollout_base_url(gateway_url: str, rollout_id: str, attempt_id: str | None = None) -> str:
-    """The OpenAI ``base_url`` that attributes every call made through it to the given rollout."""
-    url = f"{gateway_url.rstrip('/')}/rollouts/{rollout_id}"
-    if attempt_id:
-        url += f"/attempts/{attempt_id}"
-    return url + "/v1"
 
 
 def _openai_error(
@@ -721,7 +714,7 @@ def create_gateway_app(
         Route("/health", gateway.health, methods=["GET"]),
         Route("/agl/v1/policy", gateway.policy, methods=["GET", "POST"]),
     ]
-    for prefix in ("", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/attempts/{attempt_id}"):
+    for prefix in API_PREFIXES:
         routes.append(Route(prefix + "/v1/chat/completions", gateway.chat_completions, methods=["POST"]))
         routes.append(Route(prefix + "/v1/completions", gateway.completions, methods=["POST"]))
         routes.append(Route(prefix + "/v1/models", gateway.models, methods=["GET"]))

@@ -14,10 +14,10 @@ import time
 import uuid
 from typing import Any
 
-from ._runner_core import RunState
-from ._runner_outcome import Outcome, call_agent, halted_outcome, interpret, logger, timeout_outcome
-from .records import Attempt, Rollout, RolloutStatus
-from .tracing import rollout_scope
+from ..records import Attempt, Rollout, RolloutStatus
+from ..tracing import rollout_scope
+from ._outcome import Outcome, call_agent, halted_outcome, interpret, logger, timeout_outcome
+from ._state import RunState
 
 _SLICE_S = 0.1  # how often a waiting slot looks at the stop signals
 
@@ -43,7 +43,8 @@ class _AgentCall:
                 self.done.set()
         if abandoned_at is not None:
             logger.warning(
-                "agl runner: the agent of rollout %s returned %.1f s after it was timed out; its result is dropped",
+                "agl runner: the agent of rollout %s returned %.1f s after it was timed out; its result is"
+                " dropped",
                 self.rollout.rollout_id,
                 time.monotonic() - abandoned_at,
             )
@@ -119,9 +120,9 @@ class ThreadEngine:
             self._waiting_noted = full
         if note:
             logger.warning(
-                "agl runner: %d timed-out agent thread(s) are still running (the limit is %d); worker %s waits"
-                " for one to end before taking more work. Threads cannot be stopped: run hanging agents in"
-                " mode 'process', where they are killed at the timeout",
+                "agl runner: %d timed-out agent thread(s) are still running (the limit is %d); worker %s"
+                " waits for one to end before taking more work. Threads cannot be stopped: run hanging agents"
+                " in mode 'process', where they are killed at the timeout",
                 self._abandoned,
                 self.max_abandoned,
                 worker_id,

@@ -12,8 +12,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from . import settings
-from .runner import LLM_RESOURCE, MODES
+from .. import settings
+from ..tracing import setup_tracing
+from ._types import LLM_RESOURCE, MODES
 
 __all__ = ["add_run_arguments", "run_agents"]
 
@@ -50,7 +51,8 @@ def _store_url(text: str) -> str:
         port_ok = False
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
         raise argparse.ArgumentTypeError(
-            f"must be the store's http(s) URL, like http://127.0.0.1:4318 (what 'agl store serve' prints), got {text!r}"
+            "must be the store's http(s) URL, like http://127.0.0.1:4318 (what 'agl store serve' prints), "
+            f"got {text!r}"
         )
     return text.rstrip("/")
 
@@ -132,9 +134,10 @@ def run_agents(args: argparse.Namespace) -> int:
     """Run ``args.agent`` against the store until SIGINT/SIGTERM. Returns the exit status: 0 after a
     graceful stop, 1 when the store cannot be used, 2 for a bad agent or flag. A second signal exits at
     once with 128 + the signal number."""
-    from .runner import Runner, load_agent, resolve_mode
-    from .store import StoreClient, StoreError, StoreUnavailableError
-    from .tracing import setup_tracing
+    # Loaded here, not when the parser of every ``agl`` command is built: the runner's machinery and the
+    # store's HTTP client (httpx) are needed only once a run starts.
+    from ..store import StoreClient, StoreError, StoreUnavailableError
+    from ._runner import Runner, load_agent, resolve_mode
 
     if args.store is None:
         try:
@@ -153,7 +156,8 @@ def run_agents(args: argparse.Namespace) -> int:
         if "import" in str(exc):
             hint = (
                 f"\n  agl run looks for {module!r} in {', '.join(str(p) for p in search)}, then on sys.path;"
-                f" pass --path DIR with the directory that holds {module.replace('.', '/')}.py (or its package)"
+                f" pass --path DIR with the directory that holds {module.replace('.', '/')}.py"
+                " (or its package)"
             )
         return _fail(f"{exc}{hint}", 2)
 
@@ -208,8 +212,8 @@ def run_agents(args: argparse.Namespace) -> int:
         timeout = f"{args.rollout_timeout:g} s" if args.rollout_timeout is not None else "none"
         waiting = "" if published is not None else "; waiting for a trainer to publish the LLM endpoint"
         print(
-            f"agl run: {args.agent} on {url}, {args.workers} worker(s) in {mode} mode, rollout timeout {timeout},"
-            f" lease {args.lease:g} s{waiting}; Ctrl-C or SIGTERM stops it",
+            f"agl run: {args.agent} on {url}, {args.workers} worker(s) in {mode} mode,"
+            f" rollout timeout {timeout}, lease {args.lease:g} s{waiting}; Ctrl-C or SIGTERM stops it",
             flush=True,
         )
         last = runner.counts

@@ -10,8 +10,8 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from ._runner_outcome import call_agent, interpret
-from .tracing import join_rollout, setup_tracing
+from ..tracing import join_rollout, setup_tracing
+from ._outcome import call_agent, interpret
 
 
 def worker_main(conn: Connection, agent: Any, otlp_endpoint: str, token: str | None) -> None:

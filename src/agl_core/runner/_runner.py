@@ -1,28 +1,10 @@
-"""The runner: pulls queued rollouts from the store and runs the user's agent on them.
-
-An agent is a function ``agent(task, llm) -> float | None`` (or ``async def``): ``task`` is the task's
-input (what the dataset holds), ``llm`` tells it which OpenAI-compatible endpoint and model to use.
-Returning a number records it as the episode reward; an agent may instead call
-:func:`agl_core.emit_reward` itself. An exception fails the attempt (with its traceback) and never stops
-the runner.
-
-Workers run in one of three modes:
-
-``thread``   N threads in this process. A rollout that runs past its timeout is recorded as timed out on
-             time, but its thread cannot be stopped: it runs on detached and its late result is dropped.
-``process``  N worker processes (spawned). A rollout past its timeout is stopped for real: its worker
-             process is killed and replaced. A crashing worker (segfault, ``os._exit``) fails the attempt.
-``async``    N concurrent tasks on one event loop, for ``async def`` agents; a timeout cancels the task.
-
-``auto`` picks ``async`` for ``async def`` agents and ``thread`` otherwise.
-"""
+"""The runner: pulls queued rollouts from the store and runs the user's agent on them (the modes are
+described in the :mod:`agl_core.runner` docstring)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
-import logging
 import pickle
 import shlex
 import sys
@@ -32,87 +14,24 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._async import AsyncEngine
+from ._engine import Engine
+from ._outcome import logger
+from ._procs import ProcessEngine
+from ._state import RunnerStore, RunState
+from ._threads import ThreadEngine
+from ._types import MODES, AgentFn, RunnerCounts
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from .store.base import Store
-
-__all__ = [
-    "LLM",
-    "LLM_RESOURCE",
-    "MODES",
-    "RolloutTimeout",
-    "Runner",
-    "RunnerCounts",
-    "is_async_agent",
-    "load_agent",
-    "resolve_mode",
-    "run_command",
-]
-
-logger = logging.getLogger(__name__)
-
-#: Name of the store resource holding the gateway endpoint: ``{"base_url": str, "model": str}``.
-LLM_RESOURCE = "llm"
-
-#: The runner's worker modes; ``auto`` resolves to ``async`` or ``thread`` (see :func:`resolve_mode`).
-MODES = ("auto", "thread", "process", "async")
-
-
-class RolloutTimeout(TimeoutError):
-    """A rollout ran longer than the runner's ``rollout_timeout_s``.
-
-    Its attempt ends as ``timed_out`` (retried while the rollout has attempts left), and the runner writes
-    an ``agl.error`` span with ``error.type == "RolloutTimeout"`` for it.
-    """
-
-
-@dataclasses.dataclass(frozen=True)
-class LLM:
-    """Where the agent sends its LLM calls during a rollout.
-
-    ``split`` is the rollout's ``metadata["split"]`` when it has one: the trainer marks training rollouts
-    ``"train"`` and validation rollouts ``"val"``, so an agent can sample during training and decode
-    greedily when it is being scored (``temperature=0 if llm.split == "val" else 0.7``).
-    """
-
-    base_url: str
-    model: str
-    api_key: str = "agl"
-    policy_version: int | None = None
-    split: str | None = None
-
-    @property
-    def evaluating(self) -> bool:
-        """True for validation rollouts (``split == "val"``)."""
-        return self.split == "val"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunnerCounts:
-    """What a runner has done since it started. ``dropped``: results not recorded because the rollout was
-    cancelled or taken back by the store while the agent ran; ``running``: attempts in progress now."""
-
-    succeeded: int = 0
-    failed: int = 0
-    timed_out: int = 0
-    dropped: int = 0
-    running: int = 0
-
-    def summary(self) -> str:
-        return (
-            f"{self.succeeded} done, {self.failed} failed, {self.timed_out} timed out"
-            + (f", {self.dropped} dropped" if self.dropped else "")
-            + f", {self.running} running"
-        )
-
-
-AgentFn = Callable[[Any, LLM], Any]
+__all__ = ["Runner", "is_async_agent", "load_agent", "resolve_mode", "run_command"]
 
 
 def is_async_agent(agent: Callable[..., Any]) -> bool:
     """True for ``async def`` functions (and objects whose ``__call__`` is one)."""
-    return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
+    call = getattr(agent, "__call__", None)  # noqa: B004 - the method itself, to ask if it is a coroutine
+    return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(call)
 
 
 def _agent_name(agent: Callable[..., Any]) -> str:
@@ -172,7 +91,8 @@ def load_agent(spec: str, *, search_paths: Sequence[Path] = ()) -> AgentFn:
         fn = getattr(fn, part, None)
     if not callable(fn):
         raise ValueError(f"module {module_name!r} has no callable {attr!r}")
-    return fn
+    agent: AgentFn = fn
+    return agent
 
 
 def run_command(
@@ -199,7 +119,7 @@ def run_command(
 class Runner:
     """Runs ``agent`` on queued rollouts in ``workers`` workers until :meth:`stop`.
 
-    ``mode``: see the module docstring. ``rollout_timeout_s``: how long one rollout may run before its
+    ``mode``: see :mod:`agl_core.runner`. ``rollout_timeout_s``: how long one rollout may run before its
     attempt ends as ``timed_out`` (``None``: no limit). ``lease_s``: the attempt lease kept alive by
     heartbeats; a runner that stops sending them loses its attempts to the store. ``max_abandoned_threads``
     (thread mode): how many timed-out agent threads may still be running before workers wait for one to
@@ -220,7 +140,7 @@ class Runner:
     def __init__(
         self,
         agent: AgentFn,
-        store: Store,
+        store: RunnerStore,
         tracer_provider: TracerProvider,
         *,
         workers: int = 1,
@@ -232,8 +152,6 @@ class Runner:
         otlp_endpoint: str | None = None,
         token: str | None = None,
     ) -> None:
-        from ._runner_core import RunState
-
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if lease_s <= 0:
@@ -257,8 +175,8 @@ class Runner:
             otlp_endpoint = otlp_endpoint or getattr(store, "url", None)
             if not otlp_endpoint:
                 raise ValueError(
-                    "mode 'process' needs the store's URL for the worker processes' spans: pass a StoreClient "
-                    "as the store, or otlp_endpoint"
+                    "mode 'process' needs the store's URL for the worker processes' spans: pass a "
+                    "StoreClient as the store, or otlp_endpoint"
                 )
         self._state = RunState(
             agent,
@@ -269,7 +187,7 @@ class Runner:
             poll_s=poll_s,
             lease_s=lease_s,
         )
-        self._engine: Any = None
+        self._engine: Engine | None = None
         self._max_abandoned = max(workers, 8) if max_abandoned_threads is None else max_abandoned_threads
         self._otlp_endpoint = otlp_endpoint
         self._token = token
@@ -285,21 +203,16 @@ class Runner:
             if self._engine is not None:
                 raise RuntimeError("this runner was already started")
             self._state.heartbeats.start()
+            engine: Engine
             if self.mode == "thread":
-                from ._runner_threads import ThreadEngine
-
-                self._engine = ThreadEngine(self._state, max_abandoned=self._max_abandoned)
+                engine = ThreadEngine(self._state, max_abandoned=self._max_abandoned)
             elif self.mode == "process":
-                from ._runner_procs import ProcessEngine
-
-                self._engine = ProcessEngine(
-                    self._state, otlp_endpoint=self._otlp_endpoint, token=self._token
-                )
+                assert self._otlp_endpoint is not None  # checked in __init__
+                engine = ProcessEngine(self._state, otlp_endpoint=self._otlp_endpoint, token=self._token)
             else:
-                from ._runner_async import AsyncEngine
-
-                self._engine = AsyncEngine(self._state)
-            self._engine.start()
+                engine = AsyncEngine(self._state)
+            self._engine = engine
+            engine.start()
         return self
 
     def request_stop(self) -> None:
@@ -321,7 +234,8 @@ class Runner:
                 running = self._state.counts().running
                 if running:
                     logger.warning(
-                        "agl runner: %d rollout(s) still running after the %g s grace period; ending them as failed",
+                        "agl runner: %d rollout(s) still running after the %g s grace period; ending them"
+                        " as failed",
                         running,
                         timeout_s,
                     )

@@ -13,9 +13,9 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from .records import RolloutStatus
-from .runner import LLM, RolloutTimeout
-from .tracing import emit_error, emit_reward
+from ..records import RolloutStatus
+from ..tracing import emit_error, emit_reward
+from ._types import LLM, RolloutTimeout
 
 logger = logging.getLogger("agl_core.runner")
 

@@ -15,10 +15,10 @@ import time
 import uuid
 from typing import Any
 
-from ._runner_core import RunState
-from ._runner_outcome import Outcome, halted_outcome, interpret, logger, timeout_outcome
-from .records import Attempt, Rollout, RolloutStatus
-from .tracing import rollout_scope
+from ..records import Attempt, Rollout, RolloutStatus
+from ..tracing import rollout_scope
+from ._outcome import Outcome, halted_outcome, interpret, logger, timeout_outcome
+from ._state import RunState
 
 _SLICE_S = 0.1  # how often a waiting task looks at the stop signals
 _CANCEL_WAIT_S = 1.0  # how long a cancelled agent may take to unwind before it is left behind

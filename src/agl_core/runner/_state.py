@@ -7,15 +7,35 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from ._runner_outcome import Outcome, failure_text, logger
-from .gateway.app import rollout_base_url
-from .records import Attempt, Rollout, RolloutStatus
-from .runner import LLM, LLM_RESOURCE, RunnerCounts
-from .store.base import Store, StoreError, StoreUnavailableError
+from ..gateway.urls import rollout_base_url
+from ..records import Attempt, Resource, Rollout, RolloutStatus
+from ..store.base import StoreError, StoreUnavailableError
+from ._outcome import Outcome, failure_text, logger
+from ._types import LLM, LLM_RESOURCE, RunnerCounts
+
+
+class RunnerStore(Protocol):
+    """What a runner uses of a store: every :class:`~agl_core.store.Store` backend and
+    :class:`~agl_core.store.StoreClient` provide it (see :class:`~agl_core.store.Store` for the contract)."""
+
+    def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None: ...
+
+    def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt: ...
+
+    def complete_attempt(
+        self,
+        attempt_id: str,
+        status: RolloutStatus,
+        *,
+        reward: float | None = None,
+        error: str | None = None,
+    ) -> Rollout: ...
+
+    def get_resource(self, name: str) -> Resource | None: ...
 
 
 def _split_of(rollout: Rollout) -> str | None:
@@ -44,11 +64,11 @@ class Heartbeats:
     ended an attempt (cancelled it, or timed it out after a missed lease) and calls the attempt's
     ``on_end`` once with the status the store gave it."""
 
-    def __init__(self, store: Store, lease_s: float) -> None:
+    def __init__(self, store: RunnerStore, lease_s: float) -> None:
         self.store = store
         self.lease_s = lease_s
         self.interval_s = lease_s / 3
-        self._attempts: dict[str, Callable[[RolloutStatus], None]] = {}
+        self._attempts: dict[str, Callable[[RolloutStatus], object]] = {}
         self._ended: dict[str, RolloutStatus] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -65,8 +85,10 @@ class Heartbeats:
 
     @contextlib.contextmanager
     def keep(
-        self, attempt_id: str, on_end: Callable[[RolloutStatus], None] = lambda status: None
+        self, attempt_id: str, on_end: Callable[[RolloutStatus], object] = lambda status: None
     ) -> Iterator[None]:
+        """Keep the lease of ``attempt_id`` alive while the block runs. If the store ends the attempt in
+        the meantime, ``on_end(status)`` is called once, on the heartbeat thread (its result is ignored)."""
         with self._lock:
             self._attempts[attempt_id] = on_end
         try:
@@ -123,7 +145,7 @@ class RunState:
     def __init__(
         self,
         agent: Callable[..., Any],
-        store: Store,
+        store: RunnerStore,
         tracer_provider: TracerProvider,
         *,
         workers: int,
@@ -250,8 +272,8 @@ class RunState:
         ended = self.heartbeats.ended_as(attempt.attempt_id)
         if outcome is None or ended is not None:
             logger.warning(
-                "agl runner: rollout %s attempt %s was ended as %s by the store while the agent ran; its result"
-                " is dropped",
+                "agl runner: rollout %s attempt %s was ended as %s by the store while the agent ran; its"
+                " result is dropped",
                 rollout.rollout_id,
                 attempt.attempt_id,
                 ended.value if ended else "finished",
@@ -281,8 +303,8 @@ class RunState:
                 error = exc
             if self.halt.is_set() or unexpected > 5:
                 logger.error(
-                    "agl runner: could not report attempt %s as %s (%s); the store times it out when its lease"
-                    " runs out",
+                    "agl runner: could not report attempt %s as %s (%s); the store times it out when its"
+                    " lease runs out",
                     attempt.attempt_id,
                     outcome.status.value,
                     error,

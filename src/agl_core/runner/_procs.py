@@ -20,13 +20,13 @@ import threading
 import time
 import uuid
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from multiprocessing.process import BaseProcess
 
-from ._runner_core import Backoff, RunState
-from ._runner_outcome import Outcome, end_with_error, halted_outcome, interpret, logger, timeout_outcome
-from ._runner_worker import worker_main
-from .records import Attempt, Rollout, RolloutStatus
-from .tracing import RolloutContext, rollout_scope
+from ..records import Attempt, Rollout, RolloutStatus
+from ..tracing import RolloutContext, rollout_scope
+from ._outcome import Outcome, end_with_error, halted_outcome, interpret, logger, timeout_outcome
+from ._state import Backoff, RunState
+from ._worker import worker_main
 
 _SLICE_S = 0.1  # how often a waiting slot looks at the stop signals
 _READY_TIMEOUT_S = 120.0  # a worker process must import the agent within this
@@ -35,14 +35,16 @@ _READY_TIMEOUT_S = 120.0  # a worker process must import the agent within this
 class _Worker:
     """One worker process and the runner's end of its pipe."""
 
-    def __init__(self, process: Any, conn: Connection) -> None:
+    def __init__(self, process: BaseProcess, conn: Connection) -> None:
         self.process = process
         self.conn = conn
         self._killed = False
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        pid = self.process.pid
+        assert pid is not None  # wrapped only once started
+        return pid
 
     def alive(self) -> bool:
         return self.process.is_alive()
@@ -83,8 +85,9 @@ class _Worker:
         else:
             how = f"exited with code {code}"
         return (
-            f"the worker process running the agent (pid {self.pid}) {how} before the agent returned (os._exit,"
-            " a crash in native code, or killed from outside); a new worker process takes the next rollout"
+            f"the worker process running the agent (pid {self.pid}) {how} before the agent returned"
+            " (os._exit, a crash in native code, or killed from outside); a new worker process takes the next"
+            " rollout"
         )
 
 
@@ -103,8 +106,8 @@ class ProcessEngine:
         # started then comes from a script without an entry-point guard and would spawn without end.
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             raise RuntimeError(
-                "a process-mode runner was started while a worker process imported the main module: guard the "
-                "script's entry point with 'if __name__ == \"__main__\":'"
+                "a process-mode runner was started while a worker process imported the main module: guard "
+                "the script's entry point with 'if __name__ == \"__main__\":'"
             )
         prefix = uuid.uuid4().hex[:6]
         for i in range(self.state.workers):
