@@ -7,18 +7,68 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+#: How long a training run may print nothing before it counts as hung. A step of the examples' reduced
+#: runs prints within about two minutes on a quiet 2-core machine and within six on a busy one; this is
+#: several times that, so a slow machine never fails a run that is still making progress.
+STALL_S = 1200.0
 
-def train_cli(config: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``agl train CONFIG ARGS...`` to completion; fails the test with the output's tail if it exits non-zero."""
-    done = subprocess.run(
+
+def _drain(stream: object, sink: list[str], last_output: list[float]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        sink.append(line)
+        last_output[0] = time.monotonic()
+
+
+def train_cli(
+    config: Path, *args: str, timeout: float = 300, stall_s: float = STALL_S
+) -> subprocess.CompletedProcess[str]:
+    """``agl train CONFIG ARGS...`` to completion; fails the test with the output's tail if it exits non-zero.
+
+    A hang detector rather than a time limit: the run is killed, and the test fails, when it prints
+    nothing for ``max(timeout, stall_s)`` seconds (a run that keeps printing progress on a busy machine
+    goes on), or when it runs past four times that in all.
+    """
+    quiet_limit = max(timeout, stall_s)
+    proc = subprocess.Popen(
         [sys.executable, "-m", "agl_core.cli", "train", str(config), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    out: list[str] = []
+    err: list[str] = []
+    last_output = [time.monotonic()]
+    readers = [
+        threading.Thread(target=_drain, args=(proc.stdout, out, last_output), daemon=True),
+        threading.Thread(target=_drain, args=(proc.stderr, err, last_output), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    started = time.monotonic()
+    why = ""
+    while proc.poll() is None:
+        now = time.monotonic()
+        if now - last_output[0] > quiet_limit:
+            why = f"agl train printed nothing for {quiet_limit:.0f} s; killed as hung"
+        elif now - started > 4 * quiet_limit:
+            why = f"agl train ran past {4 * quiet_limit:.0f} s; killed"
+        if why:
+            proc.kill()
+            break
+        time.sleep(0.5)
+    proc.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out), "".join(err))
+    assert not why, why + "\n" + done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

@@ -35,13 +35,14 @@ def store(sqlite_store) -> Iterator[tuple[str, StoreClient]]:
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "agl-run.log"
     env = {**os.environ, "PYTHONPATH": str(Path(agl_core.__file__).resolve().parent.parent)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agl_core.cli", "run", AGENT, "--path", str(ROOT), *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        cwd=tmp_path,
-        env=env,
-    )
+    with log.open("w") as sink:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agl_core.cli", "run", AGENT, "--path", str(ROOT), *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env=env,
+        )
     return proc, log
 
 

@@ -107,7 +107,7 @@ def test_store_serve_process_ingests_and_reports_stats(tmp_path):
         assert grpc_clash.returncode == 2 and f"{grpc_port} for OTLP/gRPC" in grpc_clash.stderr
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)  # reads and closes the pipe
     assert db.exists()
 
 

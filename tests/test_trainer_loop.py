@@ -149,7 +149,7 @@ train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2}
         trainer.kill()
         if runner is not None:
             runner.terminate()
-            runner.wait(30)
+            runner.communicate(timeout=30)  # reads and closes its pipe
     rows = metrics_rows(tmp_path / "run", "train")
     assert [r["rollouts"] for r in rows] == [4, 4]
     assert all(r["transitions"] == 4 for r in rows)

@@ -1,0 +1,122 @@
+"""The layering the code is read by: agl_core at the bottom, the adapters and the trainer above it, one
+direction only, no cycles, and a light ``import agl_core``. Read from the source with ``ast``
+(``scripts/import_graph.py`` prints the same graph)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_graph_tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("agl_import_graph", ROOT / "scripts" / "import_graph.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+graph_tool = _load_graph_tool()
+ADAPTERS = ("agl_langchain", "agl_openai_agents", "agl_autogen")
+
+
+def _all_imports(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> every module name it imports (agl's or not)."""
+    files = graph_tool.module_files(packages)
+    return {name: graph_tool.imported_modules(name, path, set(files)) for name, path in files.items()}
+
+
+def _roots(names: set[str]) -> set[str]:
+    return {n.split(".")[0] for n in names}
+
+
+def test_nothing_under_src_imports_the_trainer():
+    offenders = {
+        name: sorted(m for m in imported if m.split(".")[0] == "agl_trainer")
+        for name, imported in _all_imports(("agl_core", *ADAPTERS)).items()
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_agl_core_imports_no_adapter():
+    offenders = {
+        name: sorted(_roots(imported) & set(ADAPTERS))
+        for name, imported in _all_imports(("agl_core",)).items()
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_adapters_and_trainer_use_only_public_agl_core_modules():
+    def private(module: str) -> bool:
+        return module.split(".")[0] == "agl_core" and any(p.startswith("_") for p in module.split(".")[1:])
+
+    offenders = {
+        name: sorted(m for m in imported if private(m))
+        for name, imported in _all_imports((*ADAPTERS, "agl_trainer")).items()
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_import_cycle_among_agl_modules():
+    assert graph_tool.cycles(graph_tool.graph()) == []
+
+
+def test_the_runner_package_imports_in_one_direction():
+    # types -> outcome -> state -> engines -> Runner: a module may import only from layers below its own
+    layers = {
+        "agl_core.runner._types": 0,
+        "agl_core.runner._outcome": 1,
+        "agl_core.runner._state": 2,
+        "agl_core.runner._engine": 3,
+        "agl_core.runner._worker": 3,
+        "agl_core.runner._threads": 4,
+        "agl_core.runner._async": 4,
+        "agl_core.runner._procs": 4,
+        "agl_core.runner._runner": 5,
+        "agl_core.runner._cli": 6,
+        "agl_core.runner": 7,
+    }
+    edges = graph_tool.graph(("agl_core",))
+    runner_modules = {m for m in edges if m == "agl_core.runner" or m.startswith("agl_core.runner.")}
+    assert runner_modules <= set(layers), sorted(runner_modules - set(layers))
+    upward = [
+        (src, dst)
+        for src in sorted(runner_modules)
+        for dst in sorted(edges[src] & runner_modules)
+        if layers[dst] >= layers[src]
+    ]
+    assert upward == []
+    # the runner builds rollout URLs without the gateway's web app (Starlette)
+    assert not any("agl_core.gateway.app" in edges[m] for m in runner_modules)
+
+
+def test_import_agl_core_pulls_in_no_framework_torch_or_web_server():
+    heavy = {
+        "torch",
+        "transformers",
+        "peft",
+        "numpy",
+        "starlette",
+        "uvicorn",
+        "grpc",
+        "httpx",
+        "pydantic",
+        "langchain_core",
+        "langgraph",
+        "agents",
+        "autogen_agentchat",
+        "autogen_core",
+        "openai",
+        "agl_trainer",
+        *ADAPTERS,
+    }
+    code = "import sys, json, agl_core; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(set(json.loads(done.stdout)) & heavy) == []
