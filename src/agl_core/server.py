@@ -1,4 +1,11 @@
-"""Running an ASGI app with uvicorn, in the foreground or on a background thread."""
+"""Serving an ASGI app (the store, the gateway, a test double) with uvicorn.
+
+:class:`BackgroundServer` runs one on a daemon thread of this process (tests, the trainer's embedded
+services); :func:`serve_forever` runs one in the foreground (the ``agl ... serve`` commands). Both bind
+the socket themselves before uvicorn starts, so a port already in use fails at once with an
+:class:`OSError` naming it, and both turn on TCP_NODELAY (small keep-alive responses are not delayed).
+The app runs with ``lifespan="off"``: startup/shutdown events are not sent, so an app must not rely on them.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +40,20 @@ def _config(app: Any, log_level: str) -> uvicorn.Config:
 
 
 class BackgroundServer:
-    """Serve ``app`` on a daemon thread. ``port=0`` picks a free port; ``url`` tells which."""
+    """Serve ``app`` on a daemon thread of this process.
+
+    The socket is bound in the constructor (``port=0`` picks a free port; :attr:`url` and :attr:`port`
+    tell which), so ``url`` is known before :meth:`start`; an address in use raises :class:`OSError`
+    there. :meth:`start` returns once uvicorn accepts connections (RuntimeError after ``timeout_s``
+    seconds); :meth:`stop` asks it to exit, waits up to ``timeout_s`` seconds and closes the socket.
+    As a context manager it starts on entry and stops on exit. uvicorn installs no signal handlers:
+    the process's own SIGINT / SIGTERM handling is left alone. A stopped server cannot be started again.
+    """
+
+    #: ``http://HOST:PORT`` of the bound socket (IPv6 hosts in brackets), without a trailing slash.
+    url: str
+    #: The bound port (the free one chosen when ``port=0``).
+    port: int
 
     def __init__(
         self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning"
@@ -44,7 +64,7 @@ class BackgroundServer:
         self.url = f"http://{shown}:{bound_port}"
         self.port = bound_port
         self._server = uvicorn.Server(_config(app, log_level))
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # No signal handlers: uvicorn (>= 0.29) installs them only when it runs on the main thread.
         self._thread = threading.Thread(
             target=self._server.run,
             kwargs={"sockets": [self._sock]},
@@ -74,6 +94,11 @@ class BackgroundServer:
 
 
 def serve_forever(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
-    """Serve ``app`` in the foreground until SIGINT / SIGTERM."""
+    """Serve ``app`` on ``host:port`` in the foreground; returns once SIGINT / SIGTERM stopped uvicorn.
+
+    Raises :class:`OSError` naming the address when it cannot be bound. uvicorn installs its own
+    handlers for SIGINT / SIGTERM while it runs and re-raises the signal to the handlers it found
+    afterwards, so install a handler that returns first if the caller must clean up after it.
+    """
     sock = _bind(host, port)
     uvicorn.Server(_config(app, log_level)).run(sockets=[sock])

@@ -17,7 +17,16 @@ __all__ = ["TextAssembler"]
 
 
 class TextAssembler:
-    """Accumulates one choice's tokens; :meth:`push` returns text that is safe to stream."""
+    """Accumulates one choice's tokens; :meth:`push` returns text that is safe to stream.
+
+    Use one per choice: :meth:`push` every sampled token (stop sampling once :attr:`stopped`), then call
+    :meth:`finish` once. ``decode`` turns the whole id list so far into text (it is called with all ids
+    on each push, so multi-token characters come out whole). ``stop`` strings end the choice and are cut
+    from the text; with ``tool_format`` set, text from the format's tool-call opener on is held back and
+    parsed into tool calls by :meth:`finish` (``forced_name`` names the function when the request forced
+    one). The streamed deltas plus :meth:`finish`'s last delta concatenate to its ``content``.
+    :attr:`ids` holds every pushed id, stop strings included; :attr:`text` the decoded text so far.
+    """
 
     def __init__(
         self,
