@@ -5,15 +5,17 @@
 (LangGraph: two graph nodes; Agents SDK: a handoff; AutoGen: a swarm team).
 
 Each runner takes the rollout's base URL, the question and the framework-specific extras (LangChain
-callbacks) and returns the final answer the framework produced. The scripted policy behind the gateway
-(``tests/_scripted.py``) decides the replies.
+callbacks) and returns the final answer the framework produced. :func:`scenario_script`, the script of
+the :class:`~agl_core.testing.ScriptedBackend` behind the gateway, decides the replies.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from agl_core.testing import tool_call
 
 SOLVER_PROMPT = "ROLE=solver You solve arithmetic with your tools."
 TRIAGE_PROMPT = "ROLE=triage You route questions to the right agent."
@@ -170,3 +172,40 @@ RUNNERS: dict[str, dict[str, Callable[[str, str, Sequence[Any]], str]]] = {
 }
 #: The same, as coroutines, for the frameworks that are asyncio-native.
 ASYNC_SINGLE = {"openai_agents": openai_agents_single_async, "autogen": autogen_single_async}
+
+
+# --- the scenario's policy ----------------------------------------------------------------------------
+#: The solver's final answer.
+FINAL_ANSWER = "The answer is 5."
+#: What the triage agent says when the framework gives it no handoff tool (it routes by text).
+ROUTE_TEXT = "ROUTE solver"
+
+
+def _called_tools(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    names = []
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            names.append((call.get("function") or {}).get("name", ""))
+    return names
+
+
+def scenario_script(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
+    """Two agents. ``ROLE=triage`` hands over to the solver (with a ``transfer_to_*`` tool when it has one).
+    ``ROLE=solver`` calls ``add(2, 3)``, then ``divide(1, 0)`` (which fails), then answers.
+    A prompt asking to pick the next speaker (a selector team) gets the solver's name."""
+    system = " ".join(str(m.get("content") or "") for m in messages if m.get("role") == "system")
+    tool_names = [(t.get("function") or {}).get("name", "") for t in tools or []]
+    if (
+        "select the next role" in system.lower()
+        or "select the next role" in str(messages[-1].get("content", "")).lower()
+    ):
+        return "solver"
+    if "ROLE=triage" in system:
+        handoff = next((n for n in tool_names if n.startswith("transfer_to_")), None)
+        return tool_call(handoff, {}) if handoff else ROUTE_TEXT
+    called = _called_tools(messages)
+    if "add" not in called:
+        return tool_call("add", {"a": 2, "b": 3})
+    if "divide" not in called:
+        return tool_call("divide", {"a": 1, "b": 0})
+    return FINAL_ANSWER

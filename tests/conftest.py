@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
-from agl_core._serve import BackgroundServer
 from agl_core.records import Span
 from agl_core.store import SqliteStore, StoreClient
-from agl_core.store.server import create_store_app
+from agl_core.testing import Collector
+
+#: The test kit's fixtures (``agl_stack``, ``agl_collector``, ``agl_memory``, ``agl_script``).
+pytest_plugins = ["agl_core.testing.pytest_plugin"]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -56,8 +58,9 @@ def store(request) -> Any:
 
 
 @pytest.fixture
-def store_server(store) -> Iterator[BackgroundServer]:
-    with BackgroundServer(create_store_app(store)) as server:
+def store_server(store) -> Iterator[Collector]:
+    """The store's HTTP server (OTLP/HTTP ingest and the API) on a free port; ``.url`` is its address."""
+    with Collector(store) as server:
         yield server
 
 

@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args(argv)
-    from agl_core._serve import serve_forever
+    from agl_core.server import serve_forever
     from agl_trainer.model import load_tokenizer
 
     fake = FakeVLLM(

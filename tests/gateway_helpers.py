@@ -1,20 +1,11 @@
-"""Shared pieces of the gateway tests: a gateway over the tiny model with in-memory spans, and a script that
-steers the tiny random model to fixed replies (so tool-calling clients get well-formed calls)."""
+"""Shared pieces of the gateway tests over the tiny model: a script that steers the tiny random model to
+fixed replies (so tool-calling clients get well-formed calls). The gateway itself is served with
+:class:`agl_core.testing.GatewayServer`."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from agl_core import semconv
-from agl_core._serve import BackgroundServer
-from agl_core.gateway import create_gateway_app
 
 WEATHER_TOOL = {
     "type": "function",
@@ -59,43 +50,6 @@ class Script:
 
 
 WEATHER_SCRIPT = [("<tool_response>", WEATHER_ANSWER), ("weather", WEATHER_CALL)]
-
-
-@dataclasses.dataclass
-class Gateway:
-    url: str
-    backend: Any
-    app: Any
-    exporter: InMemorySpanExporter
-
-    @property
-    def v1(self) -> str:
-        return self.url + "/v1"
-
-    def spans(self, response_id: str | None = None) -> list[ReadableSpan]:
-        spans = [
-            s
-            for s in self.exporter.get_finished_spans()
-            if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY
-        ]
-        if response_id is not None:
-            spans = [s for s in spans if s.attributes.get(semconv.GEN_AI_RESPONSE_ID) == response_id]
-        return sorted(spans, key=lambda s: s.attributes.get(semconv.CHOICE_INDEX, 0))
-
-    @property
-    def metrics(self) -> Any:
-        return self.app.state.metrics
-
-
-@contextlib.contextmanager
-def serve_gateway(backend: Any, **app_kwargs: Any) -> Iterator[Gateway]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    app = create_gateway_app(backend, tracer_provider=provider, **app_kwargs)
-    with BackgroundServer(app) as server:
-        yield Gateway(server.url, backend, app, exporter)
-    provider.shutdown()
 
 
 def decode(tokenizer: Any, ids: Sequence[int]) -> str:

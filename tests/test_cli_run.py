@@ -14,7 +14,7 @@ import pytest
 
 import agl_core
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
+from agl_core.server import BackgroundServer
 from agl_core.cli import main
 from agl_core.records import RolloutStatus
 from agl_core.runner import LLM_RESOURCE

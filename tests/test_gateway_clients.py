@@ -14,8 +14,9 @@ import pytest
 
 from agl_core import semconv
 from agl_core.gateway import rollout_base_url
+from agl_core.testing import GatewayServer
 
-from .gateway_helpers import WEATHER_ANSWER, WEATHER_CALL, WEATHER_SCRIPT, Script, decode, serve_gateway
+from .gateway_helpers import WEATHER_ANSWER, WEATHER_CALL, WEATHER_SCRIPT, Script, decode
 
 QUESTION = "What is the weather in Paris?"
 
@@ -32,7 +33,7 @@ def gw(tiny_policy):
         default_max_tokens=48,
         logits_processor=Script(tokenizer, WEATHER_SCRIPT),
     )
-    with serve_gateway(backend) as gateway:
+    with GatewayServer(backend) as gateway:
         yield gateway
     backend.close()
 

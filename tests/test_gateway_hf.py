@@ -12,8 +12,9 @@ import pytest
 
 from agl_core import semconv
 from agl_core.gateway import TemplateRenderer
+from agl_core.testing import GatewayServer
 
-from .gateway_helpers import WEATHER_CALL, WEATHER_SCRIPT, WEATHER_TOOL, Script, decode, serve_gateway
+from .gateway_helpers import WEATHER_CALL, WEATHER_SCRIPT, WEATHER_TOOL, Script, decode
 
 openai = pytest.importorskip("openai")
 
@@ -30,7 +31,7 @@ def gw(tiny_policy):
         default_max_tokens=16,
         logits_processor=Script(tokenizer, WEATHER_SCRIPT),
     )
-    with serve_gateway(backend, renderer=TemplateRenderer(tokenizer)) as gateway:
+    with GatewayServer(backend, renderer=TemplateRenderer(tokenizer)) as gateway:
         yield gateway
     backend.close()
 
@@ -295,7 +296,7 @@ def test_backend_down_is_503(tiny_policy):
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny")
     backend.close()
-    with serve_gateway(backend) as gateway:
+    with GatewayServer(backend) as gateway:
         response = httpx.post(gateway.v1 + "/chat/completions", json={"model": "tiny", "messages": HI})
     assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
 
@@ -317,7 +318,7 @@ class _Drifting:
 
 def test_drift_check_flags_mismatches_and_counts_them(gw, tiny_policy):
     _, tokenizer = tiny_policy
-    with serve_gateway(gw.backend, renderer=TemplateRenderer(_Drifting(tokenizer))) as drifting:
+    with GatewayServer(gw.backend, renderer=TemplateRenderer(_Drifting(tokenizer))) as drifting:
         r = openai.OpenAI(base_url=drifting.v1, api_key="x").chat.completions.create(
             model="tiny", messages=HI, max_tokens=2
         )
@@ -397,7 +398,7 @@ def test_hot_swap_full_weights_then_lora_without_restart(tmp_path):
     adapted.save_pretrained(tmp_path / "lora")
 
     body = {"model": "tiny", "messages": HI, "max_tokens": 4, "temperature": 0}
-    with serve_gateway(backend, admin_token="s3cret") as gateway:
+    with GatewayServer(backend, admin_token="s3cret") as gateway:
 
         def logprobs():
             r = httpx.post(gateway.v1 + "/chat/completions", json=body).json()
@@ -467,7 +468,7 @@ def test_malformed_tool_calls_are_flagged_on_the_span(tiny_policy, stream):
         return response_id, content or None, ids
 
     try:
-        with serve_gateway(backend) as gw:
+        with GatewayServer(backend) as gw:
             client = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0)
             spans = {}
             for question in ("weather in Paris?", "broken weather?", "unknown: what time is it?"):

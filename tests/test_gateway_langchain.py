@@ -4,32 +4,25 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
-from agl_core.gateway import create_gateway_app, rollout_base_url
-from agl_core.tracing import emit_reward, make_otlp_exporter, rollout_scope
+from agl_core.gateway import rollout_base_url
+from agl_core.testing import AglTestStack
+from agl_core.tracing import emit_reward, rollout_scope
 from agl_core.transitions import spans_to_transitions
 
 pytest.importorskip("langchain_openai")
 
 
 @pytest.fixture
-def stack(tiny_policy, store_server, client):
+def stack(tiny_policy, store):
+    """``(gateway, backend, agent tracer provider, store client)`` over each store backend."""
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=12)
-    gateway_provider = TracerProvider()
-    gateway_provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-    agent_provider = TracerProvider()
-    agent_provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-    with BackgroundServer(create_gateway_app(backend, tracer_provider=gateway_provider)) as gateway:
-        yield gateway, backend, agent_provider, client
-    gateway_provider.shutdown()
-    agent_provider.shutdown()
+    with AglTestStack(backend, store=store) as kit:
+        yield kit.gateway, backend, kit.provider, kit.client
 
 
 def test_langchain_call_through_gateway_yields_a_transition_with_exact_tokens(stack):

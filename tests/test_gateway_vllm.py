@@ -16,13 +16,14 @@ import httpx
 import pytest
 
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
+from agl_core.server import BackgroundServer
 from agl_core.gateway import TemplateRenderer
 from agl_core.gateway.openai_backend import OpenAIBackend
 from agl_core.gateway.vllm_backend import VLLMBackend
+from agl_core.testing import GatewayServer
 
 from .fake_vllm import FakeVLLM
-from .gateway_helpers import WEATHER_TOOL, decode, serve_gateway
+from .gateway_helpers import WEATHER_TOOL, decode
 
 openai = pytest.importorskip("openai")
 HI = [{"role": "user", "content": "hi there"}]
@@ -50,7 +51,7 @@ def fake(tokenizer):
 @pytest.fixture(scope="module")
 def gw(fake, tokenizer):
     backend = VLLMBackend(fake.url + "/v1", model_name="policy")
-    with serve_gateway(backend, renderer=TemplateRenderer(tokenizer)) as gateway:
+    with GatewayServer(backend, renderer=TemplateRenderer(tokenizer)) as gateway:
         yield gateway
 
 
@@ -163,7 +164,7 @@ def test_lora_endpoint_missing_is_explained(fake, tokenizer, tmp_path):
     plain = FakeVLLM(tokenizer, served_model_name="policy")
     with (
         BackgroundServer(plain.app()) as server,
-        serve_gateway(VLLMBackend(server.url + "/v1", model_name="policy")) as gateway,
+        GatewayServer(VLLMBackend(server.url + "/v1", model_name="policy")) as gateway,
     ):
         response = httpx.post(gateway.url + "/agl/v1/policy", json={"version": 1, "path": str(tmp_path)})
         assert response.status_code == 500
@@ -183,7 +184,7 @@ def test_context_too_long_and_backend_down(gw, oa):
         "context window is 2048 tokens" in err.value.message and err.value.code == "context_length_exceeded"
     )
     down = VLLMBackend("http://127.0.0.1:9/v1", model_name="policy")
-    with serve_gateway(down) as gateway:
+    with GatewayServer(down) as gateway:
         response = httpx.post(gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI})
         streamed = httpx.post(
             gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI, "stream": True}
@@ -196,7 +197,7 @@ def test_context_too_long_and_backend_down(gw, oa):
 
 def test_openai_backend_is_marked_not_trainable(fake, tokenizer):
     backend = OpenAIBackend(fake.url + "/v1", model_name="judge", upstream_model="policy", api_key="k")
-    with serve_gateway(backend) as gateway:
+    with GatewayServer(backend) as gateway:
         client = openai.OpenAI(base_url=gateway.v1, api_key="x", max_retries=0)
         r = client.chat.completions.create(model="judge", messages=HI)
         streamed = "".join(
@@ -226,7 +227,7 @@ def test_launch_runs_vllm_serve_and_restarts_it_for_full_weights(tmp_path):
         startup_timeout_s=120,
     )
     try:
-        with serve_gateway(backend) as gateway:
+        with GatewayServer(backend) as gateway:
             models = httpx.get(backend.base_url + "/models").json()["data"]
             assert models[0]["id"] == "policy" and models[0]["root"] == str(tmp_path / "base")
             ok = httpx.post(gateway.v1 + "/chat/completions", json={"model": "policy", "messages": HI})

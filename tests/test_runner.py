@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from agl_core import RolloutTimeout, semconv
-from agl_core._serve import BackgroundServer
+from agl_core.server import BackgroundServer
 from agl_core.records import RolloutStatus
 from agl_core.runner import LLM_RESOURCE, Runner, load_agent, resolve_mode, run_command
 from agl_core.store import StoreClient

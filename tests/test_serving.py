@@ -15,13 +15,13 @@ import httpx
 import pytest
 
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
+from agl_core.server import BackgroundServer
 from agl_core.gateway import BackendError, rollout_base_url
+from agl_core.testing import GatewayServer
 from agl_trainer.config import TrainerConfig
 from agl_trainer.serving import HFServing, VLLMServing, start_serving, vllm_launch_kwargs, vllm_max_lora_rank
 
 from .fake_vllm import FakeVLLM
-from .gateway_helpers import serve_gateway
 
 HI = [{"role": "user", "content": "hi there"}]
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_vllm_publish_serves_each_new_adapter_and_spans_record_the_version(fake,
     serving = start_serving(config, model, tokenizer)
     assert isinstance(serving, VLLMServing) and serving.renderer is not None
     try:
-        with serve_gateway(serving.backend, renderer=serving.renderer) as gateway:
+        with GatewayServer(serving.backend, renderer=serving.renderer) as gateway:
             client = httpx.Client(timeout=30)
             r0 = client.post(
                 rollout_base_url(gateway.url, "ro-0") + "/chat/completions",
@@ -242,7 +242,7 @@ def test_hf_serving_swaps_in_place_and_loads_adapters(tmp_path):
         isinstance(serving, HFServing) and serving.lock is serving.backend.lock and serving.renderer is None
     )
     try:
-        with serve_gateway(serving.backend) as gateway:
+        with GatewayServer(serving.backend) as gateway:
             ask = {"model": "agl-policy", "messages": HI, "max_tokens": 3, "temperature": 0}
             with serving.lock:
                 _step(model, seed=1)

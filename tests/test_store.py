@@ -222,7 +222,7 @@ def test_api_rejects_non_json(store_server):
 
 
 def test_bearer_token_is_enforced(store):
-    from agl_core._serve import BackgroundServer
+    from agl_core.server import BackgroundServer
     from agl_core.store import StoreClient
     from agl_core.store.server import create_store_app
 

@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
+from agl_core.server import BackgroundServer
 from agl_core.store import AsyncStoreClient, StoreClient
 from agl_core.store._ingest import IngestPipeline
 from agl_core.store._otlp import OtlpDecodeError
