@@ -1,16 +1,17 @@
 """One conformance suite for every adapter: the real frameworks, the real gateway, the real store.
 
-Parametrised over the three frameworks and the span source: ``agl`` (the agl adapter), ``openinference``
-(the OpenInference instrumentor alone, as a team already tracing with it would have) and ``both``. Each
-run goes: agent code -> framework -> gateway (scripted policy, real SmolLM2 token ids) -> spans over OTLP
-into the store -> ``spans_to_transitions``. The checks are the same for every case.
+Parametrised over the three frameworks and the span source: ``agl`` (the agl adapter, through its
+``instrument()``), ``openinference`` (the OpenInference instrumentor alone, as a team already tracing
+with it would have) and ``both``. Every adapter is driven the same way: ``instrument()`` before,
+``uninstrument()`` after, nothing passed to the agent code. Each run goes: agent code -> framework ->
+gateway (scripted policy, real SmolLM2 token ids) -> spans over OTLP into the store ->
+``spans_to_transitions``. The checks are the same for every case.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import re
@@ -19,29 +20,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
 from agl_core.credit import select_agents
-from agl_core.gateway import create_gateway_app, rollout_base_url
 from agl_core.records import Span, Transition
 from agl_core.spantree import LLM, TOOL, SpanTree, kind_of, source_of
-from agl_core.store import SqliteStore, StoreClient
-from agl_core.store.server import create_store_app
-from agl_core.tracing import RolloutSpanProcessor, emit_reward, make_otlp_exporter, rollout_scope
+from agl_core.testing import AglTestStack, otlp_tracer_provider, tool_call
+from agl_core.tracing import emit_reward, rollout_scope
 from agl_core.transitions import spans_to_transitions
 
 from . import _agents
-from ._scripted import (
-    FINAL_ANSWER,
-    ROUTE_TEXT,
-    ScriptedBackend,
-    render_tool_call,
-    scenario_script,
-    with_tool_call_parsing,
-)
+from ._agents import FINAL_ANSWER, ROUTE_TEXT, scenario_script
 
 for module in (
     "langchain_openai",
@@ -63,9 +54,9 @@ AGL_SOURCE = {
     "autogen": semconv.SOURCE_AUTOGEN,
 }
 QUESTION = "What is 2 + 3?"
-ADD = render_tool_call("add", {"a": 2, "b": 3})
-DIVIDE = render_tool_call("divide", {"a": 1, "b": 0})
-HANDOFF = render_tool_call("transfer_to_solver", {})
+ADD = tool_call("add", {"a": 2, "b": 3})
+DIVIDE = tool_call("divide", {"a": 1, "b": 0})
+HANDOFF = tool_call("transfer_to_solver", {})
 SOLVER_CALLS = [("solver", ADD), ("solver", DIVIDE), ("solver", FINAL_ANSWER)]
 #: ``(agent, reply)`` of every LLM call, in order.
 EXPECTED = {
@@ -78,73 +69,48 @@ EXPECTED = {
 }
 
 
-@dataclasses.dataclass
-class Stack:
-    client: StoreClient
-    gateway_url: str
-    provider: TracerProvider
-    tokenizer: Any
-
-    def spans(self, rollout_id: str) -> list[Span]:
-        self.provider.force_flush()
-        return self.client.query_spans(rollout_ids=[rollout_id])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AglTestStack]:
+    """The store, the gateway in front of :func:`~tests._agents.scenario_script` (real SmolLM2 token ids)
+    and an agent-side provider batching its spans to the store, as production does."""
     from agl_trainer.model import load_tokenizer
 
-    tokenizer = load_tokenizer("tiny")
-    store = SqliteStore(tmp_path_factory.mktemp("conformance") / "store.sqlite")
-    gateway_provider = TracerProvider()
-    agent_provider = TracerProvider()
-    agent_provider.add_span_processor(RolloutSpanProcessor())
-    with BackgroundServer(create_store_app(store)) as store_server, StoreClient(store_server.url) as client:
-        gateway_provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-        agent_provider.add_span_processor(
-            BatchSpanProcessor(make_otlp_exporter(store_server.url), schedule_delay_millis=50)
-        )
-        app = with_tool_call_parsing(
-            create_gateway_app(ScriptedBackend(tokenizer, scenario_script), tracer_provider=gateway_provider)
-        )
-        with BackgroundServer(app) as gateway:
-            yield Stack(client, gateway.url, agent_provider, tokenizer)
-        agent_provider.shutdown()
-        gateway_provider.shutdown()
-    store.close()
+    with AglTestStack(
+        script=scenario_script,
+        tokenizer=load_tokenizer("tiny"),
+        model_name="tiny",
+        path=tmp_path_factory.mktemp("conformance") / "store.sqlite",
+        batch=True,
+    ) as kit:
+        yield kit
+
+
+def _adapter(framework: str) -> Any:
+    """The agl adapter package of ``framework`` (each has ``instrument`` / ``uninstrument`` /
+    ``is_instrumented``)."""
+    import agl_autogen
+    import agl_langchain
+    import agl_openai_agents
+
+    return {"langchain": agl_langchain, "openai_agents": agl_openai_agents, "autogen": agl_autogen}[framework]
 
 
 @contextlib.contextmanager
-def instrumented(framework: str, source: str, provider: Any) -> Iterator[list[Any]]:
-    """Instrument ``framework`` with the given source(s); yields the LangChain callbacks to pass.
+def instrumented(framework: str, source: str, provider: Any) -> Iterator[None]:
+    """Instrument ``framework`` with the given source(s) for the block, uninstrument after.
 
     With ``both``, OpenInference comes first (a team already tracing with it adds agl afterwards)."""
     undo = []
-    callbacks: list[Any] = []
     if source in ("openinference", "both"):
         instrumentor = _openinference(framework)
         instrumentor.instrument(tracer_provider=provider)
         undo.append(instrumentor.uninstrument)
     if source in ("agl", "both"):
-        if framework == "langchain":
-            from agl_langchain import AglCallbackHandler
-
-            callbacks.append(AglCallbackHandler(tracer_provider=provider, capture_content=True))
-        elif framework == "openai_agents":
-            import agl_openai_agents
-
-            agl_openai_agents.instrument(tracer_provider=provider, capture_content=True)
-            undo.append(agl_openai_agents.uninstrument)
-        else:
-            import agl_autogen
-
-            agl_autogen.instrument(tracer_provider=provider, capture_content=True)
-            undo.append(agl_autogen.uninstrument)
+        adapter = _adapter(framework)
+        adapter.instrument(tracer_provider=provider, capture_content=True)
+        undo.append(adapter.uninstrument)
     try:
-        yield callbacks
+        yield
     finally:
         for fn in reversed(undo):
             fn()
@@ -165,15 +131,16 @@ def _openinference(framework: str) -> Any:
 
 
 def run_rollout(
-    stack: Stack,
+    stack: AglTestStack,
     framework: str,
     scenario: str,
     rollout_id: str,
-    callbacks: Sequence[Any],
+    callbacks: Sequence[Any] = (),
     question: str = QUESTION,
 ) -> str:
+    """Run the agent of ``framework`` / ``scenario`` in a rollout; ``callbacks`` go to LangChain runs."""
     with rollout_scope(rollout_id, f"{rollout_id}-a1", f"task-{scenario}", tracer_provider=stack.provider):
-        base_url = rollout_base_url(stack.gateway_url, rollout_id, f"{rollout_id}-a1")
+        base_url = stack.base_url(rollout_id, f"{rollout_id}-a1")
         output = _agents.RUNNERS[framework][scenario](base_url, question, callbacks)
         emit_reward(1.0, tracer_provider=stack.provider)
     return output
@@ -217,7 +184,7 @@ def seen_by_framework(span: Span) -> Any:
 
 # --- the checks -----------------------------------------------------------------------------------------
 def check_rollout(
-    stack: Stack,
+    stack: AglTestStack,
     spans: list[Span],
     framework: str,
     source: str,
@@ -233,7 +200,7 @@ def check_rollout(
     # one transition per LLM call, token ids decoding to what the model was scripted to say ...
     assert [stack.decode(t.response_ids) for t in transitions] == [reply for _, reply in expected]
     assert output == FINAL_ANSWER
-    for t, (agent, _) in zip(transitions, expected):
+    for t, (agent, _) in zip(transitions, expected, strict=True):
         prompt = stack.decode(t.prompt_ids)
         assert question in prompt and f"ROLE={agent}" in prompt
         assert t.response_logprobs is not None and len(t.response_logprobs) == len(t.response_ids)
@@ -246,7 +213,7 @@ def check_rollout(
     for name in sources:
         calls = [s for s in tree.spans if kind_of(s) == LLM and source_of(s) == name]
         assert len(calls) == len(transitions), name
-        for call, t in zip(calls, transitions):
+        for call, t in zip(calls, transitions, strict=True):
             assert seen_by_framework(call) == _as_seen(stack.decode(t.response_ids)), name
 
     # agent names, agent selection
@@ -288,26 +255,26 @@ CASES = [(f, s) for f in FRAMEWORKS for s in SOURCES]
 
 @pytest.mark.parametrize("scenario", ["single", "multi"])
 @pytest.mark.parametrize(("framework", "source"), CASES, ids=[f"{f}-{s}" for f, s in CASES])
-def test_conformance(stack: Stack, framework: str, source: str, scenario: str) -> None:
+def test_conformance(stack: AglTestStack, framework: str, source: str, scenario: str) -> None:
     rollout_id = f"ro-{framework}-{source}-{scenario}"
-    with instrumented(framework, source, stack.provider) as callbacks:
-        output = run_rollout(stack, framework, scenario, rollout_id, callbacks)
+    with instrumented(framework, source, stack.provider):
+        output = run_rollout(stack, framework, scenario, rollout_id)
     check_rollout(stack, stack.spans(rollout_id), framework, source, scenario, output)
 
 
 @pytest.mark.parametrize("source", ["agl", "openinference"])
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_sixteen_concurrent_rollouts_never_mix(stack: Stack, framework: str, source: str) -> None:
+def test_sixteen_concurrent_rollouts_never_mix(stack: AglTestStack, framework: str, source: str) -> None:
     """16 rollouts at once in one process: in threads (every framework) and in asyncio tasks (the
     asyncio-native ones)."""
     n = 16
     prefix = f"ro-par-{framework}-{source}"
-    with instrumented(framework, source, stack.provider) as callbacks:
+    with instrumented(framework, source, stack.provider):
         with ThreadPoolExecutor(n) as pool:
             outputs = list(
                 pool.map(
                     lambda i: run_rollout(
-                        stack, framework, "single", f"{prefix}-t{i}", callbacks, f"{QUESTION} (#t{i})"
+                        stack, framework, "single", f"{prefix}-t{i}", question=f"{QUESTION} (#t{i})"
                     ),
                     range(n),
                 )
@@ -328,11 +295,11 @@ def test_sixteen_concurrent_rollouts_never_mix(stack: Stack, framework: str, sou
             assert {s.trace_id for s in framework_spans} == {root.trace_id}
 
 
-async def _async_rollouts(stack: Stack, framework: str, prefix: str, n: int) -> list[str]:
+async def _async_rollouts(stack: AglTestStack, framework: str, prefix: str, n: int) -> list[str]:
     async def one(i: int) -> str:
         rollout_id = f"{prefix}-a{i}"
         with rollout_scope(rollout_id, f"{rollout_id}-a1", "task-single", tracer_provider=stack.provider):
-            base_url = rollout_base_url(stack.gateway_url, rollout_id, f"{rollout_id}-a1")
+            base_url = stack.base_url(rollout_id, f"{rollout_id}-a1")
             output = await _agents.ASYNC_SINGLE[framework](base_url, f"{QUESTION} (#a{i})")
             emit_reward(1.0, tracer_provider=stack.provider)
         return output
@@ -355,11 +322,11 @@ class _ExplodingProvider:
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_failing_hook_never_breaks_the_agent(
-    stack: Stack, framework: str, caplog: pytest.LogCaptureFixture
+    stack: AglTestStack, framework: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR)
-    with instrumented(framework, "agl", _ExplodingProvider()) as callbacks:
-        output = run_rollout(stack, framework, "multi", f"ro-explode-{framework}", callbacks)
+    with instrumented(framework, "agl", _ExplodingProvider()):
+        output = run_rollout(stack, framework, "multi", f"ro-explode-{framework}")
     assert output == FINAL_ANSWER
     failures = [
         r.getMessage() for r in caplog.records if "agl:" in r.getMessage() and "failed" in r.getMessage()
@@ -374,7 +341,7 @@ def _autogen_bindings() -> dict[tuple[Any, str], Any]:
     from autogen_agentchat.teams import BaseGroupChat
     from autogen_ext.models.openai import BaseOpenAIChatCompletionClient
 
-    found = {
+    found: dict[tuple[Any, str], Any] = {
         (module, attr): value
         for name, module in list(sys.modules.items())
         if module is not None and name.startswith(("autogen_agentchat", "autogen_core"))
@@ -391,34 +358,47 @@ def _autogen_bindings() -> dict[tuple[Any, str], Any]:
 def _sdk_processors() -> tuple[Any, ...]:
     from agents.tracing import get_trace_provider
 
-    return tuple(get_trace_provider()._multi_processor._processors)
+    provider: Any = get_trace_provider()  # the SDK has no public way to list its processors
+    return tuple(provider._multi_processor._processors)
 
 
-@pytest.mark.parametrize("framework", ["openai_agents", "autogen"])
-def test_instrument_twice_is_harmless_and_uninstrument_restores(stack: Stack, framework: str) -> None:
-    import agl_autogen
-    import agl_openai_agents
+def _langchain_handlers() -> tuple[Any, ...]:
+    """The handlers LangChain gives a run started with no ``callbacks`` that listen to chain events."""
+    from langchain_core.callbacks import CallbackManager
 
-    module = agl_openai_agents if framework == "openai_agents" else agl_autogen
-    snapshot = _sdk_processors if framework == "openai_agents" else _autogen_bindings
+    return tuple(h for h in CallbackManager.configure().handlers if not h.ignore_chain)
+
+
+SNAPSHOTS = {
+    "langchain": _langchain_handlers,
+    "openai_agents": _sdk_processors,
+    "autogen": _autogen_bindings,
+}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_instrument_twice_is_harmless_and_uninstrument_restores(stack: AglTestStack, framework: str) -> None:
+    module = _adapter(framework)
+    snapshot = SNAPSHOTS[framework]
     before = snapshot()
+    assert not module.is_instrumented()
     first = module.instrument(tracer_provider=stack.provider)
     during = snapshot()
     assert module.instrument(tracer_provider=stack.provider) is first and snapshot() == during
-    assert during != before
+    assert during != before and module.is_instrumented()
     module.uninstrument()
     module.uninstrument()
-    assert snapshot() == before
+    assert snapshot() == before and not module.is_instrumented()
 
     # user processors stay; replace_processors=True replaces them until uninstrument
     if framework == "openai_agents":
-        processor = agl_openai_agents.instrument(tracer_provider=stack.provider, replace_processors=True)
+        processor = module.instrument(tracer_provider=stack.provider, replace_processors=True)
         assert _sdk_processors() == (processor,)
-        agl_openai_agents.uninstrument()
+        module.uninstrument()
         assert _sdk_processors() == before
 
     # nothing of agl's is recorded after uninstrument
-    output = run_rollout(stack, framework, "single", f"ro-after-{framework}", [])
+    output = run_rollout(stack, framework, "single", f"ro-after-{framework}")
     assert output == FINAL_ANSWER
     assert {source_of(s) for s in stack.spans(f"ro-after-{framework}")} <= {
         semconv.SOURCE_RUNNER,
@@ -427,17 +407,72 @@ def test_instrument_twice_is_harmless_and_uninstrument_restores(stack: Stack, fr
     }
 
 
+def _tree_shape(spans: list[Span]) -> list[tuple[Any, ...]]:
+    """The rollout's span tree without ids, times or rollout-specific values: depth-first, one row per
+    span (depth, name, source, operation, agent, tool, status)."""
+    return [
+        (
+            depth,
+            span.name,
+            source_of(span),
+            span.attributes.get(semconv.GEN_AI_OPERATION_NAME),
+            span.attributes.get(semconv.GEN_AI_AGENT_NAME),
+            span.attributes.get(semconv.GEN_AI_TOOL_NAME),
+            span.status_code,
+        )
+        for depth, span in SpanTree(spans).walk()
+    ]
+
+
+@pytest.mark.parametrize("scenario", ["single", "multi"])
+def test_langchain_instrument_records_what_the_explicit_handler_records_and_nothing_twice(
+    stack: AglTestStack, scenario: str
+) -> None:
+    import agl_langchain
+    from agl_langchain import AglCallbackHandler
+
+    shapes = {}
+    rollout_id = f"ro-lc-explicit-{scenario}"
+    handler = AglCallbackHandler(tracer_provider=stack.provider, capture_content=True)
+    output = run_rollout(stack, "langchain", scenario, rollout_id, [handler])
+    shapes["explicit"] = _tree_shape(check_rollout_spans(stack, rollout_id, scenario, output))
+    langchain_rows = sum(row[2] == semconv.SOURCE_LANGCHAIN for row in shapes["explicit"])
+    assert langchain_rows > 0
+    with instrumented("langchain", "agl", stack.provider):
+        rollout_id = f"ro-lc-instrumented-{scenario}"
+        output = run_rollout(stack, "langchain", scenario, rollout_id)
+        shapes["instrumented"] = _tree_shape(check_rollout_spans(stack, rollout_id, scenario, output))
+
+        # A run also given agl's handler explicitly is recorded once, by that handler: its own provider
+        # (exporting to the same store) ends every LangChain span, the instrumented one none.
+        rollout_id = f"ro-lc-both-{scenario}"
+        memory = InMemorySpanExporter()
+        provider = otlp_tracer_provider(stack.collector.url, rollout_spans=False)
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        handler = AglCallbackHandler(tracer_provider=provider, capture_content=True)
+        output = run_rollout(stack, "langchain", scenario, rollout_id, [handler])
+        shapes["both"] = _tree_shape(check_rollout_spans(stack, rollout_id, scenario, output))
+        assert len(memory.get_finished_spans()) == langchain_rows
+        assert agl_langchain.is_instrumented()
+        provider.shutdown()
+    assert shapes["instrumented"] == shapes["explicit"] and shapes["both"] == shapes["explicit"]
+
+
+def check_rollout_spans(stack: AglTestStack, rollout_id: str, scenario: str, output: str) -> list[Span]:
+    spans = stack.spans(rollout_id)
+    check_rollout(stack, spans, "langchain", "agl", scenario, output)
+    return spans
+
+
 @pytest.mark.parametrize("kind", ["round_robin", "selector", "swarm"])
-def test_autogen_teams_name_their_agents(stack: Stack, kind: str) -> None:
+def test_autogen_teams_name_their_agents(stack: AglTestStack, kind: str) -> None:
     import agl_autogen
 
     rollout_id = f"ro-team-{kind}"
     agl_autogen.instrument(tracer_provider=stack.provider)
     try:
         with rollout_scope(rollout_id, tracer_provider=stack.provider):
-            output = asyncio.run(
-                _agents.autogen_team_async(kind, rollout_base_url(stack.gateway_url, rollout_id), QUESTION)
-            )
+            output = asyncio.run(_agents.autogen_team_async(kind, stack.base_url(rollout_id), QUESTION))
             emit_reward(1.0, tracer_provider=stack.provider)
     finally:
         agl_autogen.uninstrument()
@@ -449,7 +484,9 @@ def test_autogen_teams_name_their_agents(stack: Stack, kind: str) -> None:
     assert [t.agent_name for t in result.transitions] == [*first, "solver", "solver", "solver"]
 
 
-def test_autogen_uninstrumented_out_of_order_keeps_the_other_instrumentor_working(stack: Stack) -> None:
+def test_autogen_uninstrumented_out_of_order_keeps_the_other_instrumentor_working(
+    stack: AglTestStack,
+) -> None:
     import agl_autogen
 
     before = _autogen_bindings()
@@ -458,7 +495,7 @@ def test_autogen_uninstrumented_out_of_order_keeps_the_other_instrumentor_workin
         agl_autogen.instrument(tracer_provider=stack.provider)
         oi.instrument(tracer_provider=stack.provider)
         agl_autogen.uninstrument()  # OpenInference wrapped after agl: agl switches itself off instead
-        output = run_rollout(stack, "autogen", "single", "ro-out-of-order", [])
+        output = run_rollout(stack, "autogen", "single", "ro-out-of-order")
         assert output == FINAL_ANSWER
         sources = {source_of(s) for s in stack.spans("ro-out-of-order")}
         assert semconv.SOURCE_OPENINFERENCE in sources and semconv.SOURCE_AUTOGEN not in sources
@@ -469,7 +506,7 @@ def test_autogen_uninstrumented_out_of_order_keeps_the_other_instrumentor_workin
 
 
 def test_agl_inspect_prints_the_tree_the_transitions_and_why_a_call_made_none(
-    stack: Stack, capsys: pytest.CaptureFixture[str]
+    stack: AglTestStack, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from langchain_openai import ChatOpenAI
 

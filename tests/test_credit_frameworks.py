@@ -7,22 +7,16 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
 from agl_core import semconv
-from agl_core._serve import BackgroundServer
 from agl_core.credit import MALFORMED_TOOL_CALL, TOOL_ERROR, RewardWeights, assign_rewards
-from agl_core.gateway import create_gateway_app
 from agl_core.report import format_rollout
 from agl_core.spantree import TOOL, kind_of
-from agl_core.store import SqliteStore, StoreClient
-from agl_core.store.server import create_store_app
-from agl_core.tracing import RolloutSpanProcessor, make_otlp_exporter
+from agl_core.testing import AglTestStack
 from agl_core.transitions import spans_to_transitions
 
 from .gateway_helpers import Script
-from .test_conformance import FRAMEWORKS, Stack, instrumented, run_rollout, stack  # noqa: F401 (the fixture)
+from .test_conformance import FRAMEWORKS, instrumented, run_rollout, stack  # noqa: F401 (the fixture)
 
 R = semconv
 WEIGHTS = RewardWeights(tool_error=-0.5, malformed_tool_call=-1.0)
@@ -38,8 +32,8 @@ def test_a_tool_that_raises_costs_the_call_that_requested_it(stack, framework):
     """Each framework's solver calls add(2, 3), then divide(1, 0), which raises, then answers (the scripted
     policy of the conformance suite); with ``tool_error: -0.5`` the divide call, and only it, pays."""
     rollout_id = f"ro-credit-tool-{framework}"
-    with instrumented(framework, "agl", stack.provider) as callbacks:
-        run_rollout(stack, framework, "single", rollout_id, callbacks)
+    with instrumented(framework, "agl", stack.provider):
+        run_rollout(stack, framework, "single", rollout_id)
     spans = stack.spans(rollout_id)
     result = spans_to_transitions(spans)
     assert result.problems == () and len(result.transitions) == 3
@@ -70,29 +64,17 @@ RULES = [
 
 
 @pytest.fixture(scope="module")
-def policy_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterator[Stack]:
+def policy_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterator[AglTestStack]:
     """The tiny model behind the real gateway (which parses its tool calls), steered by :data:`RULES`."""
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
-    store = SqliteStore(tmp_path_factory.mktemp("credit") / "store.sqlite")
-    gateway_provider = TracerProvider()
-    agent_provider = TracerProvider()
-    agent_provider.add_span_processor(RolloutSpanProcessor())
     backend = HFBackend(
         model, tokenizer, model_name="tiny", default_max_tokens=64, logits_processor=Script(tokenizer, RULES)
     )
-    with BackgroundServer(create_store_app(store)) as store_server, StoreClient(store_server.url) as client:
-        gateway_provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-        agent_provider.add_span_processor(
-            BatchSpanProcessor(make_otlp_exporter(store_server.url), schedule_delay_millis=50)
-        )
-        with BackgroundServer(create_gateway_app(backend, tracer_provider=gateway_provider)) as gateway:
-            yield Stack(client, gateway.url, agent_provider, tokenizer)
-        agent_provider.shutdown()
-        gateway_provider.shutdown()
+    with AglTestStack(backend, path=tmp_path_factory.mktemp("credit") / "store.sqlite", batch=True) as kit:
+        yield kit
     backend.close()
-    store.close()
 
 
 @pytest.mark.parametrize(
@@ -111,8 +93,8 @@ def test_a_malformed_tool_call_costs_the_call_that_wrote_it(
     policy_stack, framework, question, reason, output, rewards
 ):
     rollout_id = f"ro-credit-malformed-{reason}"
-    with instrumented(framework, "agl", policy_stack.provider) as callbacks:
-        assert run_rollout(policy_stack, framework, "single", rollout_id, callbacks, question) == output
+    with instrumented(framework, "agl", policy_stack.provider):
+        assert run_rollout(policy_stack, framework, "single", rollout_id, question=question) == output
     spans = policy_stack.spans(rollout_id)
     result = spans_to_transitions(spans)
     assert result.problems == ()

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._instrument import instrument, uninstrument
+    from ._instrument import instrument, is_instrumented, uninstrument
 
-__all__ = ["instrument", "uninstrument"]
+__all__ = ["instrument", "is_instrumented", "uninstrument"]
 
 
 def __getattr__(name: str) -> Any:

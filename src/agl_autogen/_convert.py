@@ -6,10 +6,11 @@ Objects are read by attribute (duck typing); nothing here imports AutoGen.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from agl_core import semconv
+from agl_core.instrumentation import read_usage, usage_attributes
 
 __all__ = [
     "agent_attributes",
@@ -107,15 +108,7 @@ def llm_start_attributes(
 
 def llm_end_attributes(result: Any, *, capture_content: bool) -> dict[str, Any]:
     """Usage, finish reason and (optionally) the output message of a ``CreateResult``."""
-    attrs: dict[str, Any] = {}
-    usage = getattr(result, "usage", None)
-    for key, attr in (
-        ("prompt_tokens", semconv.GEN_AI_USAGE_INPUT_TOKENS),
-        ("completion_tokens", semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
-    ):
-        value = usage.get(key) if isinstance(usage, Mapping) else getattr(usage, key, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            attrs[attr] = value
+    attrs: dict[str, Any] = usage_attributes(*read_usage(getattr(result, "usage", None)))
     finish = getattr(result, "finish_reason", None)
     if isinstance(finish, str):
         attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = [finish]

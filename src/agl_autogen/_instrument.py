@@ -21,7 +21,6 @@ import functools
 import importlib
 import logging
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -31,12 +30,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from agl_core import semconv
-from agl_core._hooks import HookErrors
+from agl_core.instrumentation import HookErrors, Instrumentor, Patches, start_span
 from agl_core.tracing import context_rollout_attributes, get_tracer, mark_span_error
 
 from . import _convert
 
-__all__ = ["instrument", "uninstrument"]
+__all__ = ["instrument", "is_instrumented", "uninstrument"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +66,15 @@ class _Tracing:
     active: bool = True
 
     def start(self, name: str, attrs: dict[str, Any], kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
-        attrs = {**attrs, **context_rollout_attributes(), semconv.SOURCE: semconv.SOURCE_AUTOGEN}
-        return self.tracer.start_span(name, kind=kind, attributes=attrs)
+        # No run table: AgentChat's calls nest as Python calls do, so the current span is the parent.
+        return start_span(
+            self.tracer,
+            name,
+            source=semconv.SOURCE_AUTOGEN,
+            attributes=attrs,
+            rollout=context_rollout_attributes(),
+            kind=kind,
+        )
 
     @contextlib.contextmanager
     def step(
@@ -82,8 +88,8 @@ class _Tracing:
     ) -> Iterator[trace.Span | None]:
         """Run the block under a new span (current for the block), as ``agent``'s turn when given.
 
-        Errors of the block are recorded on the span (ERROR status) and re-raised untouched; agl's own errors are
-        reported (once) and the block runs on without the span.
+        Errors of the block are recorded on the span (ERROR status) and re-raised untouched; agl's own
+        errors are reported (once) and the block runs on without the span.
         """
         if not self.active:
             yield None
@@ -218,25 +224,11 @@ class _Tracing:
         return create_stream
 
 
-# --- patching ----------------------------------------------------------------------------------------
-_Patch = tuple[Any, str, Any, Any]  # (owner, attribute, original, agl's wrapper)
-
-
+# --- instrument / uninstrument -----------------------------------------------------------------------
 @dataclasses.dataclass
 class _Installed:
     tracing: _Tracing
-    #: Every patched binding, in patch order.
-    patches: list[_Patch]
-
-
-_installed: _Installed | None = None
-_install_lock = threading.Lock()
-
-
-def _patch(patches: list[_Patch], owner: Any, attribute: str, wrapper: Callable[..., Any]) -> None:
-    original = owner.__dict__[attribute]
-    setattr(owner, attribute, wrapper)
-    patches.append((owner, attribute, original, wrapper))
+    patches: Patches
 
 
 def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
@@ -254,65 +246,59 @@ def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
     return sites
 
 
+def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool) -> _Installed:
+    # AgentChat has no callback API: agl replaces the bindings listed in the module docstring, and
+    # uninstrument() puts the originals back.
+    from autogen_agentchat.teams import BaseGroupChat
+    from autogen_core._telemetry import trace_invoke_agent_span, trace_tool_span
+
+    tracing = _Tracing(get_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
+    patches = Patches()
+    try:
+        for helper, wrap in (
+            (trace_invoke_agent_span, tracing.wrap_agent_helper),
+            (trace_tool_span, tracing.wrap_tool_helper),
+        ):
+            wrapper = wrap(helper)
+            for module, attribute in _helper_call_sites(helper):
+                patches.replace(module, attribute, wrapper)
+        patches.replace(
+            BaseGroupChat, "run_stream", tracing.wrap_run_stream(BaseGroupChat.__dict__["run_stream"])
+        )
+        try:
+            from autogen_ext.models.openai import BaseOpenAIChatCompletionClient as Client
+        except ImportError:  # autogen-ext[openai] not installed: no OpenAI model client to trace
+            pass
+        else:
+            patches.replace(Client, "create", tracing.wrap_create(Client.__dict__["create"]))
+            patches.replace(
+                Client, "create_stream", tracing.wrap_create_stream(Client.__dict__["create_stream"])
+            )
+    except BaseException:
+        patches.restore()
+        raise
+    return _Installed(tracing, patches)
+
+
+def _uninstall(installed: _Installed) -> None:
+    if not installed.patches.restore():
+        installed.tracing.active = False
+        logger.info("agl: AutoGen was instrumented again after agl; agl's wrappers stay, switched off")
+
+
+_instrumentor: Instrumentor[_Installed] = Instrumentor(_uninstall)
+
+
 def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False) -> None:
     """Record AutoGen AgentChat agents, teams, tool calls and model-client calls as OpenTelemetry spans.
 
     Agent turns (alone or in a round-robin, selector or swarm team) become ``invoke_agent`` spans named
     after the agent, a team's run an ``invoke_agent`` span named after the team (the selector's model
     calls belong to it), tool calls ``execute_tool`` spans with the call id and error status, and the
-    OpenAI-compatible model client's calls ``chat`` spans with usage and, unless
-    ``capture_content=False``, the messages. Calling it again while instrumented changes nothing.
+    OpenAI-compatible model client's calls ``chat`` spans with usage and, with ``capture_content=True``,
+    the messages. Calling it again while instrumented changes nothing.
     """
-    global _installed
-    from autogen_agentchat.teams import BaseGroupChat
-    from autogen_core._telemetry import trace_invoke_agent_span, trace_tool_span
-
-    with _install_lock:
-        if _installed is not None:
-            return
-        tracing = _Tracing(get_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
-        patches: list[_Patch] = []
-        try:
-            for helper, wrap in (
-                (trace_invoke_agent_span, tracing.wrap_agent_helper),
-                (trace_tool_span, tracing.wrap_tool_helper),
-            ):
-                wrapper = wrap(helper)
-                for module, attribute in _helper_call_sites(helper):
-                    _patch(patches, module, attribute, wrapper)
-            _patch(
-                patches,
-                BaseGroupChat,
-                "run_stream",
-                tracing.wrap_run_stream(BaseGroupChat.__dict__["run_stream"]),
-            )
-            try:
-                from autogen_ext.models.openai import BaseOpenAIChatCompletionClient as Client
-            except ImportError:  # autogen-ext[openai] not installed: no OpenAI model client to trace
-                Client = None  # noqa: N806
-            if Client is not None:
-                _patch(patches, Client, "create", tracing.wrap_create(Client.__dict__["create"]))
-                _patch(
-                    patches,
-                    Client,
-                    "create_stream",
-                    tracing.wrap_create_stream(Client.__dict__["create_stream"]),
-                )
-        except BaseException:
-            _restore(patches)
-            raise
-        _installed = _Installed(tracing, patches)
-
-
-def _restore(patches: list[_Patch]) -> bool:
-    """Put the originals back where agl's wrapper is still in place; False if one was wrapped again."""
-    clean = True
-    for owner, attribute, original, wrapper in reversed(patches):
-        if owner.__dict__.get(attribute) is wrapper:
-            setattr(owner, attribute, original)
-        else:
-            clean = False
-    return clean
+    _instrumentor.instrument(lambda: _install(tracer_provider, capture_content))
 
 
 def uninstrument() -> None:
@@ -322,12 +308,8 @@ def uninstrument() -> None:
     theirs out too: agl's wrapper stays there, switched off. Uninstrument in the reverse order of
     instrumenting to get the exact originals back.
     """
-    global _installed
-    with _install_lock:
-        if _installed is not None:
-            if not _restore(_installed.patches):
-                _installed.tracing.active = False
-                logger.info(
-                    "agl: AutoGen was instrumented again after agl; agl's wrappers stay, switched off"
-                )
-            _installed = None
+    _instrumentor.uninstrument()
+
+
+def is_instrumented() -> bool:
+    return _instrumentor.is_instrumented()

@@ -1,5 +1,23 @@
-"""LangChain / LangGraph adapter: add ``AglCallbackHandler()`` to ``callbacks`` and the agent is traced."""
+"""LangChain / LangGraph adapter: ``agl_langchain.instrument()`` and every run is traced.
 
-from ._callback import AglCallbackHandler
+``instrument()`` adds agl's handler to every LangChain run through LangChain's configure hook (no
+``callbacks`` argument needed); ``uninstrument()`` stops it. ``AglCallbackHandler()`` in ``callbacks``
+traces just the runs it is given. LangChain is imported only when one of these is used.
+"""
 
-__all__ = ["AglCallbackHandler"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._callback import AglCallbackHandler, instrument, is_instrumented, uninstrument
+
+__all__ = ["AglCallbackHandler", "instrument", "is_instrumented", "uninstrument"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import _callback
+
+        return getattr(_callback, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,43 +1,59 @@
-"""``AglCallbackHandler``: the one line a LangChain / LangGraph user adds to make an agent trainable."""
+"""``AglCallbackHandler``, the LangChain / LangGraph callback that records runs as OpenTelemetry spans,
+and ``instrument()`` / ``uninstrument()``, which put it into every run through LangChain's own hook."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, NamedTuple
+from contextvars import ContextVar
+from typing import Any
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from agl_core import semconv
-from agl_core._hooks import HookErrors
+from agl_core.instrumentation import (
+    HookErrors,
+    Instrumentor,
+    OpenSpan,
+    OpenSpans,
+    mark_span_failed,
+    start_span,
+)
 from agl_core.spantree import langgraph_role
 from agl_core.tracing import get_tracer, mark_span_error, rollout_attributes
 
 from . import _convert
 
-__all__ = ["AglCallbackHandler"]
+__all__ = ["AglCallbackHandler", "instrument", "is_instrumented", "uninstrument"]
 
 #: Chain runs that are not steps of an agent: they get no span, and what runs inside them nests under
 #: their parent. Keeps the span count (and the cost per call) down.
 _FOLDED_RUN_TYPES = frozenset({"prompt", "parser"})
 
 
-class _Run(NamedTuple):
-    span: trace.Span
-    rollout: dict[str, str]
-    agent: str | None
-    #: False for a folded run, which shares its parent's span.
-    owns_span: bool
+@dataclasses.dataclass(slots=True)
+class _Run(OpenSpan):
+    #: The handler recording the run (the only one that ends it).
+    owner: AglCallbackHandler | None = None
+
+
+#: The open runs of every agl handler in the process, by LangChain run id. One table, so that a run
+#: reaching two agl handlers (one given in ``callbacks`` and the one ``instrument()`` adds) is recorded
+#: once, and each finds the other's runs as parents.
+_RUNS: OpenSpans[UUID, _Run] = OpenSpans()
 
 
 class AglCallbackHandler(BaseCallbackHandler):
     """Records chat-model / LLM calls, tool calls and chain or graph steps as OpenTelemetry spans.
 
-    Add it to ``callbacks`` (of a model, a runnable, or the run config of a LangGraph graph). Spans carry
-    the current rollout's identity, follow the GenAI conventions, and nest like the LangChain runs do.
+    Add it to ``callbacks`` (of a model, a runnable, or the run config of a LangGraph graph), or call
+    :func:`instrument` to have one in every run. Spans carry the current rollout's identity, follow the
+    GenAI conventions, and nest like the LangChain runs do. A run that reaches several agl handlers is
+    recorded once: by a handler given in ``callbacks`` rather than by :func:`instrument`'s (of several
+    given, by the first one LangChain calls).
 
     Agent names: ``agent_name``, when given, names everything the handler sees. Otherwise, in a LangGraph
     graph, the outermost of these is an agent step (``invoke_agent``) and names the calls under it: a
@@ -60,11 +76,23 @@ class AglCallbackHandler(BaseCallbackHandler):
         self.agent_name = agent_name
         self.capture_content = capture_content
         self._tracer_provider = tracer_provider
-        # One entry per open run. Each operation on it is a single dict operation (atomic under the GIL), and
-        # a run's start and end never race, so no lock is needed across threads.
-        self._runs: dict[UUID, _Run] = {}
         self._tracer: trace.Tracer | None = None
         self.hook_errors = HookErrors("LangChain")
+        #: Whether the handler records runs that start (runs it already records end normally).
+        self.recording = True
+
+    # Events the handler has no use for: LangChain skips the call.
+    @property
+    def ignore_retry(self) -> bool:
+        return True
+
+    @property
+    def ignore_retriever(self) -> bool:
+        return True
+
+    @property
+    def ignore_custom_event(self) -> bool:
+        return True
 
     # --- span bookkeeping ----------------------------------------------------------------------------
     def _start(
@@ -75,31 +103,40 @@ class AglCallbackHandler(BaseCallbackHandler):
         attributes: dict[str, Any],
         kind: SpanKind = SpanKind.INTERNAL,
         agent: str | None = None,
-    ) -> trace.Span:
+    ) -> None:
         if self._tracer is None:
             self._tracer = get_tracer(self._tracer_provider)
-        parent = self._runs.get(parent_run_id) if parent_run_id else None
-        if parent is not None:
-            ctx = trace.set_span_in_context(parent.span)
-            rollout = rollout_attributes() or parent.rollout
-        else:
-            ctx = otel_context.get_current()
-            rollout = rollout_attributes()
-        # identity first: the store finds it fastest there
-        attrs = {**rollout, semconv.SOURCE: semconv.SOURCE_LANGCHAIN, **attributes}
-        span = self._tracer.start_span(name, context=ctx, kind=kind, attributes=attrs)
-        self._runs[run_id] = _Run(span, rollout, agent, True)
-        return span
+        parent = _RUNS.get(parent_run_id)
+        rollout = rollout_attributes() or (parent.rollout if parent is not None else {})
+        span = start_span(
+            self._tracer,
+            name,
+            source=semconv.SOURCE_LANGCHAIN,
+            attributes=attributes,
+            rollout=rollout,
+            parent=parent,
+            kind=kind,
+        )
+        _RUNS.add(run_id, _Run(span, rollout, agent, owner=self))
+
+    def _claims(self, run_id: UUID, parent_run_id: UUID | None) -> bool:
+        """Whether a starting run is this handler's to record: it is recording and no agl handler has the
+        run yet."""
+        return self.recording and run_id not in _RUNS
 
     def _pop(self, run_id: UUID) -> trace.Span | None:
-        run = self._runs.pop(run_id, None)
-        return run.span if run is not None and run.owns_span else None
+        """The run's span to end, when this handler records the run and the span is the run's own."""
+        run = _RUNS.get(run_id)
+        if run is None or run.owner is not self:
+            return None
+        _RUNS.pop(run_id)
+        return run.span if not run.folded else None
 
     def _enclosing_agent(self, parent_run_id: UUID | None) -> str | None:
         """The agent the parent run belongs to (``agent_name`` when the handler was given one)."""
         if self.agent_name:
             return self.agent_name
-        parent = self._runs.get(parent_run_id) if parent_run_id else None
+        parent = _RUNS.get(parent_run_id)
         return parent.agent if parent is not None else None
 
     def _succeed(self, run_id: UUID) -> None:
@@ -151,6 +188,8 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
+            if not self._claims(run_id, parent_run_id):
+                return
             content = _convert.messages_json(messages) if self.capture_content else None
             self._llm_start(semconv.OP_CHAT, serialized, run_id, parent_run_id, content, kwargs)
         except Exception:
@@ -166,6 +205,8 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
+            if not self._claims(run_id, parent_run_id):
+                return
             content = json.dumps(prompts[:1]) if self.capture_content else None
             self._llm_start(semconv.OP_TEXT_COMPLETION, serialized, run_id, parent_run_id, content, kwargs)
         except Exception:
@@ -198,9 +239,11 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
-            if kwargs.get("run_type") in _FOLDED_RUN_TYPES and parent_run_id in self._runs:
-                parent = self._runs[parent_run_id]
-                self._runs[run_id] = _Run(parent.span, parent.rollout, parent.agent, False)
+            if not self._claims(run_id, parent_run_id):
+                return
+            parent = _RUNS.get(parent_run_id)
+            if kwargs.get("run_type") in _FOLDED_RUN_TYPES and parent is not None:
+                _RUNS.add(run_id, _Run(parent.span, parent.rollout, parent.agent, folded=True, owner=self))
                 return
             name = _convert.run_name(serialized, kwargs, "chain")
             attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_STEP}
@@ -238,6 +281,8 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
+            if not self._claims(run_id, parent_run_id):
+                return
             name = _convert.run_name(serialized, kwargs, "tool")
             attrs: dict[str, Any] = {
                 semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL,
@@ -263,8 +308,7 @@ class AglCallbackHandler(BaseCallbackHandler):
                 return
             span = self._pop(run_id)
             if span is not None:
-                span.set_attribute(semconv.ERROR_TYPE, semconv.ERROR_TYPE_TOOL_RESULT)
-                span.set_status(Status(StatusCode.ERROR, error))
+                mark_span_failed(span, semconv.ERROR_TYPE_TOOL_RESULT, error)
                 span.end()
         except Exception:
             self.hook_errors.report("on_tool_end")
@@ -274,3 +318,111 @@ class AglCallbackHandler(BaseCallbackHandler):
             self._fail(run_id, error)
         except Exception:
             self.hook_errors.report("on_tool_error")
+
+
+# --- instrument / uninstrument -----------------------------------------------------------------------
+class _RegisteredHandler(AglCallbackHandler):
+    """The handler :func:`instrument` puts into every run. There is one per process, registered once:
+    LangChain has no public way to take a configure hook out again, so :func:`uninstrument` switches it
+    off instead. Switched off, with no run of any agl handler open, LangChain skips it on every event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = False
+
+    def configure(
+        self, agent_name: str | None, tracer_provider: trace.TracerProvider | None, capture_content: bool
+    ) -> None:
+        self.agent_name = agent_name
+        self.capture_content = capture_content
+        self._tracer_provider = tracer_provider
+        self._tracer = None
+        self.hook_errors = HookErrors("LangChain")
+
+    def _claims(self, run_id: UUID, parent_run_id: UUID | None) -> bool:
+        # LangChain does not keep the order of a run's handlers from parent to child (LangGraph merges
+        # callback managers), so a child run may reach this handler before the handler that records its
+        # parent: it leaves the run to that one, which gets the run too (inherited from the parent).
+        if not self.recording or run_id in _RUNS:
+            return False
+        parent = _RUNS.get(parent_run_id)
+        return parent is None or parent.owner is self
+
+    def _idle(self) -> bool:
+        return not self.recording and not _RUNS
+
+    @property
+    def ignore_llm(self) -> bool:
+        return self._idle()
+
+    @property
+    def ignore_chat_model(self) -> bool:
+        return self._idle()
+
+    @property
+    def ignore_chain(self) -> bool:
+        return self._idle()
+
+    @property
+    def ignore_agent(self) -> bool:  # tool events
+        return self._idle()
+
+
+#: The registered handler, once :func:`instrument` has run.
+_registered: _RegisteredHandler | None = None
+
+
+def _registered_handler() -> _RegisteredHandler:
+    global _registered
+    if _registered is None:
+        from langchain_core.tracers.context import register_configure_hook
+
+        handler = _RegisteredHandler()
+        # LangChain adds the value of each registered context variable to the handlers of every run it
+        # configures (how its own tracers join runs without a ``callbacks`` argument). The handler is the
+        # variable's default, not a value set in a context, so every thread and task sees it.
+        hook: ContextVar[AglCallbackHandler | None] = ContextVar("agl_langchain_handler", default=handler)
+        register_configure_hook(hook, inheritable=True)
+        _registered = handler
+    return _registered
+
+
+def _install(
+    agent_name: str | None, tracer_provider: trace.TracerProvider | None, capture_content: bool
+) -> AglCallbackHandler:
+    handler = _registered_handler()
+    handler.configure(agent_name, tracer_provider, capture_content)
+    handler.recording = True
+    return handler
+
+
+def _uninstall(handler: AglCallbackHandler) -> None:
+    handler.recording = False  # runs already open end normally
+
+
+_instrumentor: Instrumentor[AglCallbackHandler] = Instrumentor(_uninstall)
+
+
+def instrument(
+    *,
+    agent_name: str | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+    capture_content: bool = False,
+) -> AglCallbackHandler:
+    """Record every LangChain / LangGraph run of the process, with no ``callbacks`` argument; returns the
+    handler that records them (options as :class:`AglCallbackHandler`'s).
+
+    The handler joins each run through LangChain's configure hook, the way LangChain's own tracers do.
+    A handler also given in ``callbacks`` records the runs it sees instead (nothing is recorded twice).
+    Calling it again while instrumented returns the same handler and changes nothing.
+    """
+    return _instrumentor.instrument(lambda: _install(agent_name, tracer_provider, capture_content))
+
+
+def uninstrument() -> None:
+    """Stop recording runs that start from now on; runs already recorded end normally."""
+    _instrumentor.uninstrument()
+
+
+def is_instrumented() -> bool:
+    return _instrumentor.is_instrumented()

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agl_core import semconv
+from agl_core.instrumentation import read_usage, usage_attributes
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
 
@@ -52,8 +53,9 @@ def run_name(serialized: Mapping[str, Any] | None, kwargs: Mapping[str, Any], de
     if isinstance(name, str) and name:
         return name
     serialized = serialized or {}
-    if isinstance(serialized.get("name"), str):
-        return serialized["name"]
+    serialized_name = serialized.get("name")
+    if isinstance(serialized_name, str):
+        return serialized_name
     ident = serialized.get("id")
     if isinstance(ident, list) and ident:
         return str(ident[-1])
@@ -63,31 +65,32 @@ def run_name(serialized: Mapping[str, Any] | None, kwargs: Mapping[str, Any], de
 def response_id(response: Any) -> str | None:
     """The provider's completion id of an ``LLMResult``, where the integration reports it."""
     output = getattr(response, "llm_output", None) or {}
-    if isinstance(output.get("id"), str):
-        return output["id"]
+    found = output.get("id")
+    if isinstance(found, str):
+        return found
     for batch in getattr(response, "generations", None) or []:
         for generation in batch:
             message = getattr(generation, "message", None)
-            meta = getattr(message, "response_metadata", None) or {}
-            if isinstance(meta.get("id"), str):
-                return meta["id"]
-            info = getattr(generation, "generation_info", None) or {}
-            if isinstance(info.get("id"), str):
-                return info["id"]
+            for info in (
+                getattr(message, "response_metadata", None) or {},
+                getattr(generation, "generation_info", None) or {},
+            ):
+                found = info.get("id")
+                if isinstance(found, str):
+                    return found
     return None
 
 
 def usage(response: Any) -> tuple[int | None, int | None]:
-    """(input tokens, output tokens) reported for an ``LLMResult``."""
+    """(input tokens, output tokens) reported for an ``LLMResult``: in its ``llm_output``, else in the
+    ``usage_metadata`` of its (last) message."""
     output = getattr(response, "llm_output", None) or {}
-    token_usage = output.get("token_usage") or output.get("usage") or {}
-    prompt = token_usage.get("prompt_tokens") or token_usage.get("input_tokens")
-    completion = token_usage.get("completion_tokens") or token_usage.get("output_tokens")
+    prompt, completion = read_usage(output.get("token_usage") or output.get("usage"))
     if prompt is None:
         for batch in getattr(response, "generations", None) or []:
             for generation in batch:
-                meta = getattr(getattr(generation, "message", None), "usage_metadata", None) or {}
-                prompt, completion = meta.get("input_tokens"), meta.get("output_tokens")
+                meta = getattr(getattr(generation, "message", None), "usage_metadata", None)
+                prompt, completion = read_usage(meta)
     return prompt, completion
 
 
@@ -97,11 +100,7 @@ def end_attributes(response: Any, *, capture_content: bool) -> dict[str, Any]:
     completion_id = response_id(response)
     if completion_id:
         attrs[semconv.GEN_AI_RESPONSE_ID] = completion_id
-    prompt_tokens, completion_tokens = usage(response)
-    if prompt_tokens is not None:
-        attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = int(prompt_tokens)
-    if completion_tokens is not None:
-        attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = int(completion_tokens)
+    attrs.update(usage_attributes(*usage(response)))
     if capture_content:
         attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = output_json(response)
     return attrs

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._processor import AglTracingProcessor, instrument, uninstrument
+    from ._processor import AglTracingProcessor, instrument, is_instrumented, uninstrument
 
-__all__ = ["AglTracingProcessor", "instrument", "uninstrument"]
+__all__ = ["AglTracingProcessor", "instrument", "is_instrumented", "uninstrument"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agl_core import semconv
+from agl_core.instrumentation import read_usage, usage_attributes
 
 __all__ = [
     "ToolCall",
@@ -125,18 +126,7 @@ def start_info(data: Any) -> tuple[str, dict[str, Any], str | None, bool]:
 
 
 def _usage(usage: Any) -> dict[str, int]:
-    if usage is None:
-        return {}
-    get = usage.get if isinstance(usage, Mapping) else lambda k: getattr(usage, k, None)
-    out = {}
-    for key, attr in (
-        ("input_tokens", semconv.GEN_AI_USAGE_INPUT_TOKENS),
-        ("output_tokens", semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
-    ):
-        value = get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            out[attr] = value
-    return out
+    return usage_attributes(*read_usage(usage))
 
 
 def end_attributes(data: Any, *, capture_content: bool = False) -> dict[str, Any]:
@@ -190,9 +180,9 @@ def tool_calls(output: Sequence[Mapping[str, Any]] | None) -> list[ToolCall]:
 
 def _same_arguments(a: str, b: Any) -> bool:
     try:
-        return json.loads(a or "{}") == json.loads(b or "{}")
+        return bool(json.loads(a or "{}") == json.loads(b or "{}"))
     except (TypeError, ValueError):
-        return a == b
+        return bool(a == b)
 
 
 def match_tool_call(name: str, arguments: Any, calls: list[ToolCall]) -> str | None:

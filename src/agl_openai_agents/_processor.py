@@ -3,24 +3,30 @@ spans, and ``instrument()`` / ``uninstrument()`` that add it to (and remove it f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import threading
 from contextvars import ContextVar, Token
 from typing import Any
 
 from agents.tracing import TracingProcessor
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span
+from opentelemetry.trace import SpanKind, get_current_span
 
 from agl_core import semconv
-from agl_core._hooks import HookErrors
+from agl_core.instrumentation import (
+    HookErrors,
+    Instrumentor,
+    OpenSpan,
+    OpenSpans,
+    mark_span_failed,
+    start_span,
+)
 from agl_core.tracing import get_tracer, rollout_attributes
 
 from . import _convert
 
-__all__ = ["AglTracingProcessor", "instrument", "uninstrument"]
+__all__ = ["AglTracingProcessor", "instrument", "is_instrumented", "uninstrument"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +44,14 @@ def _headers_override() -> ContextVar[dict[str, str] | None] | None:
 
 
 @dataclasses.dataclass(slots=True)
-class _Open:
-    """An SDK span or trace we are recording: its OTel span and what its children inherit."""
+class _Open(OpenSpan):
+    """An SDK span or trace we are recording (an SDK trace, and the SDK's bookkeeping spans, folded into
+    the span they start under)."""
 
-    span: trace.Span
-    rollout: dict[str, str]
-    agent: str | None
     #: Tool calls of the generations under this span that no function span has claimed yet (shared
     #: with the SDK spans folded into this one).
     tool_calls: list[_convert.ToolCall] = dataclasses.field(default_factory=list)
     headers_token: Token[dict[str, str] | None] | None = None
-    #: An SDK bookkeeping span recorded as its parent's span (not ended by its own end).
-    folded: bool = False
 
 
 class AglTracingProcessor(TracingProcessor):
@@ -69,9 +71,7 @@ class AglTracingProcessor(TracingProcessor):
     ) -> None:
         self.capture_content = capture_content
         self._tracer = get_tracer(tracer_provider)
-        # Each operation on it is a single dict operation (atomic under the GIL); an SDK span's start and
-        # end never race, so no lock is needed across threads.
-        self._open: dict[str, _Open] = {}
+        self._open: OpenSpans[str, _Open] = OpenSpans()
         self._headers = _headers_override()
         self.hook_errors = HookErrors("OpenAI Agents SDK")
         #: ``uninstrument()`` turns the processor off when it cannot take it out of the SDK.
@@ -86,23 +86,22 @@ class AglTracingProcessor(TracingProcessor):
         agent: str | None,
         kind: SpanKind = SpanKind.INTERNAL,
     ) -> _Open:
-        parent = self._open.get(parent_key) if parent_key else None
+        parent = self._open.get(parent_key)
         if parent is not None:  # the rollout was read where the SDK trace started
-            ctx, rollout, agent = (
-                trace.set_span_in_context(parent.span),
-                parent.rollout,
-                agent or parent.agent,
-            )
+            rollout, agent = parent.rollout, agent or parent.agent
         else:
-            ctx, rollout = otel_context.get_current(), rollout_attributes()
-        attrs = {**attrs, **rollout, semconv.SOURCE: semconv.SOURCE_OPENAI_AGENTS}
-        if agent and semconv.GEN_AI_AGENT_NAME not in attrs:
-            attrs[semconv.GEN_AI_AGENT_NAME] = agent
-        opened = _Open(
-            self._tracer.start_span(name, context=ctx, kind=kind, attributes=attrs), rollout, agent
+            rollout = rollout_attributes()
+        span = start_span(
+            self._tracer,
+            name,
+            source=semconv.SOURCE_OPENAI_AGENTS,
+            attributes=attrs,
+            rollout=rollout,
+            parent=parent,
+            agent=agent,
+            kind=kind,
         )
-        self._open[key] = opened
-        return opened
+        return self._open.add(key, _Open(span, rollout, agent))
 
     # --- traces --------------------------------------------------------------------------------------
     # Every hook catches its own errors inline (the SDK calls them several times per LLM call).
@@ -112,13 +111,13 @@ class AglTracingProcessor(TracingProcessor):
             # under the span current where it started, the rollout's or the user's own.
             if self.enabled:
                 current = get_current_span()
-                self._open[trace.trace_id] = _Open(current, rollout_attributes(), None, folded=True)
+                self._open.add(trace.trace_id, _Open(current, rollout_attributes(), None, folded=True))
         except Exception:
             self.hook_errors.report("on_trace_start")
 
     def on_trace_end(self, trace: Any) -> None:
         try:
-            self._open.pop(trace.trace_id, None)
+            self._open.pop(trace.trace_id)
         except Exception:
             self.hook_errors.report("on_trace_end")
 
@@ -129,11 +128,11 @@ class AglTracingProcessor(TracingProcessor):
                 return
             data = span.span_data
             parent_key = span.parent_id or span.trace_id
-            if _convert.is_bookkeeping(data) and parent_key in self._open:
-                parent = self._open[parent_key]
+            parent = self._open.get(parent_key)
+            if _convert.is_bookkeeping(data) and parent is not None:
                 agent = _convert.agent_name(data) or parent.agent
-                self._open[span.span_id] = _Open(
-                    parent.span, parent.rollout, agent, parent.tool_calls, folded=True
+                self._open.add(
+                    span.span_id, _Open(parent.span, parent.rollout, agent, True, parent.tool_calls)
                 )
                 return
             name, attrs, agent, llm = _convert.start_info(data)
@@ -153,17 +152,14 @@ class AglTracingProcessor(TracingProcessor):
 
     def on_span_end(self, span: Any) -> None:
         try:
-            opened = self._open.pop(span.span_id, None)
+            opened = self._open.end(span.span_id)  # None for a folded span
             parent = self._open.get(span.parent_id or span.trace_id)
-            if opened is None or opened.folded:
+            if opened is None:
                 return
             if opened.headers_token is not None and self._headers is not None:
-                try:
+                # ValueError: ended in another context than it started in; nothing of ours is left there
+                with contextlib.suppress(ValueError):
                     self._headers.reset(opened.headers_token)
-                except (
-                    ValueError
-                ):  # ended in another context than it started in; nothing of ours is left there
-                    pass
             data = span.span_data
             kind = data.type
             otel_span = opened.span
@@ -178,12 +174,9 @@ class AglTracingProcessor(TracingProcessor):
                 otel_span.update_name(_convert.span_name(data))
             if attrs:
                 otel_span.set_attributes(attrs)
-            if (
-                span.error
-            ):  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
-                error_type, description = _convert.error_description(span.error)
-                otel_span.set_attribute(semconv.ERROR_TYPE, error_type)
-                otel_span.set_status(Status(StatusCode.ERROR, description))
+            # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
+            if span.error:
+                mark_span_failed(otel_span, *_convert.error_description(span.error))
             otel_span.end()
         except Exception:
             self.hook_errors.report("on_span_end")
@@ -203,10 +196,6 @@ class _Installed:
     replaced: tuple[Any, ...] | None
 
 
-_installed: _Installed | None = None
-_install_lock = threading.Lock()
-
-
 def _sdk_processors() -> tuple[Any, ...] | None:
     # The SDK can add or replace processors but has no public way to list them; uninstrument() needs the
     # list to take agl's out and leave the user's. None when a future SDK keeps them elsewhere.
@@ -215,6 +204,45 @@ def _sdk_processors() -> tuple[Any, ...] | None:
     multi = getattr(get_trace_provider(), "_multi_processor", None)
     processors = getattr(multi, "_processors", None)
     return tuple(processors) if isinstance(processors, (tuple, list)) else None
+
+
+def _install(
+    tracer_provider: trace.TracerProvider | None, capture_content: bool, replace_processors: bool
+) -> _Installed:
+    from agents.tracing import add_trace_processor, set_trace_processors
+
+    processor = AglTracingProcessor(tracer_provider=tracer_provider, capture_content=capture_content)
+    replaced = None
+    if replace_processors:
+        replaced = _sdk_processors()
+        if replaced is None:
+            logger.warning(
+                "agl: cannot list the Agents SDK's trace processors; uninstrument() cannot restore them"
+            )
+            replaced = ()
+        set_trace_processors([processor])
+    else:
+        add_trace_processor(processor)
+    return _Installed(processor, replaced)
+
+
+def _uninstall(installed: _Installed) -> None:
+    from agents.tracing import set_trace_processors
+
+    installed.processor.enabled = False
+    if installed.replaced is not None:
+        set_trace_processors(list(installed.replaced))
+        return
+    current = _sdk_processors()
+    if current is None:
+        logger.warning(
+            "agl: cannot list the Agents SDK's trace processors; agl's stays registered, switched off"
+        )
+        return
+    set_trace_processors([p for p in current if p is not installed.processor])
+
+
+_instrumentor: Instrumentor[_Installed] = Instrumentor(_uninstall)
 
 
 def instrument(
@@ -229,45 +257,16 @@ def instrument(
     to the OpenAI dashboard included); ``replace_processors=True`` makes it the only one. Calling it
     again while instrumented returns the same processor and changes nothing.
     """
-    global _installed
-    from agents.tracing import add_trace_processor, set_trace_processors
-
-    with _install_lock:
-        if _installed is not None:
-            return _installed.processor
-        processor = AglTracingProcessor(tracer_provider=tracer_provider, capture_content=capture_content)
-        replaced = None
-        if replace_processors:
-            replaced = _sdk_processors()
-            if replaced is None:
-                logger.warning(
-                    "agl: cannot list the Agents SDK's trace processors; uninstrument() cannot restore them"
-                )
-                replaced = ()
-            set_trace_processors([processor])
-        else:
-            add_trace_processor(processor)
-        _installed = _Installed(processor, replaced)
-        return processor
+    installed = _instrumentor.instrument(
+        lambda: _install(tracer_provider, capture_content, replace_processors)
+    )
+    return installed.processor
 
 
 def uninstrument() -> None:
     """Take agl's processor out of the SDK; with ``replace_processors=True`` the previous ones come back."""
-    global _installed
-    from agents.tracing import set_trace_processors
+    _instrumentor.uninstrument()
 
-    with _install_lock:
-        if _installed is None:
-            return
-        installed, _installed = _installed, None
-        installed.processor.enabled = False
-        if installed.replaced is not None:
-            set_trace_processors(list(installed.replaced))
-            return
-        current = _sdk_processors()
-        if current is None:
-            logger.warning(
-                "agl: cannot list the Agents SDK's trace processors; agl's stays registered, switched off"
-            )
-            return
-        set_trace_processors([p for p in current if p is not installed.processor])
+
+def is_instrumented() -> bool:
+    return _instrumentor.is_instrumented()
