@@ -144,17 +144,9 @@ def calc_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterato
     """``(agent module, LLM factory, store client, tracer provider)``: the example's agent instrumented on a
     test provider, the real gateway (which parses the model's tool calls) in front of the tiny model steered
     to reply as :data:`CASES` say, and a store receiving every span over OTLP."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-
     import agl_autogen
-    from agl_core._serve import BackgroundServer
-    from agl_core.gateway import create_gateway_app
-    from agl_core.gateway.app import rollout_base_url
     from agl_core.runner import LLM
-    from agl_core.store import SqliteStore, StoreClient
-    from agl_core.store.server import create_store_app
-    from agl_core.tracing import RolloutSpanProcessor, make_otlp_exporter
+    from agl_core.testing import AglTestStack
     from agl_trainer.hf_backend import HFBackend
 
     from .gateway_helpers import Script
@@ -162,9 +154,6 @@ def calc_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterato
     agent = _load("agent")  # instruments AutoGen with the global provider ...
     agl_autogen.uninstrument()  # ... which this test replaces with its own
     model, tokenizer = tiny_policy
-    store = SqliteStore(tmp_path_factory.mktemp("calc") / "store.sqlite")
-    provider = TracerProvider()
-    provider.add_span_processor(RolloutSpanProcessor())
     backend = HFBackend(
         model,
         tokenizer,
@@ -172,25 +161,19 @@ def calc_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterato
         default_max_tokens=64,
         logits_processor=Script(tokenizer, list(CASES.values())),
     )
-    with BackgroundServer(create_store_app(store)) as store_server, StoreClient(store_server.url) as client:
-        provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-        agl_autogen.instrument(tracer_provider=provider)
+    with AglTestStack(backend, path=tmp_path_factory.mktemp("calc") / "store.sqlite") as stack:
+        agl_autogen.instrument(tracer_provider=stack.provider)
         try:
-            with BackgroundServer(create_gateway_app(backend, tracer_provider=provider)) as gateway:
 
-                def llm(rollout_id: str, split: str | None = None) -> LLM:
-                    return LLM(
-                        rollout_base_url(gateway.url, rollout_id, f"{rollout_id}-a1"), "policy", split=split
-                    )
+            def llm(rollout_id: str, split: str | None = None) -> LLM:
+                return LLM(stack.base_url(rollout_id, f"{rollout_id}-a1"), "policy", split=split)
 
-                yield agent, llm, client, provider
+            yield agent, llm, stack.client, stack.provider
         finally:
             agl_autogen.uninstrument()
-            provider.shutdown()
             for name in ("agent", "calc_tool"):
                 sys.modules.pop(name, None)
     backend.close()
-    store.close()
 
 
 def _rollout(calc_stack: Any, case: str, split: str | None = None) -> tuple[float, list[Any]]:

@@ -199,17 +199,17 @@ _ANSWERS = [
 def _policy(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
     """A good reader for person questions: searches the person, then (two hops) the city they were born
     in, then answers from the last passages in the requested format."""
-    from tests._scripted import render_tool_call
+    from agl_core.testing import tool_call
 
     user = next(str(m["content"]) for m in messages if m["role"] == "user")
     question = [line for line in user.splitlines() if line.endswith("?")][-1]
     results = [str(m["content"]) for m in messages if m["role"] == "tool"]
     if tools:
         if not results:
-            return render_tool_call(
+            return tool_call(
                 "search", {"query": re.search(r"(?:was|does) ([A-Z]\w+ [A-Z]\w+)", question).group(1)}
             )
-        return render_tool_call("search", {"query": re.search(r"born in ([A-Z]\w+)", results[-1]).group(1)})
+        return tool_call("search", {"query": re.search(r"born in ([A-Z]\w+)", results[-1]).group(1)})
     passages = results[-1] if results else user
     pattern = next(p for key, p in _ANSWERS if key in question)
     return "Answer: " + re.search(pattern, passages).group(1)
@@ -219,18 +219,10 @@ def _policy(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, 
 def scripted(tmp_path) -> Iterator[tuple[Any, Any, Any, Any]]:
     """``(agent module, LLM factory, store client, tracer provider)``: the example's agent with agl's
     trace processor on a test provider, a store, and the gateway serving the scripted policy."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-
     import agl_openai_agents
-    from agl_core._serve import BackgroundServer
-    from agl_core.gateway import create_gateway_app
     from agl_core.runner import LLM
-    from agl_core.store import SqliteStore, StoreClient
-    from agl_core.store.server import create_store_app
-    from agl_core.tracing import RolloutSpanProcessor, make_otlp_exporter
+    from agl_core.testing import AglTestStack
     from agl_trainer.model import load_tokenizer
-    from tests._scripted import ScriptedBackend, with_tool_call_parsing
 
     sys.path.insert(0, str(EXAMPLE))
     try:
@@ -238,30 +230,21 @@ def scripted(tmp_path) -> Iterator[tuple[Any, Any, Any, Any]]:
     finally:
         sys.path.remove(str(EXAMPLE))
     agl_openai_agents.uninstrument()  # ... which this test replaces with its own
-    store = SqliteStore(tmp_path / "store.sqlite")
-    provider = TracerProvider()
-    provider.add_span_processor(RolloutSpanProcessor())
-    with BackgroundServer(create_store_app(store)) as store_server, StoreClient(store_server.url) as client:
-        provider.add_span_processor(SimpleSpanProcessor(make_otlp_exporter(store_server.url)))
-        agl_openai_agents.instrument(tracer_provider=provider, replace_processors=True)
-        backend = ScriptedBackend(load_tokenizer("tiny"), _policy, model_name="policy")
-        app = with_tool_call_parsing(create_gateway_app(backend, tracer_provider=provider))
+    with AglTestStack(
+        script=_policy, tokenizer=load_tokenizer("tiny"), model_name="policy", path=tmp_path / "store.sqlite"
+    ) as stack:
+        agl_openai_agents.instrument(tracer_provider=stack.provider, replace_processors=True)
         try:
-            with BackgroundServer(app) as gateway:
-                from agl_core.gateway.app import rollout_base_url
-
-                yield (
-                    agent,
-                    lambda rid: LLM(rollout_base_url(gateway.url, rid, f"{rid}-a1"), "policy"),
-                    client,
-                    provider,
-                )
+            yield (
+                agent,
+                lambda rid: LLM(stack.base_url(rid, f"{rid}-a1"), "policy"),
+                stack.client,
+                stack.provider,
+            )
         finally:
             agl_openai_agents.uninstrument()
-            provider.shutdown()
             for name in ("agent", "bm25", "reward"):
                 sys.modules.pop(name, None)
-    store.close()
 
 
 def _run(scripted: Any, fn: str, task: dict[str, Any], rollout_id: str) -> tuple[float, list[Any]]:

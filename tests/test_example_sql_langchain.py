@@ -13,7 +13,7 @@ from ._training import metrics_rows, train_cli
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "sql_langchain"
 
-#: Three tasks the untrained model solves about two times in three (measured with evaluate.py, 6 runs each),
+#: Three tasks the untrained model solves about two times in three (measured over 6 runs each),
 #: so that with 4 rollouts each some group has both outcomes (all three tie with probability ~1%), and one
 #: on the orders table it gets wrong, mostly with an error (so the checker is called).
 TRAIN_IDS = (

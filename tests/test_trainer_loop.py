@@ -157,13 +157,13 @@ train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2}
 
 def test_step_metrics_count_calls_and_trained_transitions_per_agent():
     from agl_core.records import Transition
-    from agl_trainer.loop import _agent_counts
+    from agl_trainer.step import agent_counts
 
     def t(agent, i):
         return Transition("r", None, None, i, (1,), (2,), None, 0.0, agent_name=agent)
 
     calls = [t("writer", 0), t("checker", 1), t("writer", 2), t(None, 3)]
-    assert _agent_counts(calls, [calls[0], calls[2]]) == {
+    assert agent_counts(calls, [calls[0], calls[2]]) == {
         "writer": {"calls": 2, "trained": 2},
         "checker": {"calls": 1, "trained": 0},
         "(unnamed)": {"calls": 1, "trained": 0},

@@ -1,24 +1,20 @@
-"""Held-out accuracy of a policy on one split, through the real stack: HF backend, gateway, AutoGen agent.
+"""How the calculator agent used its tool, per operation, on top of ``agl eval``.
 
-    python evaluate.py dev.jsonl                                 # the base SmolLM2-135M-Instruct
-    python evaluate.py val.jsonl --adapter runs/calc_autogen/adapter --samples 4 --temperature 1
+    python examples/calc_autogen/evaluate.py dev.jsonl                     # the base SmolLM2-135M-Instruct
+    python examples/calc_autogen/evaluate.py val.jsonl --checkpoint runs/calc_autogen --samples 4
 
-Prints the mean reward, its standard error over problems and n (problems x samples), plus how the agent
-used its tool. A problem's score is the mean over its ``--samples`` attempts; the standard error is that
-of the mean over problems (attempts of one problem are not independent).
+Scores the policy exactly as ``agl eval examples/calc_autogen/config.yaml --tasks FILE`` does (the same
+line: mean ± SE over problems, n), then reads each rollout's spans for what the model wrote: per operation
+of the reference expression, the problems' mean reward and the operators of the model's first calculator
+call, and how many calls it made and how many failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
-import concurrent.futures
-import dataclasses
 import json
-import math
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,52 +24,6 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import agent as calc_agent  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class Evaluation:
-    """Per-problem mean rewards (in task order) and tool-use counts over every attempt."""
-
-    task_ids: list[str]
-    scores: list[float]
-    attempts: int
-    tool_calls: int
-    tool_errors: int
-    no_tool: int
-    seconds: float
-    #: Every attempt, ``samples`` per problem in task order.
-    outcomes: list[calc_agent.Outcome] = dataclasses.field(default_factory=list, repr=False)
-
-    @property
-    def mean(self) -> float:
-        return sum(self.scores) / len(self.scores)
-
-    @property
-    def stderr(self) -> float:
-        n = len(self.scores)
-        if n < 2:
-            return float("nan")
-        m = self.mean
-        return math.sqrt(sum((s - m) ** 2 for s in self.scores) / (n - 1) / n)
-
-    def summary(self, label: str) -> str:
-        return (
-            f"{label}: mean={self.mean:.3f} se={self.stderr:.3f} n={len(self.scores)} problems"
-            f" x {self.attempts // len(self.scores)} samples | tool calls/attempt={self.tool_calls / self.attempts:.2f}"
-            f" failed tool calls={self.tool_errors} attempts without a tool call={self.no_tool}"
-            f" | {self.seconds:.0f}s"
-        )
-
-
-def paired_difference(before: Evaluation, after: Evaluation) -> tuple[float, float]:
-    """Mean and standard error of ``after - before`` per problem (the same problems in the same order)."""
-    if before.task_ids != after.task_ids:
-        raise ValueError("the two evaluations are over different problems")
-    diffs = [a - b for a, b in zip(after.scores, before.scores)]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
-    return mean, se
 
 
 def operators(expression: str) -> str:
@@ -100,116 +50,89 @@ def operator_report(
     return "\n".join(lines)
 
 
-def load_split(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    tasks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not tasks:
-        raise ValueError(f"{path}: no problems")
-    return tasks[:limit] if limit else tasks
+def outcome_from_spans(reward: float, spans: Sequence[Any]) -> calc_agent.Outcome:
+    """What one rollout did, read from its spans: the gateway's record of each reply (the calls the
+    model asked for, its text) and the calculator's tool spans (which of them raised)."""
+    from agl_core import semconv
 
-
-def evaluate(
-    model: Any,
-    tokenizer: Any,
-    tasks: Sequence[dict[str, Any]],
-    *,
-    samples: int = 1,
-    temperature: float = 0.0,
-    max_tokens: int = calc_agent.MAX_TOKENS,
-    concurrency: int = 16,
-) -> Evaluation:
-    """Serve ``model`` behind a gateway on a free port and run the agent ``samples`` times on each task."""
-    from agl_core._serve import BackgroundServer
-    from agl_core.gateway import create_gateway_app
-    from agl_core.runner import LLM
-    from agl_trainer.hf_backend import HFBackend
-
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    start = time.monotonic()
-    backend = HFBackend(
-        model, tokenizer, model_name="agl-policy", default_max_tokens=max_tokens, max_batch=concurrency
+    replies = sorted(
+        (s for s in spans if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY),
+        key=lambda s: s.start_ns,
     )
-    try:
-        with BackgroundServer(create_gateway_app(backend)) as gateway:
-            llm = LLM(base_url=f"{gateway.url}/v1", model="agl-policy")
-
-            def attempt(task: dict[str, Any]) -> calc_agent.Outcome:
-                return asyncio.run(
-                    calc_agent.run_agent(
-                        task["question"], task["answer"], llm, temperature=temperature, max_tokens=max_tokens
-                    )
-                )
-
-            jobs = [task for task in tasks for _ in range(samples)]
-            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                outcomes = list(pool.map(attempt, jobs))
-    finally:
-        backend.close()
-    scores = [
-        sum(o.reward for o in outcomes[i * samples : (i + 1) * samples]) / samples for i in range(len(tasks))
-    ]
-    return Evaluation(
-        task_ids=[str(t.get("id", i)) for i, t in enumerate(tasks)],
-        scores=scores,
-        attempts=len(outcomes),
-        tool_calls=sum(o.tool_calls for o in outcomes),
-        tool_errors=sum(o.tool_errors for o in outcomes),
-        no_tool=sum(o.tool_calls == 0 for o in outcomes),
-        seconds=time.monotonic() - start,
-        outcomes=outcomes,
+    expressions: list[str] = []
+    text = ""
+    for span in replies:
+        for message in json.loads(span.attributes.get(semconv.GEN_AI_OUTPUT_MESSAGES) or "[]"):
+            called = [
+                calc_agent._expression_of(call.get("function", {}).get("arguments", ""))
+                for call in message.get("tool_calls") or []
+            ]
+            expressions += called
+            text = message.get("content") or ", ".join(f"calculator({e!r})" for e in called)
+    errors = sum(
+        s.is_error and s.attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL
+        for s in spans
     )
+    return calc_agent.Outcome(None, reward, len(expressions), errors, text, tuple(expressions))
 
 
-def load_model(source: str, adapter: Path | None) -> tuple[Any, Any]:
-    from agl_trainer.model import load_policy
-
-    model, tokenizer = load_policy(source)
-    if adapter is not None:
-        from peft import PeftModel
-
-        if not (adapter / "adapter_config.json").is_file():
-            raise SystemExit(
-                f"{adapter} has no adapter_config.json; pass the directory a LoRA adapter was saved to"
-            )
-        model = PeftModel.from_pretrained(model, str(adapter))
-    return model, tokenizer
-
-
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("split", type=Path, help="JSONL problems (dev.jsonl, val.jsonl, ...)")
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a local model directory")
-    parser.add_argument("--adapter", type=Path, help="a saved LoRA adapter directory to evaluate")
-    parser.add_argument("--samples", type=int, default=1, help="attempts per problem")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--max-tokens", type=int, default=calc_agent.MAX_TOKENS)
-    parser.add_argument("--limit", type=int, help="only the first N problems")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--show", type=int, default=0, help="print the agent's final message for N problems")
-    args = parser.parse_args(argv)
-    if not args.split.is_file():
-        raise SystemExit(f"{args.split} does not exist; write the splits with make_tasks.py")
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    tasks = load_split(args.split, args.limit)
-    model, tokenizer = load_model(args.model, args.adapter)
-    result = evaluate(
-        model,
-        tokenizer,
-        tasks,
-        samples=args.samples,
-        temperature=args.temperature,
-        max_tokens=args.max_tokens,
+    parser.add_argument(
+        "tasks", nargs="?", help="JSONL problems (dev.jsonl, val.jsonl; default: the config's val)"
     )
-    for task, outcome in zip([t for t in tasks for _ in range(args.samples)], result.outcomes[: args.show]):
+    parser.add_argument(
+        "--config", default=str(HERE / "config.yaml"), help="the trainer config (default: this example's)"
+    )
+    parser.add_argument(
+        "--checkpoint", help="a checkpoint (or run) directory to score instead of the base model"
+    )
+    parser.add_argument("--samples", type=int, default=1, help="attempts per problem")
+    parser.add_argument("--limit", type=int, help="only the first N problems")
+    parser.add_argument("--split", default="val", help="llm.split: val decodes greedily, train samples")
+    parser.add_argument("--show", type=int, default=0, help="print the model's reply for N attempts")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+
+    from agl_trainer import load_config
+    from agl_trainer.evaluate import evaluate
+
+    path = None
+    if args.tasks is not None:
+        path = Path(args.tasks) if Path(args.tasks).is_file() else HERE / args.tasks
+        if not path.is_file():
+            parser.error(
+                f"{args.tasks} does not exist (here or in {HERE}); write the splits with make_tasks.py"
+            )
+    config = load_config(args.config, args.overrides)
+    done = evaluate(
+        config,
+        tasks=path,
+        checkpoint=args.checkpoint,
+        samples=args.samples,
+        limit=args.limit,
+        split=args.split,
+        keep_spans=True,
+    )
+    score = done.score
+    outcomes = [outcome_from_spans(r.reward, score.spans.get(r.rollout_id, [])) for r in score.rollouts]
+    tasks = [t.input for t in done.tasks]
+    for task, outcome in zip(
+        [t for t in tasks for _ in range(args.samples)], outcomes[: args.show], strict=False
+    ):
         print(
             f"[{outcome.reward:.0f}] {task['question']} (answer {task['answer']}) -> {outcome.final_text!r}"
         )
-    print(operator_report(tasks, result.outcomes, args.samples))
-    print(result.summary(f"{args.split.name}{' + ' + str(args.adapter) if args.adapter else ''}"))
+    print(operator_report(tasks, outcomes, args.samples))
+    attempts = len(outcomes)
+    print(
+        f"tool calls/attempt={sum(o.tool_calls for o in outcomes) / attempts:.2f}"
+        f" failed tool calls={sum(o.tool_errors for o in outcomes)}"
+        f" attempts without a tool call={sum(o.tool_calls == 0 for o in outcomes)}"
+    )
+    print(f"{score.policy}: {score.result.describe()}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""What a training run shows and leaves behind: the live display, the reward curve, TensorBoard scalars."""
+"""What a training run shows and leaves behind: the live display, the per-step lines, the held-out
+before/after summary, the reward curve, TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -7,25 +8,26 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Display", "Scalars", "mean_se", "plot_reward_curve"]
+from .results import EvalResult, StepMetrics, mean_se
+from .step import StepOutcome
+
+__all__ = [
+    "Display",
+    "Scalars",
+    "format_step",
+    "held_out_line",
+    "mean_se",
+    "paired_difference",
+    "plot_reward_curve",
+    "step_lines",
+]
 
 logger = logging.getLogger(__name__)
-
-
-def mean_se(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (0 for fewer than two values)."""
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
 
 
 class Display:
@@ -117,8 +119,8 @@ class Scalars:
         except ImportError:
             if mode is True:
                 raise RuntimeError(
-                    "logging.tensorboard is true but tensorboard is not installed: pip install 'tensorboard<2.20'"
-                    " (or set logging.tensorboard: auto)"
+                    "logging.tensorboard is true but tensorboard is not installed:"
+                    " pip install 'tensorboard<2.20' (or set logging.tensorboard: auto)"
                 ) from None
             return
         self._writer = SummaryWriter(str(log_dir))
@@ -162,10 +164,10 @@ def plot_reward_curve(
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     try:
         if train:
-            xs, ys = zip(*train)
+            xs, ys = zip(*train, strict=True)
             ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label="train (mean reward of the step)")
         if val:
-            xs, ys, errs = zip(*val)
+            xs, ys, errs = zip(*val, strict=True)
             ax.errorbar(
                 xs,
                 ys,
@@ -188,3 +190,83 @@ def plot_reward_curve(
     finally:
         plt.close(fig)
     return path
+
+
+def format_step(m: StepMetrics, total_steps: int) -> str:
+    """The one line a training step prints."""
+    reward = f"{m.mean_reward:.3f}" if m.mean_reward is not None else "n/a"
+    # On-policy, the PPO loss starts near 0 by construction (ratio 1, advantages centred per group); the
+    # gradient norm shows the update's size.
+    loss = (
+        f"{m.loss:+.4f} grad_norm={m.grad_norm:.3f}"
+        if m.loss is not None and m.grad_norm is not None
+        else "skipped"
+    )
+    extra = f" failed={m.rollouts_failed}" if m.rollouts_failed else ""
+    extra += f" late={m.rollouts_late}" if m.rollouts_late else ""
+    return (
+        f"step {m.step}/{total_steps}  rollouts={m.rollouts}{extra}  transitions={m.transitions}"
+        f" (trained {m.trained_transitions})  mean_reward={reward}  loss={loss}  tokens={m.tokens}"
+        f" ({m.tokens_per_s:,.0f}/s)  policy=v{m.policy_version}  {m.seconds:.1f}s"
+    )
+
+
+def step_lines(
+    outcome: StepOutcome, total_steps: int, *, show_agents: bool, inspect_hint: str = ""
+) -> list[str]:
+    """What a training step prints: :func:`format_step`, then what the batch left out and why.
+
+    ``show_agents`` lists the calls trained per agent even when there is one agent (it is when
+    ``algorithm.agents`` selects some); ``inspect_hint`` follows ``agl inspect ROLLOUT_ID`` in the hint for
+    rollouts that gave no training data (e.g. `` --store runs/x/store.sqlite``).
+    """
+    metrics, batch = outcome.metrics, outcome.batch
+    report = batch.report
+    lines = [format_step(metrics, total_steps)]
+    if metrics.redrawn_tasks:
+        lines.append(
+            f"  redrew {metrics.redrawn_tasks} tasks in {outcome.redraw_rounds} round(s) for groups with"
+            f" differing rewards: {batch.signal_groups} of {report.groups} groups train"
+        )
+    if report.skipped_no_variance:
+        lines.append(
+            f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal),"
+            " skipped"
+        )
+    if len(metrics.agents) > 1 or show_agents:
+        lines.append(
+            "  agents: "
+            + ", ".join(
+                f"{name} {c['trained']}/{c['calls']} calls trained" for name, c in metrics.agents.items()
+            )
+        )
+    lines.extend(f"  {line}" for line in batch.credit.summary())
+    call_problems = Counter(p.reason for p in batch.result.problems if p.span_id is not None)
+    lines.extend(
+        f"  {count} LLM calls not trained: {reason}" for reason, count in call_problems.most_common()
+    )
+    untrained = batch.untrained
+    if untrained:
+        lines.append(
+            f"  {len(untrained)} rollouts gave no training data"
+            f" (see: agl inspect {next(iter(untrained))}{inspect_hint}):"
+        )
+        lines.extend(f"    {count} x {reason}" for reason, count in Counter(untrained.values()).most_common())
+    return lines
+
+
+def paired_difference(before: EvalResult, after: EvalResult) -> tuple[float, float, int]:
+    """Mean and SE of the per-task difference after - before, over the tasks both evaluated."""
+    common = sorted(set(before.task_scores) & set(after.task_scores))
+    diffs = [after.task_scores[t] - before.task_scores[t] for t in common]
+    mean, se = mean_se(diffs)
+    return mean, se, len(common)
+
+
+def held_out_line(before: EvalResult, after: EvalResult) -> str:
+    """The before/after summary of two scores on the same tasks, with the paired SE of the change."""
+    diff, diff_se, n = paired_difference(before, after)
+    return (
+        f"held-out reward: before {before.describe()} -> after {after.describe()}; "
+        f"change {diff:+.3f} ± {diff_se:.3f} (paired SE over {n} tasks)"
+    )

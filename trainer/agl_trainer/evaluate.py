@@ -1,0 +1,502 @@
+"""``agl eval``: score a policy on a task file the way the trainer's validation does.
+
+    agl eval CONFIG                                  # the base model on the config's validation split
+    agl eval CONFIG --checkpoint runs/x              # the newest checkpoint of a run
+    agl eval CONFIG --checkpoint DIR --baseline      # ... and the base model, with the paired change
+    agl eval CONFIG --tasks dev.jsonl --samples 4 --per-field op --output scores.jsonl
+
+The policy is served through the gateway as in training (the config's ``serving``, ``gateway`` and
+``runner`` sections), the agent runs on every task ``--samples`` times (default
+``validation.rollouts_per_task``) with ``llm.split == "val"`` so agents that follow ``llm.evaluating``
+decode greedily, and each task's score is the mean reward of its rollouts (a failed one scores 0):
+:func:`~agl_trainer.rollouts.score_tasks`, the scorer of the trainer's validation. The rollouts go to a
+store in a temporary directory (or to ``store.url``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agl_core.records import Span, Task
+
+from .config import ConfigError, TrainerConfig, load_config
+from .data import DatasetError, load_splits, load_tasks
+from .reporting import held_out_line, paired_difference
+from .results import EvalResult, mean_se
+from .rollouts import RolloutQueue, ScoredRollout, score_tasks
+
+if TYPE_CHECKING:
+    from agl_core.plugins import CliCommand
+
+    from .services import Services
+
+__all__ = [
+    "EVAL_COMMAND",
+    "Checkpoint",
+    "EvalError",
+    "Evaluation",
+    "PolicyScore",
+    "check_field",
+    "evaluate",
+    "find_checkpoint",
+    "per_field_table",
+    "report",
+    "write_task_scores",
+]
+
+_STATE_FILE = "state.json"
+
+
+class EvalError(ValueError):
+    """An evaluation cannot run as asked (a missing checkpoint, a task field no task has); the message
+    says what to pass instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A policy ``agl train`` saved: a checkpoint directory (``output_dir/checkpoints/step-N``) with a
+    LoRA ``adapter`` directory or full ``weights``, or a bare PEFT adapter directory."""
+
+    path: Path
+    adapter: Path | None
+    weights: Path | None
+    #: The training step and policy version it was saved at (``None`` for a bare adapter directory).
+    step: int | None = None
+    policy_version: int | None = None
+
+    def describe(self) -> str:
+        return str(self.path) + (
+            f" (policy v{self.policy_version})" if self.policy_version is not None else ""
+        )
+
+
+def find_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint at ``path``: a checkpoint directory, its ``adapter`` directory, any PEFT adapter
+    directory, or a directory of checkpoints (a run's ``output_dir`` or its ``checkpoints``), whose newest
+    is taken. Raises :class:`EvalError` naming what was there instead."""
+    path = Path(path)
+    if not path.is_dir():
+        raise EvalError(f"checkpoint {path} is not a directory")
+    if (path / _STATE_FILE).is_file():
+        state = json.loads((path / _STATE_FILE).read_text())
+        adapter = path / "adapter"
+        weights = path / "model.safetensors"
+        if not (adapter / "adapter_config.json").is_file() and not weights.is_file():
+            raise EvalError(f"checkpoint {path} holds neither an adapter/ directory nor model.safetensors")
+        return Checkpoint(
+            path,
+            adapter if (adapter / "adapter_config.json").is_file() else None,
+            weights if weights.is_file() else None,
+            int(state["step"]) if "step" in state else None,
+            int(state["policy_version"]) if "policy_version" in state else None,
+        )
+    if (path / "adapter_config.json").is_file():
+        return Checkpoint(path, path, None)
+    for root in (path / "checkpoints", path):
+        found = sorted(
+            (p for p in root.glob("step-*") if (p / _STATE_FILE).is_file()),
+            key=lambda p: p.name,
+        )
+        if found:
+            return find_checkpoint(found[-1])
+    raise EvalError(
+        f"{path} holds no checkpoint: pass a checkpoint directory (OUTPUT_DIR/checkpoints/step-N), a LoRA"
+        " adapter directory, or a run's output_dir"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyScore:
+    """One policy's score: what was scored, the result, every rollout behind it (in task order) and,
+    when asked for, each rollout's spans by rollout id."""
+
+    policy: str
+    result: EvalResult
+    rollouts: list[ScoredRollout]
+    spans: dict[str, list[Span]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """:func:`evaluate`'s answer: the tasks, the policy's score and, when asked for, the baseline's."""
+
+    tasks: list[Task]
+    score: PolicyScore
+    baseline: PolicyScore | None = None
+
+    @property
+    def result(self) -> EvalResult:
+        return self.score.result
+
+
+class _Progress:
+    """Rollout progress for :class:`~agl_trainer.rollouts.RolloutQueue`: lines only."""
+
+    def __init__(self, echo: Callable[[str], None]) -> None:
+        self.line = echo
+
+    def rollouts(self, label: str, done: int, failed: int, total: int) -> None:
+        pass
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+def _choose_tasks(
+    config: TrainerConfig, tasks: Sequence[Task] | str | Path | None, limit: int | None
+) -> list[Task]:
+    if tasks is None:
+        chosen = load_splits(config.tasks)[1]
+        if not chosen:
+            raise EvalError(
+                "the config has no validation split (tasks.val or tasks.val_fraction); pass a task file"
+                " (--tasks FILE)"
+            )
+        limit = limit or config.validation.max_tasks
+    elif isinstance(tasks, (str, Path)):
+        path = Path(tasks)
+        if not path.is_file() and not path.is_absolute() and (config.base_dir / path).is_file():
+            path = config.base_dir / path  # as the config names its own task files
+        chosen = load_tasks(path)
+    else:
+        chosen = list(tasks)
+    return chosen[:limit] if limit else chosen
+
+
+def _load_served_model(config: TrainerConfig, echo: Callable[[str], None]) -> tuple[Any, Any]:
+    """The base model to serve (``None`` when vLLM serves it) and its tokenizer."""
+    from .model import load_policy, load_tokenizer, torch_device
+
+    if config.serving.backend != "hf":
+        return None, load_tokenizer(config.model.source)
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(config.train.threads)
+    # peft asks transformers a deprecated question when it wraps a model; not actionable for a user.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
+    model = model.to(torch_device(config.update.device))
+    model.eval()
+    echo(f"model: {config.model.source} on {next(model.parameters()).device}")
+    return model, tokenizer
+
+
+def _serve_checkpoint(services: Services, checkpoint: Checkpoint) -> None:
+    """Serve ``checkpoint`` from the next request on, under its policy version (or the next one)."""
+    from agl_core.gateway.backend import PolicyUpdate
+
+    from .serving import HFServing
+
+    serving = services.serving
+    version = max(checkpoint.policy_version or 0, serving.policy_version + 1)
+    if checkpoint.adapter is not None:
+        serving.publish_adapter(checkpoint.adapter, version)
+    elif isinstance(serving, HFServing):
+        serving.backend.load_policy(PolicyUpdate(version, str(checkpoint.path), "full"))
+    else:
+        raise EvalError(
+            f"{checkpoint.path} holds full weights, and vLLM serving loads LoRA adapters only; evaluate it"
+            " with --set serving.backend=hf"
+        )
+    services.publish()
+
+
+def evaluate(
+    config: TrainerConfig,
+    *,
+    tasks: Sequence[Task] | str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    baseline: bool | str | Path = False,
+    samples: int | None = None,
+    limit: int | None = None,
+    split: str = "val",
+    keep_spans: bool = False,
+    store: str | Path | None = None,
+    echo: Callable[[str], None] = _quiet,
+) -> Evaluation:
+    """Score a policy on ``tasks`` (a task file, relative to the working directory or else to the
+    config's folder; tasks; or by default the config's validation split cut to ``validation.max_tasks``;
+    ``limit``: only the first N) with ``samples`` rollouts per task (default
+    ``validation.rollouts_per_task``).
+
+    The policy is the base model, or ``checkpoint`` (see :func:`find_checkpoint`). ``baseline`` scores
+    a second policy first on the same tasks: ``True`` the base model, a path another checkpoint.
+    ``split`` is what agents see as ``llm.split`` (``"val"``: ``llm.evaluating``, greedy decoding).
+    ``keep_spans`` keeps every rollout's spans in the answer; ``store`` keeps the rollouts and their
+    spans in that SQLite file (for ``agl inspect``) instead of a temporary one. ``echo`` gets progress
+    lines (services started, failed rollouts). Raises :class:`EvalError` (or
+    :class:`~agl_trainer.data.DatasetError`) for bad input before anything starts.
+    """
+    from agl_core.runner import load_agent, resolve_mode
+
+    from .services import start_runners, start_services, start_store
+
+    if samples is not None and samples < 1:
+        raise EvalError(f"samples must be at least 1, got {samples}")
+    if limit is not None and limit < 1:
+        raise EvalError(f"limit must be at least 1, got {limit}")
+    if store is not None and config.store.url:
+        raise EvalError(
+            f"the config sends rollouts to store.url {config.store.url}; drop --store, or that key"
+        )
+    chosen = _choose_tasks(config, tasks, limit)
+    target = find_checkpoint(checkpoint) if checkpoint is not None else None
+    policies: list[tuple[str, Checkpoint | None]] = []
+    if baseline is not False:
+        if target is None:
+            raise EvalError("a baseline is compared with a checkpoint; pass --checkpoint DIR as well")
+        base = None if baseline is True else find_checkpoint(baseline)
+        if base is not None and (base.adapter is None) != (target.adapter is None):
+            raise EvalError(
+                f"{base.path} and {target.path} hold different kinds of weights (a LoRA adapter and full"
+                " weights); compare checkpoints of the same kind, or each with the base model"
+            )
+        policies.append((base.describe() if base else f"{config.model.source} (base model)", base))
+    policies.append((target.describe() if target else f"{config.model.source} (base model)", target))
+    agent = load_agent(config.agent, search_paths=(config.base_dir,))
+    resolve_mode(agent, config.runner.mode)  # a bad agent or mode fails before anything starts
+    per_task = samples or config.validation.rollouts_per_task
+
+    scores: list[PolicyScore] = []
+    with ExitStack() as stack:
+        if store is None:
+            store = (
+                Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agl-eval-"))) / "store.sqlite"
+            )
+        connection = start_store(config, stack, file=Path(store), echo=echo)
+        model, tokenizer = _load_served_model(config, echo)
+        services = start_services(config, stack, connection, model=model, tokenizer=tokenizer, echo=echo)
+        queue = RolloutQueue(
+            services.client,
+            _Progress(echo),
+            step_timeout_s=config.runner.step_timeout_s,
+            flush=services.flush,
+        )
+        start_runners(config, services, agent, stack, echo=echo)
+        for label, policy in policies:
+            if policy is not None:
+                _serve_checkpoint(services, policy)
+            scored = score_tasks(
+                queue,
+                chosen,
+                step=(policy.step or 0) if policy is not None else 0,
+                rollouts_per_task=per_task,
+                max_attempts=config.runner.max_attempts,
+                split=split,
+                label=f"eval {label}",
+                keep_spans=keep_spans,
+            )
+            scores.append(PolicyScore(label, scored.result, scored.rollouts, scored.spans))
+    return Evaluation(chosen, scores[-1], scores[0] if len(scores) > 1 else None)
+
+
+def _field_value(task: Task, field: str) -> str:
+    value = task.input.get(field) if isinstance(task.input, dict) else None
+    return "(missing)" if value is None else str(value)
+
+
+def check_field(tasks: Sequence[Task], field: str) -> None:
+    """Raise :class:`EvalError` unless some task's input has ``field``."""
+    if any(isinstance(t.input, dict) and field in t.input for t in tasks):
+        return
+    known = sorted({k for t in tasks if isinstance(t.input, dict) for k in t.input})
+    raise EvalError(f"no task has a field {field!r}; the tasks' fields are: {', '.join(known) or '(none)'}")
+
+
+def per_field_table(evaluation: Evaluation, field: str) -> str:
+    """The per-task scores grouped by the tasks' ``field``: tasks, mean ± SE per value (and, with a
+    baseline, its mean ± SE and the paired change), values in sorted order."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for task in evaluation.tasks:
+        groups[_field_value(task, field)].append(task.task_id)
+    after = evaluation.result
+    before = evaluation.baseline.result if evaluation.baseline is not None else None
+    rows = [[field, "tasks", "score"] + (["baseline", "change"] if before is not None else [])]
+    for value in sorted(groups):
+        ids = [t for t in groups[value] if t in after.task_scores]
+        mean, se = mean_se([after.task_scores[t] for t in ids])
+        row = [value, str(len(groups[value])), f"{mean:.3f} ± {se:.3f}"]
+        if before is not None:
+            common = [t for t in ids if t in before.task_scores]
+            b_mean, b_se = mean_se([before.task_scores[t] for t in common])
+            diff, diff_se, _ = paired_difference(_only(before, common), _only(after, common))
+            row += [f"{b_mean:.3f} ± {b_se:.3f}", f"{diff:+.3f} ± {diff_se:.3f}"]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    )
+
+
+def _only(result: EvalResult, task_ids: Sequence[str]) -> EvalResult:
+    return dataclasses.replace(result, task_scores={t: result.task_scores[t] for t in task_ids})
+
+
+def write_task_scores(evaluation: Evaluation, path: Path) -> None:
+    """One JSON line per task: its id, score, each rollout's reward, status and id, the baseline's score
+    when there is one, and the task's input."""
+    rollouts: dict[str, list[ScoredRollout]] = defaultdict(list)
+    for r in evaluation.score.rollouts:
+        rollouts[r.task_id].append(r)
+    with path.open("w", encoding="utf-8") as fh:
+        for task in evaluation.tasks:
+            row: dict[str, Any] = {
+                "task_id": task.task_id,
+                "score": evaluation.result.task_scores.get(task.task_id),
+                "rewards": [r.reward for r in rollouts[task.task_id]],
+                "statuses": [r.status.value for r in rollouts[task.task_id]],
+                "rollout_ids": [r.rollout_id for r in rollouts[task.task_id]],
+            }
+            if evaluation.baseline is not None:
+                row["baseline_score"] = evaluation.baseline.result.task_scores.get(task.task_id)
+            row["input"] = task.input
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def report(evaluation: Evaluation) -> list[str]:
+    """The lines ``agl eval`` prints: each policy's mean ± SE and n, then (with a baseline) the paired
+    before/after line ``agl train`` ends with."""
+    lines = []
+    if evaluation.baseline is not None:
+        lines.append(f"{evaluation.baseline.policy}: {evaluation.baseline.result.describe()}")
+    lines.append(f"{evaluation.score.policy}: {evaluation.result.describe()}")
+    if evaluation.baseline is not None:
+        lines.append(held_out_line(evaluation.baseline.result, evaluation.result))
+    return lines
+
+
+def _fail(message: str) -> int:
+    print(f"agl eval: {message}", file=sys.stderr)
+    return 2
+
+
+class EvalCommand:
+    """``agl eval``: the ``agl`` subcommand (an entry point in the ``agl.commands`` group, implementing
+    :class:`agl_core.plugins.CliCommand`); it imports torch only when it runs."""
+
+    name = "eval"
+    help = "score a policy (the base model or a checkpoint) on a task file, as validation does"
+    extra = "trainer"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("config", help="path of the trainer's YAML config")
+        parser.add_argument(
+            "--tasks",
+            metavar="FILE",
+            help="JSONL or Parquet task file, relative to the working directory or else to the config's"
+            " folder (default: the config's validation split)",
+        )
+        parser.add_argument(
+            "--checkpoint",
+            metavar="DIR",
+            help="score this checkpoint (a checkpoints/step-N directory, an adapter directory, or a run's"
+            " output_dir for its newest) instead of the base model",
+        )
+        parser.add_argument(
+            "--baseline",
+            nargs="?",
+            const=True,
+            default=False,
+            metavar="DIR",
+            help="also score the base model (or checkpoint DIR) and print the paired before/after change",
+        )
+        parser.add_argument(
+            "--samples",
+            type=int,
+            metavar="N",
+            help="rollouts per task (default: validation.rollouts_per_task)",
+        )
+        parser.add_argument("--limit", type=int, metavar="N", help="only the first N tasks")
+        parser.add_argument(
+            "--split",
+            default="val",
+            help="what the agent sees as llm.split (default: val, greedy in agents that follow"
+            " llm.evaluating; train samples as in training)",
+        )
+        parser.add_argument(
+            "--per-field", metavar="FIELD", help="also print the scores grouped by a task field"
+        )
+        parser.add_argument("--output", metavar="FILE.jsonl", help="write one JSON line per task")
+        parser.add_argument(
+            "--store",
+            metavar="FILE",
+            help="keep the rollouts and their spans in this SQLite file, for agl inspect (default: a"
+            " temporary one)",
+        )
+        parser.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override one config key, e.g. --set serving.backend=hf (repeatable)",
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        try:
+            config = load_config(args.config, args.overrides)
+        except ConfigError as exc:
+            return _fail(str(exc))
+        from .model import ModelNotFoundError
+        from .requirements import check_requirements
+
+        try:
+            check_requirements(config)
+            tasks = _choose_tasks(config, args.tasks, args.limit)
+            if args.per_field:
+                check_field(tasks, args.per_field)
+            for path in (args.checkpoint, args.baseline if isinstance(args.baseline, str) else None):
+                if path is not None:
+                    find_checkpoint(path)
+            evaluation = evaluate(
+                config,
+                tasks=tasks,
+                checkpoint=args.checkpoint,
+                baseline=args.baseline,
+                samples=args.samples,
+                split=args.split,
+                store=args.store,
+                echo=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+        except (EvalError, DatasetError, ModelNotFoundError, ValueError) as exc:
+            return _fail(str(exc).replace("\n", " "))
+        except KeyboardInterrupt:
+            print("agl eval: interrupted", file=sys.stderr)
+            return 130
+        for line in report(evaluation):
+            print(line)
+        if args.per_field:
+            print(per_field_table(evaluation, args.per_field))
+        if args.output:
+            write_task_scores(evaluation, Path(args.output))
+            print(f"per-task scores: {args.output}")
+        return 0
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """Run as a program of its own: ``python -m agl_trainer.evaluate CONFIG ...``."""
+        parser = argparse.ArgumentParser(prog="agl eval", description=self.help)
+        self.add_arguments(parser)
+        return self.run(parser.parse_args(argv))
+
+
+#: The ``agl eval`` command.
+EVAL_COMMAND: CliCommand = EvalCommand()
+
+if __name__ == "__main__":
+    raise SystemExit(EvalCommand().main())

@@ -1,0 +1,229 @@
+"""Rollouts through the store: a round of them queued, waited for and cut off at the step deadline, and
+the held-out scorer built on it (the trainer's validation and ``agl eval`` both score with
+:func:`score_tasks`).
+
+Nothing here imports torch: the store is reached through :class:`RolloutClient` (a
+:class:`~agl_core.store.StoreClient` is one), progress through :class:`Progress`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from agl_core.records import Rollout, RolloutStatus, Span, Task
+from agl_core.transitions import episode_rewards
+
+from .results import EvalResult, mean_se
+
+__all__ = [
+    "Progress",
+    "RolloutClient",
+    "RolloutQueue",
+    "RolloutRound",
+    "Scored",
+    "ScoredRollout",
+    "rollout_rewards",
+    "score_tasks",
+]
+
+
+class RolloutClient(Protocol):
+    """What rollouts need of the store (:class:`~agl_core.store.StoreClient` has it all)."""
+
+    def enqueue_rollouts(self, requests: Iterable[dict[str, Any]]) -> list[Rollout]: ...
+
+    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]: ...
+
+    def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]: ...
+
+    def all_spans(self, rollout_ids: Sequence[str]) -> list[Span]: ...
+
+    def mark_consumed(self, rollout_ids: Sequence[str]) -> int: ...
+
+
+class Progress(Protocol):
+    """Where a job shows what it does (:class:`~agl_trainer.reporting.Display` is one)."""
+
+    def line(self, text: str) -> None: ...
+
+    def rollouts(self, label: str, done: int, failed: int, total: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRound:
+    """The rollouts of one round, by how they ended: succeeded, failed (or timed out), still running at the
+    deadline (then cancelled)."""
+
+    done: list[Rollout]
+    failed: list[Rollout]
+    late: list[Rollout]
+
+    def __add__(self, other: RolloutRound) -> RolloutRound:
+        return RolloutRound(self.done + other.done, self.failed + other.failed, self.late + other.late)
+
+    @property
+    def finished_ids(self) -> list[str]:
+        """Rollout ids of the succeeded and failed rollouts (the ones whose spans are complete)."""
+        return [r.rollout_id for r in [*self.done, *self.failed]]
+
+
+class RolloutQueue:
+    """Runs rounds of rollouts through the store for the workers to pick up.
+
+    ``flush`` is called once a round is over, before its spans are read (the gateway batches its spans;
+    the runner flushes the agent's before completing). ``inflight``, when given, is a file naming the
+    round's rollouts while it runs, so a run killed mid-round can cancel them when resumed
+    (:meth:`cancel_inflight`).
+    """
+
+    def __init__(
+        self,
+        client: RolloutClient,
+        progress: Progress,
+        *,
+        step_timeout_s: float,
+        flush: Callable[[], object] = lambda: None,
+        inflight: Path | None = None,
+    ) -> None:
+        self.client = client
+        self.progress = progress
+        self.step_timeout_s = step_timeout_s
+        self._flush = flush
+        self._inflight = inflight
+
+    def run(self, label: str, requests: list[dict[str, Any]]) -> RolloutRound:
+        """Enqueue ``requests``, wait until all are done or ``step_timeout_s`` passed, cancel the rest."""
+        queued = self.client.enqueue_rollouts(requests)
+        ids = [r.rollout_id for r in queued]
+        if self._inflight is not None:
+            self._inflight.write_text(json.dumps({"rollout_ids": ids}))
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            rollouts = self.client.get_rollouts(ids)
+            ok = sum(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
+            bad = sum(r.status.finished and r.status != RolloutStatus.SUCCEEDED for r in rollouts)
+            self.progress.rollouts(label, ok, bad, len(ids))
+            if ok + bad == len(ids) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+        late = [r for r in rollouts if not r.status.finished]
+        if late:
+            self.client.cancel_rollouts([r.rollout_id for r in late])
+        self._flush()
+        if self._inflight is not None:
+            self._inflight.unlink(missing_ok=True)
+        done = [r for r in rollouts if r.status == RolloutStatus.SUCCEEDED]
+        failed = [r for r in rollouts if r.status.finished and r.status != RolloutStatus.SUCCEEDED]
+        for r in failed[:3]:
+            last_error = (r.attempts[-1].error or "").strip().splitlines()[-1:] if r.attempts else []
+            self.progress.line(
+                f"  rollout {r.rollout_id} {r.status.value}: {last_error[0] if last_error else ''}"
+            )
+        if len(failed) > 3:
+            self.progress.line(f"  ... and {len(failed) - 3} more failed rollouts (agl inspect ROLLOUT_ID)")
+        if late:
+            self.progress.line(
+                f"  {len(late)} rollouts were not done after runner.step_timeout_s={self.step_timeout_s:g}s"
+                " and were cancelled"
+            )
+        return RolloutRound(done, failed, late)
+
+    def cancel_inflight(self) -> None:
+        """Cancel the rollouts of a round a killed run left in flight (named in the ``inflight`` file)."""
+        path = self._inflight
+        if path is None or not path.is_file():
+            return
+        ids = json.loads(path.read_text()).get("rollout_ids", [])
+        if ids:
+            self.client.cancel_rollouts(ids)
+            self.progress.line(f"cancelled {len(ids)} rollouts left over from the interrupted step")
+        path.unlink()
+
+
+def rollout_rewards(
+    done: Sequence[Rollout], spans_of: Callable[[list[str]], Sequence[Span]]
+) -> dict[str, float]:
+    """Episode reward of each succeeded rollout: the value the runner recorded, or (for agents that call
+    ``emit_reward`` themselves) the one in its spans (``spans_of(rollout_ids)``)."""
+    out = {r.rollout_id: r.reward for r in done if r.reward is not None}
+    missing = [r.rollout_id for r in done if r.reward is None]
+    if missing:
+        from_spans = episode_rewards(spans_of(missing))
+        out.update({rid: v for rid, v in from_spans.items() if math.isfinite(v)})
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredRollout:
+    """One scored rollout: its reward, 0 for a failed or late one (``status`` says which)."""
+
+    rollout_id: str
+    task_id: str
+    status: RolloutStatus
+    reward: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """:func:`score_tasks`' answer: the score, every rollout behind it (in task order), and, when asked
+    for, each rollout's spans by rollout id."""
+
+    result: EvalResult
+    rollouts: list[ScoredRollout]
+    spans: dict[str, list[Span]]
+
+
+def score_tasks(
+    queue: RolloutQueue,
+    tasks: Sequence[Task],
+    *,
+    step: int,
+    rollouts_per_task: int,
+    max_attempts: int,
+    split: str = "val",
+    label: str | None = None,
+    keep_spans: bool = False,
+) -> Scored:
+    """Roll out each task ``rollouts_per_task`` times and score the policy on them: a task's score is the
+    mean reward of its rollouts (a failed or late rollout scores 0), the result the mean over tasks with
+    its standard error.
+
+    The rollouts carry ``metadata["split"] = split``: agents see it as ``llm.split`` (``"val"`` makes
+    ``llm.evaluating`` true, so they decode greedily) and group ids ``val<step>:<task id>``.
+    """
+    requests = [
+        {
+            "task_id": t.task_id,
+            "input": t.input,
+            "group_id": f"val{step}:{t.task_id}",
+            "metadata": {"split": split, "step": step},
+            "max_attempts": max_attempts,
+        }
+        for t in tasks
+        for _ in range(rollouts_per_task)
+    ]
+    client = queue.client
+    finished = queue.run(label or f"validation @ step {step}", requests)
+    rewards = rollout_rewards(finished.done, client.all_spans)
+    per_task: dict[str, list[float]] = {t.task_id: [] for t in tasks}
+    scored: dict[str, list[ScoredRollout]] = {t.task_id: [] for t in tasks}
+    for r in [*finished.done, *finished.failed, *finished.late]:
+        reward = rewards.get(r.rollout_id, 0.0) if r.status == RolloutStatus.SUCCEEDED else 0.0
+        per_task[r.task_id or ""].append(reward)
+        scored[r.task_id or ""].append(ScoredRollout(r.rollout_id, r.task_id, r.status, reward))
+    scores = {tid: sum(v) / len(v) for tid, v in per_task.items() if v}
+    mean, se = mean_se(list(scores.values()))
+    spans: dict[str, list[Span]] = {}
+    if keep_spans:
+        ids = [r.rollout_id for r in [*finished.done, *finished.failed, *finished.late]]
+        for span in client.all_spans(ids):
+            spans.setdefault(span.rollout_id or "", []).append(span)
+    client.mark_consumed(finished.finished_ids)
+    result = EvalResult(step, mean, se, len(scores), len(finished.failed) + len(finished.late), scores)
+    return Scored(result, [r for rows in scored.values() for r in rows], spans)

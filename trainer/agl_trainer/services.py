@@ -1,0 +1,181 @@
+"""The services a training or evaluation job runs on: the store (embedded SQLite, or ``store.url``), the
+policy's serving backend, the gateway in front of it with its tracer provider, and the runner's workers.
+
+:func:`start_store`, :func:`start_services` and :func:`start_runners` start them in that order and return
+frozen records of what they started; every service is stopped by the :class:`~contextlib.ExitStack` it
+was given, in reverse order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from agl_core.gateway import create_gateway_app
+from agl_core.runner import LLM, LLM_RESOURCE, Runner, run_command
+from agl_core.server import BackgroundServer
+from agl_core.store import SqliteStore, StoreClient
+from agl_core.store.server import create_store_app
+from agl_core.tracing import make_otlp_exporter, setup_tracing
+
+from .config import TrainerConfig
+from .serving import HFServing, VLLMServing, start_serving
+
+__all__ = [
+    "AgentFn",
+    "Services",
+    "StoreConnection",
+    "start_runners",
+    "start_services",
+    "start_store",
+    "tracer_provider",
+]
+
+#: An agent as the runner calls it: ``agent(task_input, llm) -> reward | None`` (or ``async def``).
+AgentFn = Callable[[Any, LLM], Any]
+
+
+def tracer_provider(store_url: str, service: str) -> TracerProvider:
+    """A tracer provider of its own exporting to the store at ``store_url`` (batched every 200 ms)."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(BatchSpanProcessor(make_otlp_exporter(store_url), schedule_delay_millis=200))
+    return provider
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConnection:
+    """The store a job uses, and a client of it."""
+
+    #: Where runners and exporters reach the store.
+    url: str
+    #: The embedded store's SQLite file; ``None`` when ``store.url`` names a running store.
+    file: Path | None
+    client: StoreClient
+
+
+@dataclasses.dataclass(frozen=True)
+class Services:
+    """A job's started services (see the module docstring)."""
+
+    store: StoreConnection
+    serving: HFServing | VLLMServing
+    gateway: BackgroundServer
+    #: The gateway's spans go through this provider: flush it before reading a round's spans.
+    gateway_provider: TracerProvider
+    #: The model name agents send in their requests.
+    served_name: str
+
+    @property
+    def client(self) -> StoreClient:
+        return self.store.client
+
+    def publish(self) -> None:
+        """Tell the runners (the store's ``llm`` resource) where the policy is served and its version."""
+        self.client.put_resource(
+            LLM_RESOURCE,
+            {
+                "base_url": self.gateway.url,
+                "model": self.served_name,
+                "policy_version": self.serving.policy_version,
+            },
+        )
+
+    def flush(self) -> None:
+        """Export the gateway's buffered spans to the store."""
+        self.gateway_provider.force_flush()
+
+
+def start_store(
+    config: TrainerConfig, stack: ExitStack, *, file: Path | None, echo: Callable[[str], None]
+) -> StoreConnection:
+    """Connect to ``store.url``, or start the embedded store on the SQLite ``file`` (stopped by ``stack``)."""
+    if config.store.url:
+        url, file = config.store.url, None
+    else:
+        if file is None:
+            raise ValueError("the embedded store needs a file (or set store.url)")
+        store = SqliteStore(file)
+        stack.callback(store.close)
+        server = BackgroundServer(create_store_app(store)).start()
+        stack.callback(server.stop)
+        url = server.url
+    echo(f"store: {url} ({'remote' if file is None else file})")
+    client = StoreClient(url)
+    stack.callback(client.close)
+    return StoreConnection(url, file, client)
+
+
+def start_services(
+    config: TrainerConfig,
+    stack: ExitStack,
+    store: StoreConnection,
+    *,
+    model: Any,
+    tokenizer: Any,
+    echo: Callable[[str], None],
+) -> Services:
+    """Start the serving backend for ``model`` (see :func:`~agl_trainer.serving.start_serving`) and the
+    gateway in front of it, exporting its spans to ``store``; each is stopped by ``stack``. ``echo`` gets a
+    line saying where the gateway listens."""
+    serving = start_serving(config, model, tokenizer)
+    stack.callback(serving.close)
+    provider = tracer_provider(store.url, "agl-gateway")
+    stack.callback(provider.shutdown)
+    gateway = BackgroundServer(
+        create_gateway_app(serving.backend, tracer_provider=provider, renderer=serving.renderer),
+        config.gateway.host,
+        config.gateway.port,
+    ).start()
+    stack.callback(gateway.stop)
+    echo(f"gateway: {gateway.url}/v1 serving {config.model.served_name!r} ({serving.kind} backend)")
+    return Services(store, serving, gateway, provider, config.model.served_name)
+
+
+def start_runners(
+    config: TrainerConfig,
+    services: Services,
+    agent: AgentFn,
+    stack: ExitStack,
+    *,
+    echo: Callable[[str], None],
+) -> Runner | None:
+    """Publish the policy to the runners and start ``runner.workers`` of them on ``agent`` (stopped by
+    ``stack``); with ``runner.workers: 0``, print the ``agl run`` command that starts them elsewhere and
+    return ``None``."""
+    # The agent's own spans (its framework callback, rewards) go through the global provider, which is
+    # what an adapter uses by default.
+    agent_provider = setup_tracing(services.store.url, service_name="agl-agent")
+    stack.callback(agent_provider.force_flush)
+    services.publish()
+    if not config.runner.workers:
+        command = run_command(
+            config.agent,
+            services.store.url,
+            workers=1,
+            mode=config.runner.mode,
+            rollout_timeout_s=config.runner.rollout_timeout_s,
+            paths=[config.base_dir],
+        )
+        echo(f"runner: none started (runner.workers: 0); start runners with:\n  {command}")
+        return None
+    runner = Runner(
+        agent,
+        services.client,
+        agent_provider,
+        workers=config.runner.workers,
+        mode=config.runner.mode,
+        rollout_timeout_s=config.runner.rollout_timeout_s,
+        otlp_endpoint=services.store.url,
+    ).start()
+    stack.callback(lambda: runner.stop(timeout_s=10.0))
+    timeout = f", {config.runner.rollout_timeout_s:g}s per rollout" if config.runner.rollout_timeout_s else ""
+    echo(f"runner: {runner.workers} worker(s) in {runner.mode} mode{timeout}")
+    return runner

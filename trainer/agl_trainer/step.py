@@ -1,0 +1,212 @@
+"""One training step: rollout rounds -> a batch (spans -> transitions -> credit -> group advantages) -> the
+policy update -> the step's metrics.
+
+The update is injected (:class:`Learner`), so a step runs, and tests, without torch: the trainer passes
+the torch or verl update (:mod:`agl_trainer.policy`), a test a recording fake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from agl_core.credit import CreditResult, assign_rewards
+from agl_core.records import Rollout, RolloutStatus, Span, Task, Transition
+from agl_core.transitions import TransitionResult, explain_untrained, spans_to_transitions
+
+from .algo import Advantaged, GroupReport, compute_advantages
+from .config import TrainerConfig
+from .results import UNNAMED_AGENT, StepMetrics
+from .rollouts import RolloutQueue, RolloutRound, rollout_rewards
+
+__all__ = ["Batch", "Learner", "StepOutcome", "TrainStep", "UpdateStats", "agent_counts", "build_batch"]
+
+
+class UpdateStats(Protocol):
+    """What a step reports of an update (:class:`agl_trainer.update.UpdateStats` has it)."""
+
+    @property
+    def loss(self) -> float: ...
+
+    @property
+    def grad_norm(self) -> float: ...
+
+    @property
+    def tokens(self) -> int: ...
+
+
+class Learner(Protocol):
+    """The policy as a step sees it: the version being served, and the update that trains it."""
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version the gateway serves now."""
+
+    def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> UpdateStats:
+        """Train on ``samples`` (``group_of``: rollout id -> group id) and serve the result as the next
+        policy version before returning."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A step's episodes as training data."""
+
+    result: TransitionResult
+    credit: CreditResult
+    #: Rollouts that gave no trained transition -> why.
+    untrained: dict[str, str]
+    samples: list[Advantaged]
+    report: GroupReport
+    #: Rollout id -> group id.
+    group_of: dict[str, str]
+
+    @property
+    def signal_groups(self) -> int:
+        """Groups whose rollouts scored differently: the ones that train."""
+        return self.report.groups - self.report.skipped_no_variance - self.report.skipped_singleton
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What a step did: its metrics, the batch it trained on and how many redraw rounds it took."""
+
+    metrics: StepMetrics
+    batch: Batch
+    redraw_rounds: int
+
+
+def agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) -> dict[str, dict[str, int]]:
+    """LLM calls and trained transitions per agent name, in order of first appearance."""
+    counts: dict[str, dict[str, int]] = {}
+    for key, group in (("calls", calls), ("trained", trained)):
+        for t in group:
+            counts.setdefault(t.agent_name or UNNAMED_AGENT, {"calls": 0, "trained": 0})[key] += 1
+    return counts
+
+
+def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[Span]) -> Batch:
+    """The episodes ``used`` (with their ``spans``) as training data: transitions, credit, advantages."""
+    algorithm = config.algorithm
+    result = spans_to_transitions(spans, timeout_reward=algorithm.rewards.timeout_episode_reward)
+    credit = assign_rewards(
+        result,
+        spans,
+        strategy=algorithm.credit,
+        gamma=algorithm.gamma,
+        weights=algorithm.reward_weights(),
+        agents=algorithm.agents,
+    )
+    transitions = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
+    group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
+    samples, report = compute_advantages(transitions, group_of, algorithm.name, scores=credit.scores)
+    return Batch(
+        result,
+        credit,
+        explain_untrained([r.rollout_id for r in used], result, transitions),
+        samples,
+        report,
+        group_of,
+    )
+
+
+class TrainStep:
+    """Runs training steps: rollouts through ``queue``, the batch, ``learner.update`` on it."""
+
+    def __init__(self, config: TrainerConfig, queue: RolloutQueue, learner: Learner) -> None:
+        self.config = config
+        self.queue = queue
+        self.learner = learner
+
+    def _episodes(self, finished: RolloutRound) -> tuple[list[Rollout], list[Span]]:
+        """The finished rollouts to train on, and the spans of their last attempts."""
+        rewards_config = self.config.algorithm.rewards
+        # a timed-out rollout has no episode reward; it is trained only when the config gives it one
+        used = finished.done + [
+            r
+            for r in finished.failed
+            if r.status == RolloutStatus.TIMED_OUT and rewards_config.timeout_episode_reward is not None
+        ]
+        # a retried rollout keeps the spans of its earlier attempts (even late LLM calls of a timed-out
+        # one); only its last attempt is the episode being trained
+        last_attempts = {r.attempts[-1].attempt_id for r in used if r.attempts}
+        spans = [
+            s
+            for s in self.queue.client.all_spans([r.rollout_id for r in used])
+            if s.attempt_id is None or s.attempt_id in last_attempts
+        ]
+        return used, spans
+
+    def run(
+        self, step: int, tasks: list[Task], draw: Callable[[int], list[Task]] | None = None
+    ) -> StepOutcome:
+        """Roll out ``tasks``, update the policy on the result (the learner publishes it). With
+        ``train.resample_rounds``, ``draw(n)`` gives ``n`` more tasks when fewer than ``tasks_per_step``
+        groups have differing rewards."""
+        config = self.config
+        step_start = time.monotonic()
+        finished = RolloutRound([], [], [])
+        used: list[Rollout] = []
+        spans: list[Span] = []
+        drawn, first_draw, extra_rounds = list(tasks), len(tasks), 0
+        while True:
+            prefix = f"step{step}" if not extra_rounds else f"step{step}.{extra_rounds}"
+            requests = [
+                {
+                    "task_id": t.task_id,
+                    "input": t.input,
+                    "group_id": f"{prefix}:{t.task_id}",
+                    "metadata": {"split": "train", "step": step, "round": extra_rounds},
+                    "max_attempts": config.runner.max_attempts,
+                }
+                for t in tasks
+                for _ in range(config.train.rollouts_per_task)
+            ]
+            label = f"rollouts of step {step}" + (f" (redraw {extra_rounds})" if extra_rounds else "")
+            this_round = self.queue.run(label, requests)
+            finished += this_round
+            # each round fetches only its own spans; the batch is rebuilt over all rounds' episodes
+            round_used, round_spans = self._episodes(this_round)
+            used, spans = used + round_used, spans + round_spans
+            batch = build_batch(config, used, spans)
+            missing = config.train.tasks_per_step - batch.signal_groups
+            if draw is None or missing <= 0 or extra_rounds >= config.train.resample_rounds:
+                break
+            extra_rounds += 1
+            tasks = draw(missing)
+            drawn += tasks
+        rewards = list(rollout_rewards(finished.done, lambda ids: spans).values())
+        stats: UpdateStats | None = None
+        update_s = 0.0
+        if batch.samples:
+            t0 = time.monotonic()
+            stats = self.learner.update(batch.samples, batch.group_of)
+            update_s = time.monotonic() - t0
+        # lets `agl store serve --retention consumed` drop spans that training has used
+        self.queue.client.mark_consumed(finished.finished_ids)
+        report = batch.report
+        metrics = StepMetrics(
+            step=step,
+            policy_version=self.learner.policy_version,
+            rollouts=len(finished.done),
+            rollouts_failed=len(finished.failed),
+            rollouts_late=len(finished.late),
+            transitions=len(batch.result.transitions),
+            trained_transitions=len(batch.samples),
+            mean_reward=sum(rewards) / len(rewards) if rewards else None,
+            loss=stats.loss if stats else None,
+            grad_norm=stats.grad_norm if stats else None,
+            tokens=stats.tokens if stats else 0,
+            tokens_per_s=(stats.tokens / update_s) if stats and update_s > 0 else 0.0,
+            groups_skipped=report.skipped_no_variance + report.skipped_singleton,
+            problems=batch.result.reasons(),
+            untrained=dict(Counter(batch.untrained.values())),
+            reward_events=batch.credit.counts(),
+            agents=agent_counts(batch.result.transitions, [s.transition for s in batch.samples]),
+            tasks=[t.task_id for t in drawn],
+            redrawn_tasks=len(drawn) - first_draw,
+            seconds=time.monotonic() - step_start,
+        )
+        return StepOutcome(metrics, batch, extra_rounds)
