@@ -1,7 +1,23 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite: the slow tests train the real SmolLM2, the store tests also run on
-# PostgreSQL at 127.0.0.1:5432 (database `test`; AGL_TEST_POSTGRES=postgresql://... for another one).
+# Set up, then run the checks and the whole test suite: ruff (format and lint), mypy (strict on src/ and
+# trainer/), then pytest. The slow tests train the real SmolLM2; the store tests also run on PostgreSQL at
+# 127.0.0.1:5432 (database `test`; AGL_TEST_POSTGRES=postgresql://... for another one).
+# With arguments, only pytest runs, with them (e.g. bash scripts/test.sh tests/test_store.py -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+failed=()
+echo "== ruff format --check"; .venv/bin/ruff format --check . || failed+=("ruff format")
+echo "== ruff check"; .venv/bin/ruff check . || failed+=("ruff check")
+echo "== mypy"; .venv/bin/mypy || failed+=("mypy")
+echo "== pytest"
+status=0
+.venv/bin/python -m pytest || status=$?
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "failed checks: ${failed[*]}" >&2
+  [ "$status" -ne 0 ] || status=1
+fi
+exit "$status"

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,3 +105,21 @@ def tiny_policy() -> tuple[Any, Any]:
     from agl_trainer.model import load_policy
 
     return load_policy("tiny", seed=0)
+
+
+_EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+
+
+def _forget_example_modules() -> None:
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(_EXAMPLES):
+            del sys.modules[name]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _examples_do_not_leak_between_files() -> Iterator[None]:
+    """Each example imports its own flat modules (``agent``, ``reward``...); forget them between test files
+    so one example's ``agent`` is never another's, whatever order the files run in."""
+    _forget_example_modules()
+    yield
+    _forget_example_modules()

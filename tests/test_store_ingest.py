@@ -219,7 +219,7 @@ def test_rotel_collector_forwards_to_the_store(service, tmp_path, protocol):
             time.sleep(0.1)
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        proc.communicate(timeout=20)  # reads and closes its pipe
 
 
 def test_redaction_happens_before_anything_is_written(store):
