@@ -183,9 +183,9 @@ def _serve_gateway(port: int, upstream: str | None) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-    from agl_core.server import serve_forever
     from agl_core.gateway import create_gateway_app
     from agl_core.gateway.vllm_backend import VLLMBackend
+    from agl_core.server import serve_forever
 
     class Drop(SpanExporter):
         def export(self, spans: Any) -> SpanExportResult:
@@ -374,7 +374,8 @@ def main() -> int:
         rows = []
         headline = None
         print(
-            f"{'path':<26}{'mode':<8}{'clients':>8}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'calls/s':>10}"
+            f"{'path':<26}{'mode':<8}{'clients':>8}{'p50 ms':>9}{'p99 ms':>9}"
+            f"{'added p50':>11}{'added p99':>11}{'calls/s':>10}"
         )
         proxies = [("agl gateway (vllm)", ports["gateway"])] + (
             [("litellm proxy", ports["litellm"])] if litellm else []
@@ -385,7 +386,8 @@ def main() -> int:
                 direct = _measure(ports["upstream"], stream, clients, total)
                 mode = "stream" if stream else "whole"
                 print(
-                    f"{'direct to upstream':<26}{mode:<8}{clients:>8}{direct[0]:>9.3f}{direct[1]:>9.3f}{'':>11}{'':>11}{direct[2]:>10.0f}"
+                    f"{'direct to upstream':<26}{mode:<8}{clients:>8}{direct[0]:>9.3f}{direct[1]:>9.3f}"
+                    f"{'':>11}{'':>11}{direct[2]:>10.0f}"
                 )
                 for name, port in proxies:
                     via = _measure(port, stream, clients, total)
@@ -400,7 +402,8 @@ def main() -> int:
             mode = "stream" if stream else "whole"
             instant = _measure(ports["instant"], stream, 32, args.requests * 2)
             print(
-                f"{'agl gateway (in-process)':<26}{mode:<8}{32:>8}{instant[0]:>9.3f}{instant[1]:>9.3f}{'':>11}{'':>11}{instant[2]:>10.0f}"
+                f"{'agl gateway (in-process)':<26}{mode:<8}{32:>8}{instant[0]:>9.3f}{instant[1]:>9.3f}"
+                f"{'':>11}{'':>11}{instant[2]:>10.0f}"
             )
         agl_tp = next(r[3][2] for r in rows if r[0].startswith("agl") and r[1] == "whole" and r[2] == 32)
         if litellm:
@@ -424,8 +427,8 @@ def main() -> int:
     assert headline is not None
     ok = headline < TARGET_ADDED_P50_MS
     print(
-        f"gateway: {headline:.3f} ms p50 added per call (non-streamed, 1 client), target < {TARGET_ADDED_P50_MS:g} ms:"
-        f" {'ok' if ok else 'MISSED'}"
+        f"gateway: {headline:.3f} ms p50 added per call (non-streamed, 1 client),"
+        f" target < {TARGET_ADDED_P50_MS:g} ms: {'ok' if ok else 'MISSED'}"
     )
     return 0 if ok else 1
 

@@ -325,7 +325,8 @@ def main() -> int:
         f"server RSS while filling to {stored:,} spans (MiB, each 10%): {', '.join(f'{m:.0f}' for m in rss)}"
     )
     print(
-        f"read one rollout (20 spans) via the API at {stored:,} stored: median {read_ms:.2f} ms (target < {READ_TARGET_MS} ms)"
+        f"read one rollout (20 spans) via the API at {stored:,} stored: median {read_ms:.2f} ms"
+        f" (target < {READ_TARGET_MS} ms)"
     )
     headline = rows[0][2]
     flat = rss[-1] - rss[len(rss) // 2] < 64 if len(rss) >= 2 else True

@@ -3,9 +3,9 @@
 For each framework, the same small agent (one LLM call per run) runs against an in-process backend that
 answers instantly (an ``httpx.MockTransport`` behind the framework's own OpenAI client), once bare and
 once with the agl adapter on, inside a rollout. Spans go through an OpenTelemetry SDK tracer provider
-with a batch processor (flushed between blocks) and an exporter that drops them. Time is the CPU time of the agent's thread
-(``time.thread_time``): what the agent pays, and robust to other processes on a busy machine. Bare and
-instrumented blocks alternate; the overhead is the median over block pairs of the difference in mean
+with a batch processor (flushed between blocks) and an exporter that drops them. Time is the CPU time of the
+agent's thread (``time.thread_time``): what the agent pays, and robust to other processes on a busy machine.
+Bare and instrumented blocks alternate; the overhead is the median over block pairs of the difference in mean
 time per call. Each framework is measured in a process of its own.
 
 Reference (DESIGN.md, same machine kind): Agent Lightning 0.3.0's tracer adds about 1.25 ms per call.
@@ -222,7 +222,7 @@ def measure(framework: str, blocks: int, calls: int) -> dict[str, float]:
         spans_per_call = (exporter.spans - spans_before) / calls
         switch(False)
     provider.shutdown()
-    diffs = [t - b for t, b in zip(traced, bare)]
+    diffs = [t - b for t, b in zip(traced, bare, strict=True)]  # one of each per block
     return {
         "bare_ms": statistics.median(bare),
         "traced_ms": statistics.median(traced),
@@ -260,11 +260,13 @@ def main() -> int:
     frameworks = [f for f in args.frameworks.split(",") if f]
     results = {f: _measure_in_subprocess(f, args.blocks, args.calls) for f in frameworks}
     print(
-        f"{'adapter':<15} {'bare ms/call':>13} {'traced ms/call':>15} {'added ms/call':>14} {'spans/call':>11}"
+        f"{'adapter':<15} {'bare ms/call':>13} {'traced ms/call':>15} {'added ms/call':>14}"
+        f" {'spans/call':>11}"
     )
     for name, r in results.items():
         print(
-            f"{name:<15} {r['bare_ms']:>13.3f} {r['traced_ms']:>15.3f} {r['overhead_ms']:>14.3f} {r['spans_per_call']:>11.1f}"
+            f"{name:<15} {r['bare_ms']:>13.3f} {r['traced_ms']:>15.3f} {r['overhead_ms']:>14.3f}"
+            f" {r['spans_per_call']:>11.1f}"
         )
     ok = all(r["overhead_ms"] < TARGET_MS for r in results.values())
     worst = max(r["overhead_ms"] for r in results.values())

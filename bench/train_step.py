@@ -104,7 +104,8 @@ def trl_worker(spec_path: str) -> int:
     }
 
     def rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
-        """The fixed completions instead of sampling: the k-th occurrence of prompt g gets completion k of g."""
+        """The fixed completions instead of sampling: the k-th occurrence of prompt g gets
+        completion k of g."""
         seen: dict[str, int] = {}
         prompt_ids, completion_ids = [], []
         for prompt in prompts:
@@ -299,7 +300,7 @@ class AglSide:
             dataclasses.replace(
                 s, transition=dataclasses.replace(s.transition, response_logprobs=tuple(lp.tolist()))
             )
-            for s, lp in zip(samples, behaviour)
+            for s, lp in zip(samples, behaviour, strict=True)
         ]
         self.micro_batch_tokens = args.micro_batch * (args.prompt_tokens + args.completion_tokens)
         self.before = {n: p.detach().clone() for n, p in self.trainable.items()}
@@ -522,9 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{trainable:,} trainable parameters; CPU, {args.threads} torch thread(s) per side"
     )
     print(
-        f"batch: {args.sequences} sequences ({args.sequences // args.group_size} prompts x {args.group_size}), "
-        f"{args.prompt_tokens} prompt + {args.completion_tokens} completion tokens each = {step_tokens} tokens, "
-        f"{args.micro_batch} sequences per forward pass"
+        f"batch: {args.sequences} sequences ({args.sequences // args.group_size} prompts x"
+        f" {args.group_size}), {args.prompt_tokens} prompt + {args.completion_tokens} completion tokens"
+        f" each = {step_tokens} tokens, {args.micro_batch} sequences per forward pass"
     )
     print(
         f"medians over {args.repeats} steps per side after {args.warmup} warm-up; torch {ours['torch']}, "
@@ -539,13 +540,13 @@ def main(argv: list[str] | None = None) -> int:
     cpu = {side: statistics.median(c) for side, (_, c) in times.items()}
     for side, (w, _) in times.items():
         print(
-            f"{names[side]:<17} {wall[side]:>9.3f} {min(w):>7.3f} {max(w):>7.3f} {step_tokens / wall[side]:>9.1f}"
-            f" {completion_tokens / wall[side]:>13.1f} {cpu[side]:>7.3f} {step_tokens / cpu[side]:>13.1f}"
-            f" {changes[side]:>14.2e}"
+            f"{names[side]:<17} {wall[side]:>9.3f} {min(w):>7.3f} {max(w):>7.3f}"
+            f" {step_tokens / wall[side]:>9.1f} {completion_tokens / wall[side]:>13.1f} {cpu[side]:>7.3f}"
+            f" {step_tokens / cpu[side]:>13.1f} {changes[side]:>14.2e}"
         )
     print(
-        f"TRL's fixed rollout, reward and advantages: median {statistics.median(trl_generate_s) * 1000:.1f} ms per "
-        "step, left out of its times above"
+        "TRL's fixed rollout, reward and advantages: median"
+        f" {statistics.median(trl_generate_s) * 1000:.1f} ms per step, left out of its times above"
     )
     print(
         f"per CPU second (less sensitive to other load on the machine): ratio {cpu['trl'] / cpu['agl']:.2f}x"

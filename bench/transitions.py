@@ -85,7 +85,8 @@ def main() -> int:
     ms_per_trace = median * 1000 / args.rollouts
     print(f"{'rollouts':>10} {'spans':>8} {'median s':>9} {'transitions/s':>14} {'ms/20-span trace':>17}")
     print(
-        f"{args.rollouts:>10} {len(spans):>8} {median:>9.3f} {4 * args.rollouts / median:>14.0f} {ms_per_trace:>17.3f}"
+        f"{args.rollouts:>10} {len(spans):>8} {median:>9.3f} {4 * args.rollouts / median:>14.0f}"
+        f" {ms_per_trace:>17.3f}"
     )
     ok = ms_per_trace <= REFERENCE_MS_PER_TRACE
     print(

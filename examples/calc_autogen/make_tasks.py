@@ -58,12 +58,14 @@ TWO_STEP = [
         "{a} + {b} - {c}",
     ),
     (
-        "There are {a} {container} with {b} {item} each, and {c} loose {item}. How many {item} are there in total?",
+        "There are {a} {container} with {b} {item} each, and {c} loose {item}. "
+        "How many {item} are there in total?",
         lambda a, b, c: a * b + c,
         "{a} * {b} + {c}",
     ),
     (
-        "{n} has {a} {item} and {p_lower} friend has {b}. They put them in one pile and triple it. How many {item} are in the pile?",
+        "{n} has {a} {item} and {p_lower} friend has {b}. They put them in one pile and triple it. "
+        "How many {item} are in the pile?",
         lambda a, b, c: (a + b) * 3,
         "({a} + {b}) * 3",
     ),

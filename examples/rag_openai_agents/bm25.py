@@ -59,7 +59,7 @@ class BM25Index:
         """The BM25 score of every document for ``query`` (0 for a query with no known word)."""
         terms = [t for t in tokenize(query) if t in self.idf]
         out = []
-        for tf, length in zip(self.term_freqs, self.lengths):
+        for tf, length in zip(self.term_freqs, self.lengths, strict=True):
             norm = self.k1 * (1 - self.b + self.b * length / self.avg_length)
             out.append(sum(self.idf[t] * tf[t] * (self.k1 + 1) / (tf[t] + norm) for t in terms if t in tf))
         return out

@@ -155,7 +155,7 @@ def build_world(seed: int = SEED) -> dict:
                 "founded": rng.randrange(1820, 1990),
             }
         )
-    for first, last in zip(firsts, lasts):
+    for first, last in zip(firsts, lasts, strict=True):  # N_PEOPLE of each
         world["people"].append(
             {
                 "name": f"{first} {last}",
@@ -189,8 +189,8 @@ def corpus(world: dict) -> list[dict]:
             {
                 "title": c["name"],
                 "text": (
-                    f"{c['name']} is a city in the province of {c['province']}. It was founded in {c['founded']} "
-                    f"and is known for {c['known_for']}."
+                    f"{c['name']} is a city in the province of {c['province']}. "
+                    f"It was founded in {c['founded']} and is known for {c['known_for']}."
                 ),
             }
         )
@@ -199,8 +199,8 @@ def corpus(world: dict) -> list[dict]:
             {
                 "title": c["name"],
                 "text": (
-                    f"{c['name']} is a company headquartered in {c['city']}. {c['name']} makes {c['product']}. "
-                    f"It was founded in {c['founded']}."
+                    f"{c['name']} is a company headquartered in {c['city']}. "
+                    f"{c['name']} makes {c['product']}. It was founded in {c['founded']}."
                 ),
             }
         )
@@ -209,8 +209,8 @@ def corpus(world: dict) -> list[dict]:
             {
                 "title": p["name"],
                 "text": (
-                    f"{p['name']} is {_article(p['profession'])} {p['profession']}. {p['name']} was born in {p['city']}. "
-                    f"{p['name']} works for {p['company']}."
+                    f"{p['name']} is {_article(p['profession'])} {p['profession']}. "
+                    f"{p['name']} was born in {p['city']}. {p['name']} works for {p['company']}."
                 ),
             }
         )

@@ -3,8 +3,8 @@
 ``writer`` writes a SQLite query for the question, ``checker`` runs it on the company database and judges
 it (``error``, ``empty`` or ``looks fine``; for the first two, when a rewrite is left, it asks the model
 what to fix), and ``rewriter`` rewrites the query from that feedback; the loop stops when the query looks
-fine or after ``MAX_REWRITES`` rewrites. The agent names the trainer sees are the graph's node names, so the config can
-train ``writer`` and ``rewriter`` and leave ``checker``'s calls out (``algorithm.agents``).
+fine or after ``MAX_REWRITES`` rewrites. The agent names the trainer sees are the graph's node names, so the
+config can train ``writer`` and ``rewriter`` and leave ``checker``'s calls out (``algorithm.agents``).
 
 The reward is execution accuracy: 1 when the final query's rows equal the gold rows as a multiset, else 0.
 """

@@ -84,7 +84,8 @@ _DDL = [
     " quantity INTEGER NOT NULL, price INTEGER NOT NULL, status TEXT NOT NULL)",
 ]
 
-#: SQLite virtual-machine steps a query may take before it is stopped (a cross join of all tables is far below).
+#: SQLite virtual-machine steps a query may take before it is stopped (a cross join of all tables is far
+#: below).
 _MAX_VM_STEPS = 5_000_000
 _MAX_ROWS = 1000
 

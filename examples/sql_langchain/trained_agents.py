@@ -50,7 +50,8 @@ class StepAudit:
 
 
 def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[StepAudit]:
-    """One :class:`StepAudit` per training step of the run that ``config_path`` (with ``overrides``) describes."""
+    """One :class:`StepAudit` per training step of the run that ``config_path`` (with ``overrides``)
+    describes."""
     from agl_core.credit import assign_rewards
     from agl_core.records import RolloutStatus
     from agl_core.store import SqliteStore
@@ -86,7 +87,7 @@ def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[Step
         result = spans_to_transitions(step_spans)
         groups = {r.rollout_id: r.group_id or r.rollout_id for r in used}
 
-        def trained(agents: list[str]) -> Counter:
+        def trained(agents: list[str], result=result, step_spans=step_spans, groups=groups) -> Counter:
             credit = assign_rewards(
                 result,
                 step_spans,

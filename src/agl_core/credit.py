@@ -341,8 +341,8 @@ def _rollout_events(rollout_id: str, rollout: _Rollout) -> list[RewardEvent]:
         call_id = span.attributes.get(semconv.GEN_AI_TOOL_CALL_ID)
         if call_id in malformed_ids:
             continue  # counted as a malformed tool call already
-        call = rollout.by_tool_call_id.get(call_id) if isinstance(call_id, str) else None
-        call = call or rollout.attach(span)
+        known = rollout.by_tool_call_id.get(call_id) if isinstance(call_id, str) else None
+        call = known or rollout.attach(span)
         kind = TOOL_ERROR if span.is_error else TOOL_SUCCESS
         events.append(
             RewardEvent(rollout_id, call.index, kind, span.span_id, 1.0, tool_name(span) or span.name)

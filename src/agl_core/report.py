@@ -23,8 +23,9 @@ def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem
         tags.append(f"agent={own_agent_name(span)}")
     elif kind in (LLM, TOOL, GATEWAY) and tree.agent_name(span):
         tags.append(f"agent={tree.agent_name(span)}")
-    if kind == TOOL and tool_name(span) and tool_name(span) not in span.name:
-        tags.append(f"tool={tool_name(span)}")
+    tool = tool_name(span)
+    if kind == TOOL and tool and tool not in span.name:
+        tags.append(f"tool={tool}")
     if kind == GATEWAY and semconv.PROMPT_TOKEN_IDS in span.attributes:
         attrs = span.attributes
         tags.append(f"{len(attrs[semconv.PROMPT_TOKEN_IDS])}+{len(attrs[semconv.RESPONSE_TOKEN_IDS])} tokens")
@@ -32,9 +33,8 @@ def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem
         reasons = span.attributes.get(semconv.TOOL_CALL_MALFORMED_REASONS) or ()
         tags.append("malformed tool call" + (f" ({', '.join(map(str, reasons))})" if reasons else ""))
     if span.name == semconv.SPAN_REWARD:
-        tags.append(
-            f"{span.attributes.get(semconv.REWARD_NAME, 'episode')}={span.attributes.get(semconv.REWARD_VALUE)}"
-        )
+        reward_name = span.attributes.get(semconv.REWARD_NAME, "episode")
+        tags.append(f"{reward_name}={span.attributes.get(semconv.REWARD_VALUE)}")
     if span.is_error:
         tags.append(f"ERROR {span.status_message}".rstrip())
     if span.span_id in transition_of:
@@ -69,12 +69,14 @@ def format_rollout(rollout_id: str, spans: Sequence[Span]) -> str:
     lines += ["", "transitions"]
     if result.transitions:
         lines.append(
-            f"  {'#':>3}  {'agent':<20} {'prompt':>7} {'response':>9} {'reward':>8} {'policy':>7}  gateway span"
+            f"  {'#':>3}  {'agent':<20} {'prompt':>7} "
+            f"{'response':>9} {'reward':>8} {'policy':>7}  gateway span"
         )
         for t in result.transitions:
+            policy = "-" if t.policy_version is None else t.policy_version
             lines.append(
-                f"  {t.call_index:>3}  {(t.agent_name or '-'):<20} {len(t.prompt_ids):>7} {len(t.response_ids):>9} "
-                f"{t.reward:>8.3g} {('-' if t.policy_version is None else t.policy_version):>7}  {t.span_id}"
+                f"  {t.call_index:>3}  {(t.agent_name or '-'):<20} {len(t.prompt_ids):>7} "
+                f"{len(t.response_ids):>9} {t.reward:>8.3g} {policy:>7}  {t.span_id}"
             )
     else:
         lines.append("  none")

@@ -270,8 +270,9 @@ def setup_tracing(
 
     If the process already has an SDK tracer provider (the user's own tracing), agl adds its exporter to
     it instead of replacing it. A :class:`RolloutSpanProcessor` is added too, so spans from other
-    instrumentation (OpenInference) made during a rollout are attributed to it. Calling it again re-aims agl's exporter at the new endpoint. Returns the
-    provider spans go through; call ``force_flush()`` on it before relying on the store having them.
+    instrumentation (OpenInference) made during a rollout are attributed to it. Calling it again re-aims
+    agl's exporter at the new endpoint. Returns the provider spans go through; call ``force_flush()`` on
+    it before relying on the store having them.
     """
     global _global_setup
     exporter = make_otlp_exporter(endpoint, token=token)

@@ -202,10 +202,12 @@ def _join_source(
         detail = f"{len(pending)} unmatched framework calls, {len(free)} unmatched gateway calls"
         problems.extend(Problem(rollout_id, COUNT_MISMATCH, c.span_id, detail) for c in pending)
         return joined, problems
-    for call, g in zip(pending, free):
+    for call, g in zip(pending, free, strict=True):
         mismatch = [
             f"{what} {mine} vs {theirs} at the gateway"
-            for what, mine, theirs in zip(("input tokens", "output tokens"), usage(call), usage(g))
+            for what, mine, theirs in zip(
+                ("input tokens", "output tokens"), usage(call), usage(g), strict=True
+            )
             if mine is not None and theirs is not None and mine != theirs
         ]
         if mismatch:
@@ -235,9 +237,9 @@ def _rollout_transitions(
     for source in sorted(by_source, key=lambda name: (name == semconv.SOURCE_OPENINFERENCE, name)):
         joined, found = _join_source(rollout_id, by_source[source], gateway)
         problems.extend(found)
-        for gateway_id, partner in joined.items():
-            partners.setdefault(gateway_id, partner)
-            joins[partner.span_id] = gateway_id
+        for gateway_id, framework_span in joined.items():
+            partners.setdefault(gateway_id, framework_span)
+            joins[framework_span.span_id] = gateway_id
 
     if not gateway:
         problems.append(Problem(rollout_id, NO_LLM_CALL))

@@ -115,7 +115,9 @@ def _sampling(body: _Common) -> dict[str, Any]:
 
 
 def parse_chat(raw: bytes) -> tuple[ChatIn, ChatRequest]:
-    """Validate a ``/v1/chat/completions`` body. Raises ``pydantic.ValidationError`` or :class:`RequestError`."""
+    """Validate a ``/v1/chat/completions`` body.
+
+    Raises ``pydantic.ValidationError`` or :class:`RequestError`."""
     body = ChatIn.model_validate_json(raw)
     messages = [m.flat() for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -126,7 +128,8 @@ def parse_chat(raw: bytes) -> tuple[ChatIn, ChatRequest]:
         )
         if choice.get("type") != "function" or not name:
             raise RequestError(
-                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                'tool_choice must be "none", "auto", "required" or '
+                '{"type": "function", "function": {"name": ...}}',
                 "tool_choice",
             )
         if not tools or name not in {t["function"]["name"] for t in tools}:

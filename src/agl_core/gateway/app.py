@@ -31,6 +31,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from .. import semconv
 from ..tracing import RolloutContext, get_tracer, rollout_attributes
@@ -105,7 +106,8 @@ def logprob_entries(result: Completion, top: int) -> list[dict[str, Any]]:
     tokens = result.response_tokens or tuple("" for _ in result.response_ids)
     tops = result.top_logprobs or ()
     out = []
-    for i, (tok, lp) in enumerate(zip(tokens, result.response_logprobs)):
+    # One token per logprob (the Completion contract), so strict: a backend breaking it fails loudly.
+    for i, (tok, lp) in enumerate(zip(tokens, result.response_logprobs, strict=True)):
         alternatives = tops[i][:top] if top and i < len(tops) else ()
         out.append(
             {
@@ -217,10 +219,10 @@ class _Call:
         if self.first_event_ns is not None:
             base[semconv.TIME_TO_FIRST_TOKEN] = (self.first_event_ns - self.t0) / 1e9
         if error is not None or not self.completions:
-            kind, message = error or ("no_choices", "the backend returned no choice")
+            kind, description = error or ("no_choices", "the backend returned no choice")
             span = self._span(base)
             span.set_attribute(semconv.ERROR_TYPE, kind)
-            span.set_status(Status(StatusCode.ERROR, message))
+            span.set_status(Status(StatusCode.ERROR, description))
             span.end()
             if self.expected is not None:
                 self.expected.cancel()
@@ -236,7 +238,8 @@ class _Call:
                 metrics.prompt_drift += int(drift)
                 if drift:
                     logger.warning(
-                        "agl gateway: prompt token ids of %s differ from the chat template's (%d vs %d tokens)",
+                        "agl gateway: prompt token ids of %s differ from the chat template's "
+                        "(%d vs %d tokens)",
                         self.id,
                         len(prompt_ids),
                         len(expected),
@@ -388,7 +391,8 @@ class _Gateway:
                 endpoint,
                 _openai_error(
                     404,
-                    f"model {body.model!r} does not exist here; available: {', '.join(self.backend.model_names)}",
+                    f"model {body.model!r} does not exist here; "
+                    f"available: {', '.join(self.backend.model_names)}",
                     "invalid_request_error",
                     "model",
                     "model_not_found",
@@ -400,7 +404,8 @@ class _Gateway:
         events = self.backend.generate(body.model, chat)
         try:
             if chat.stream:
-                # The first event is awaited here, so a request the backend refuses still gets a proper status.
+                # The first event is awaited here, so a request the backend refuses still gets a proper
+                # status.
                 first = await events.__anext__()
                 call.saw_event()
                 return _SSEResponse(_EventStream(self, call, events, first, include_usage))
@@ -637,7 +642,7 @@ class _SSEResponse(StreamingResponse):
         super().__init__(stream.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
         self._stream = stream
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         coalesce = _CoalescingSend(send)
         try:
             await super().__call__(scope, receive, coalesce)
@@ -653,12 +658,12 @@ class _CoalescingSend:
     the backend at once, or the last token, the finish and ``[DONE]``) then costs one. Nothing waits for a
     timer: the buffer is flushed as soon as the task producing events yields to the loop."""
 
-    def __init__(self, send: Any) -> None:
+    def __init__(self, send: Send) -> None:
         self._send = send
         self._buffer: list[bytes] = []
         self._flush: asyncio.Task[None] | None = None
 
-    async def __call__(self, message: dict[str, Any]) -> None:
+    async def __call__(self, message: Message) -> None:
         if message["type"] != "http.response.body":
             await self._send(message)
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 __all__ = [
     "Backend",
@@ -46,15 +46,15 @@ class UpstreamError(BackendError):
 class ContextTooLongError(BackendError):
     def __init__(self, prompt_tokens: int, max_tokens: int, context_window: int) -> None:
         super().__init__(
-            f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but the model's context"
-            f" window is {context_window} tokens; shorten the messages or lower max_tokens"
+            f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but the model's"
+            f" context window is {context_window} tokens; shorten the messages or lower max_tokens"
         )
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context_window = context_window
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], Mapping[str, Any]]
+ToolChoice: TypeAlias = Literal["none", "auto", "required"] | Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Completion:
     tool_call_unparseable: bool = False
 
 
-Event = Union[ChoiceDelta, Completion]
+Event: TypeAlias = ChoiceDelta | Completion
 
 
 @dataclasses.dataclass(frozen=True)

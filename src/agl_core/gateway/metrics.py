@@ -36,7 +36,8 @@ class GatewayMetrics:
             (
                 "agl_gateway_prompt_checks_total",
                 "counter",
-                "Calls whose prompt token ids were checked against the gateway's own chat-template rendering.",
+                "Calls whose prompt token ids were checked against the gateway's own chat-template "
+                "rendering.",
                 self.prompt_checks,
             ),
             (

@@ -332,5 +332,6 @@ def _entries_of_text_logprobs(logprobs: Mapping[str, Any] | None) -> list[dict[s
             "logprob": v,
             "top_logprobs": [{"token": k, "logprob": x} for k, x in (top or {}).items()],
         }
-        for t, v, top in zip(tokens, values, tops)
+        # The upstream's parallel arrays: one that comes back short truncates the entries, as before.
+        for t, v, top in zip(tokens, values, tops, strict=False)
     ]

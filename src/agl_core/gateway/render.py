@@ -53,6 +53,7 @@ def load_renderer(path: str) -> TemplateRenderer:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
-            f"checking prompts against {path} needs transformers ({exc}); install agl[trainer] or pass no tokenizer"
+            f"checking prompts against {path} needs transformers ({exc}); "
+            "install agl[trainer] or pass no tokenizer"
         ) from None
     return TemplateRenderer(AutoTokenizer.from_pretrained(path))

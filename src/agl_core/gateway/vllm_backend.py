@@ -202,7 +202,8 @@ class VLLMBackend(OpenAIBackend):
         if self._launch_args is None:
             raise BackendError(
                 "loading full weights into a vLLM server this gateway did not start needs a restart of that"
-                " server on the new checkpoint; publish a LoRA adapter instead, or let the gateway launch vLLM"
+                " server on the new checkpoint; publish a LoRA adapter instead, or let the gateway launch"
+                " vLLM"
             )
         self._stop_process()
         self._start(path)

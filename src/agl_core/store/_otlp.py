@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from .. import semconv
 from ..records import Span
@@ -39,7 +40,11 @@ __all__ = [
     "span_to_proto",
 ]
 
-_STATUS_NAMES = {0: "UNSET", 1: "OK", 2: "ERROR"}
+_STATUS_NAMES: dict[Status.StatusCode.ValueType, str] = {
+    Status.STATUS_CODE_UNSET: "UNSET",  # 0
+    Status.STATUS_CODE_OK: "OK",  # 1
+    Status.STATUS_CODE_ERROR: "ERROR",  # 2
+}
 _STATUS_CODES = {v: k for k, v in _STATUS_NAMES.items()}
 _MAX_DEPTH = 16
 _MAX_NAME = 1024
@@ -51,7 +56,9 @@ class OtlpDecodeError(ValueError):
     """The body is not a valid OTLP ExportTraceServiceRequest."""
 
 
-SpanRow = tuple
+SpanRow: TypeAlias = tuple[
+    bytes, bytes, bytes | None, str, int, int, int, str | None, str | None, bytes, bytes
+]
 """A span as the store writes it, a plain tuple (cheap to build, pickle and bind) in column order:
 ``(trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id,
 scope_key, body)``; ids are bytes, ``body`` is the span's own protobuf encoding."""
@@ -319,7 +326,7 @@ def span_to_proto(span: Span) -> SpanProto:
     )
     for key, value in span.attributes.items():
         _to_any(value, proto.attributes.add(key=key).value)
-    proto.status.code = _STATUS_CODES.get(span.status_code, 0)
+    proto.status.code = _STATUS_CODES.get(span.status_code, Status.STATUS_CODE_UNSET)
     proto.status.message = span.status_message
     for event in span.events:
         e = proto.events.add(name=str(event.get("name", "")), time_unix_nano=int(event.get("time_ns", 0)))

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ._otlp import SpanRow, extract_rows, records_to_request, resource_attributes, row_to_span
@@ -22,7 +22,10 @@ from .base import NotFoundError, RolloutRequest, StoreError
 __all__ = ["SqlStore"]
 
 _Q, _R = RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value
-_SPAN_COLUMNS = "trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id, scope_key, body"
+_SPAN_COLUMNS = (
+    "trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id,"
+    " scope_key, body"
+)
 
 
 #: The tables of every SQL backend; each fills in its column types (``schema(**types)``).
@@ -88,6 +91,32 @@ CREATE TABLE IF NOT EXISTS resources (
 """
 
 
+class Cursor(Protocol):
+    """The part of a DB-API cursor the store uses (``sqlite3.Cursor`` and ``psycopg.Cursor`` both fit).
+    Rows are the driver's own row objects (tuples), hence ``Any``."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Connection(Protocol):
+    """The part of a connection the store uses: sqlite3's ``execute`` / ``executemany`` with ``?``
+    placeholders (the PostgreSQL backend wraps psycopg to this shape)."""
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Cursor: ...
+
+    def executemany(self, sql: str, seq_of_parameters: Iterable[Sequence[Any]], /) -> object: ...
+
+    def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=Connection)
+
+
 def schema(*, serial: str, blob: str, real: str, bigint: str) -> str:
     """The DDL for a backend whose auto-increment key, byte, float and 64-bit integer types are given."""
     return _SCHEMA_TEMPLATE.format(serial=serial, blob=blob, real=real, bigint=bigint)
@@ -97,8 +126,9 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-class SqlStore:
-    """Base of :class:`SqliteStore` and :class:`PostgresStore`; subclasses supply connections."""
+class SqlStore(Generic[_C]):
+    """Base of :class:`SqliteStore` and :class:`PostgresStore`; subclasses supply connections of type
+    ``_C``."""
 
     #: appended to the dequeue SELECT (PostgreSQL: ``FOR UPDATE SKIP LOCKED``)
     _lock_rows = ""
@@ -106,7 +136,7 @@ class SqlStore:
     def __init__(self) -> None:
         self._write_lock = threading.Lock()
         self._local = threading.local()
-        self._readers: list[Any] = []
+        self._readers: list[_C] = []
         self._readers_lock = threading.Lock()
         self._known_scopes: set[bytes] = set()
         self._resources: dict[bytes, dict[str, Any]] = {}
@@ -114,19 +144,19 @@ class SqlStore:
         self._closed = False
 
     # --- subclass hooks ------------------------------------------------------------------------------
-    def _connect(self) -> Any:
+    def _connect(self) -> _C:
         raise NotImplementedError
 
-    def _begin(self, conn: Any) -> None:
+    def _begin(self, conn: _C) -> None:
         raise NotImplementedError
 
-    def _commit(self, conn: Any) -> None:
+    def _commit(self, conn: _C) -> None:
         conn.execute("COMMIT")
 
-    def _rollback(self, conn: Any) -> None:
+    def _rollback(self, conn: _C) -> None:
         conn.execute("ROLLBACK")
 
-    def _insert_spans(self, conn: Any, rows: Sequence[SpanRow]) -> int:
+    def _insert_spans(self, conn: _C, rows: Sequence[SpanRow]) -> int:
         raise NotImplementedError
 
     def _sql(self, sql: str) -> str:
@@ -136,11 +166,11 @@ class SqlStore:
         return f"{column} IN ({','.join('?' * len(values))})", list(values)
 
     # --- plumbing ------------------------------------------------------------------------------------
-    def _exec(self, conn: Any, sql: str, args: Sequence[Any] = ()) -> Any:
+    def _exec(self, conn: _C, sql: str, args: Sequence[Any] = ()) -> Cursor:
         return conn.execute(self._sql(sql), args)
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[Any]:
+    def _write(self) -> Iterator[_C]:
         with self._write_lock:
             if self._closed:
                 raise StoreError("the store is closed")
@@ -152,8 +182,8 @@ class SqlStore:
                 raise
             self._commit(self._writer)
 
-    def _reader(self) -> Any:
-        conn = getattr(self._local, "conn", None)
+    def _reader(self) -> _C:
+        conn: _C | None = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._connect()
             self._local.conn = conn
@@ -184,7 +214,8 @@ class SqlStore:
             if new_scopes:
                 conn.executemany(
                     self._sql(
-                        "INSERT INTO span_scopes (scope_key, resource, scope) VALUES (?,?,?) ON CONFLICT DO NOTHING"
+                        "INSERT INTO span_scopes (scope_key, resource, scope) VALUES (?,?,?)"
+                        " ON CONFLICT DO NOTHING"
                     ),
                     new_scopes,
                 )
@@ -277,8 +308,8 @@ class SqlStore:
                 raise StoreError(f"rollout id(s) already exist: {sorted(r[0] for r in taken)[:5]}")
             conn.executemany(
                 self._sql(
-                    "INSERT INTO rollouts (rollout_id, task_id, input, group_id, status, created_at, metadata,"
-                    " max_attempts) VALUES (?,?,?,?,?,?,?,?)"
+                    "INSERT INTO rollouts (rollout_id, task_id, input, group_id, status, created_at,"
+                    " metadata, max_attempts) VALUES (?,?,?,?,?,?,?,?)"
                 ),
                 rows,
             )
@@ -303,8 +334,8 @@ class SqlStore:
             attempt_id = f"at-{uuid.uuid4().hex[:16]}"
             self._exec(
                 conn,
-                "INSERT INTO attempts (attempt_id, rollout_id, number, status, worker_id, started_at, heartbeat_at,"
-                " lease_expires_at) VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT INTO attempts (attempt_id, rollout_id, number, status, worker_id, started_at,"
+                " heartbeat_at, lease_expires_at) VALUES (?,?,?,?,?,?,?,?)",
                 [attempt_id, rollout_id, number + 1, _R, worker_id, now, now, now + lease_s],
             )
             self._exec(conn, "UPDATE rollouts SET status = ? WHERE rollout_id = ?", [_R, rollout_id])
@@ -359,7 +390,7 @@ class SqlStore:
 
     def _finish_attempt(
         self,
-        conn: Any,
+        conn: _C,
         attempt_id: str,
         rollout_id: str,
         number: int,
@@ -376,7 +407,8 @@ class SqlStore:
         retry = status in (RolloutStatus.FAILED, RolloutStatus.TIMED_OUT) and number < max_attempts
         self._exec(
             conn,
-            "UPDATE rollouts SET status = ?, reward = COALESCE(?, reward) WHERE rollout_id = ? AND status = ?",
+            "UPDATE rollouts SET status = ?, reward = COALESCE(?, reward)"
+            " WHERE rollout_id = ? AND status = ?",
             [_Q if retry else status.value, reward, rollout_id, _R],
         )
 
@@ -388,7 +420,8 @@ class SqlStore:
             expired = self._exec(
                 conn,
                 "SELECT a.attempt_id, a.rollout_id, a.number, r.max_attempts, a.worker_id FROM attempts a"
-                " JOIN rollouts r ON r.rollout_id = a.rollout_id WHERE a.status = ? AND a.lease_expires_at < ?",
+                " JOIN rollouts r ON r.rollout_id = a.rollout_id"
+                " WHERE a.status = ? AND a.lease_expires_at < ?",
                 [_R, now],
             ).fetchall()
             for attempt_id, rollout_id, number, max_attempts, worker in expired:
@@ -434,7 +467,7 @@ class SqlStore:
             raise NotFoundError(f"no rollout(s) {sorted(missing)[:5]!r}")
         return found
 
-    def _load_attempt(self, conn: Any, attempt_id: str) -> Attempt:
+    def _load_attempt(self, conn: _C, attempt_id: str) -> Attempt:
         a = self._exec(
             conn,
             "SELECT attempt_id, rollout_id, number, status, worker_id, started_at, ended_at, error"
@@ -443,7 +476,7 @@ class SqlStore:
         ).fetchone()
         return Attempt(a[0], a[1], a[2], RolloutStatus(a[3]), a[4], a[5], a[6], a[7])
 
-    def _load_rollouts(self, conn: Any, rollout_ids: list[str]) -> list[Rollout]:
+    def _load_rollouts(self, conn: _C, rollout_ids: list[str]) -> list[Rollout]:
         if not rollout_ids:
             return []
         clause, values = self._in("rollout_id", rollout_ids)
@@ -521,7 +554,8 @@ class SqlStore:
             if consumed:
                 deleted += self._exec(
                     conn,
-                    "DELETE FROM spans WHERE rollout_id IN (SELECT rollout_id FROM rollouts WHERE consumed = 1)",
+                    "DELETE FROM spans WHERE rollout_id IN"
+                    " (SELECT rollout_id FROM rollouts WHERE consumed = 1)",
                 ).rowcount
         return deleted
 

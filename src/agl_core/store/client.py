@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import httpx
 
@@ -19,19 +19,33 @@ from .base import NotFoundError, RolloutRequest, StoreError, StoreUnavailableErr
 
 __all__ = ["AsyncStoreClient", "StoreClient"]
 
+_T = TypeVar("_T")
+
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
-    """One API request and how to read its answer (shared by the sync and async clients)."""
+class _Call(Generic[_T]):
+    """One API request and how to read its answer (shared by the sync and async clients).
+
+    ``parse`` receives the decoded JSON body (``None`` for HTTP 204) and returns the typed result."""
 
     method: str
     path: str
-    body: Any = None
-    parse: Callable[[Any], Any] = lambda data: data
+    body: Any
+    parse: Callable[[Any], _T]
 
 
 def _rollouts(data: Any) -> list[Rollout]:
     return [_wire.rollout_from_json(r) for r in data["rollouts"]]
+
+
+def _marked(data: Any) -> int:
+    # The decoded JSON body is Any; the server answers {"marked": <count>}.
+    return cast(int, data["marked"])
+
+
+def _stats(data: Any) -> dict[str, int]:
+    # The decoded JSON body is Any; the server answers {<counter name>: <count>}.
+    return cast(dict[str, int], data)
 
 
 def _span_query(
@@ -42,7 +56,7 @@ def _span_query(
     start_before_ns: int | None,
     after_seq: int,
     limit: int,
-) -> _Call:
+) -> _Call[list[Span]]:
     body: dict[str, Any] = {"after_seq": after_seq, "limit": limit}
     for key, value in (
         ("rollout_ids", None if rollout_ids is None else list(rollout_ids)),
@@ -56,11 +70,11 @@ def _span_query(
     return _Call("POST", "/api/spans/query", body, lambda d: [_wire.span_from_json(s) for s in d["spans"]])
 
 
-def _enqueue(requests: Iterable[RolloutRequest]) -> _Call:
+def _enqueue(requests: Iterable[RolloutRequest]) -> _Call[list[Rollout]]:
     return _Call("POST", "/api/rollouts", {"rollouts": [dict(r) for r in requests]}, _rollouts)
 
 
-def _dequeue(worker_id: str, lease_s: float) -> _Call:
+def _dequeue(worker_id: str, lease_s: float) -> _Call[tuple[Rollout, Attempt] | None]:
     return _Call(
         "POST",
         "/api/rollouts/dequeue",
@@ -73,7 +87,7 @@ def _dequeue(worker_id: str, lease_s: float) -> _Call:
     )
 
 
-def _heartbeat(attempt_id: str, lease_s: float) -> _Call:
+def _heartbeat(attempt_id: str, lease_s: float) -> _Call[Attempt]:
     return _Call(
         "POST",
         f"/api/attempts/{attempt_id}/heartbeat",
@@ -82,28 +96,30 @@ def _heartbeat(attempt_id: str, lease_s: float) -> _Call:
     )
 
 
-def _complete(attempt_id: str, status: RolloutStatus, reward: float | None, error: str | None) -> _Call:
+def _complete(
+    attempt_id: str, status: RolloutStatus, reward: float | None, error: str | None
+) -> _Call[Rollout]:
     body = {"status": RolloutStatus(status).value, "reward": reward, "error": error}
     return _Call(
         "POST", f"/api/attempts/{attempt_id}/complete", body, lambda d: _wire.rollout_from_json(d["rollout"])
     )
 
 
-def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], Any] = _rollouts) -> _Call:
+def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], _T]) -> _Call[_T]:
     return _Call("POST", path, {"rollout_ids": list(rollout_ids)}, parse)
 
 
-def _put_resource(name: str, value: Any) -> _Call:
+def _put_resource(name: str, value: Any) -> _Call[Resource]:
     return _Call(
         "PUT", f"/api/resources/{name}", {"value": value}, lambda d: _wire.resource_from_json(d["resource"])
     )
 
 
-def _get_resource(name: str) -> _Call:
+def _get_resource(name: str) -> _Call[Resource]:
     return _Call("GET", f"/api/resources/{name}", None, lambda d: _wire.resource_from_json(d["resource"]))
 
 
-def _answer(call: _Call, response: httpx.Response) -> Any:
+def _answer(call: _Call[_T], response: httpx.Response) -> _T:
     if response.status_code == 204:
         return call.parse(None)
     if response.status_code >= 400:
@@ -132,7 +148,7 @@ class StoreClient:
         self.url = settings.store_url(url)
         self._http = httpx.Client(base_url=self.url, headers=_headers(token), timeout=timeout_s)
 
-    def _run(self, call: _Call) -> Any:
+    def _run(self, call: _Call[_T]) -> _T:
         try:
             response = self._http.request(call.method, call.path, json=call.body)
         except httpx.HTTPError as exc:
@@ -180,13 +196,13 @@ class StoreClient:
         return self._run(_complete(attempt_id, status, reward, error))
 
     def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return self._run(_ids_call("/api/rollouts/cancel", rollout_ids))
+        return self._run(_ids_call("/api/rollouts/cancel", rollout_ids, _rollouts))
 
     def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
-        return self._run(_ids_call("/api/rollouts/consumed", rollout_ids, lambda d: d["marked"]))
+        return self._run(_ids_call("/api/rollouts/consumed", rollout_ids, _marked))
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return self._run(_ids_call("/api/rollouts/query", rollout_ids))
+        return self._run(_ids_call("/api/rollouts/query", rollout_ids, _rollouts))
 
     def wait_for_rollouts(
         self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2
@@ -209,7 +225,7 @@ class StoreClient:
             return None
 
     def stats(self) -> dict[str, int]:
-        return self._run(_Call("GET", "/api/stats"))
+        return self._run(_Call("GET", "/api/stats", None, _stats))
 
     def close(self) -> None:
         self._http.close()
@@ -228,7 +244,7 @@ class AsyncStoreClient:
         self.url = settings.store_url(url)
         self._http = httpx.AsyncClient(base_url=self.url, headers=_headers(token), timeout=timeout_s)
 
-    async def _run(self, call: _Call) -> Any:
+    async def _run(self, call: _Call[_T]) -> _T:
         try:
             response = await self._http.request(call.method, call.path, json=call.body)
         except httpx.HTTPError as exc:
@@ -267,13 +283,13 @@ class AsyncStoreClient:
         return await self._run(_complete(attempt_id, status, reward, error))
 
     async def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return await self._run(_ids_call("/api/rollouts/cancel", rollout_ids))
+        return await self._run(_ids_call("/api/rollouts/cancel", rollout_ids, _rollouts))
 
     async def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
-        return await self._run(_ids_call("/api/rollouts/consumed", rollout_ids, lambda d: d["marked"]))
+        return await self._run(_ids_call("/api/rollouts/consumed", rollout_ids, _marked))
 
     async def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return await self._run(_ids_call("/api/rollouts/query", rollout_ids))
+        return await self._run(_ids_call("/api/rollouts/query", rollout_ids, _rollouts))
 
     async def wait_for_rollouts(
         self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2
@@ -295,7 +311,7 @@ class AsyncStoreClient:
             return None
 
     async def stats(self) -> dict[str, int]:
-        return await self._run(_Call("GET", "/api/stats"))
+        return await self._run(_Call("GET", "/api/stats", None, _stats))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -7,11 +7,15 @@ database (``seq`` then orders spans per server commit, not globally).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._otlp import SpanRow
 from ._sql import _SPAN_COLUMNS, SqlStore, schema
+
+if TYPE_CHECKING:  # psycopg is an optional dependency, imported where a store is opened
+    import psycopg
+    from psycopg.rows import TupleRow
 
 __all__ = ["PostgresStore"]
 
@@ -26,13 +30,13 @@ def _no_nul(value: Any) -> Any:
 class _Conn:
     """A psycopg connection with sqlite3's ``execute`` / ``executemany`` shape and ``?`` placeholders."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: psycopg.Connection[TupleRow]) -> None:
         self.raw = raw
 
-    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> psycopg.Cursor[TupleRow]:
         return self.raw.execute(sql.replace("?", "%s"), [_no_nul(a) for a in args])
 
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         with self.raw.cursor() as cur:
             cur.executemany(sql.replace("?", "%s"), [[_no_nul(a) for a in row] for row in rows])
 
@@ -40,7 +44,7 @@ class _Conn:
         self.raw.close()
 
 
-class PostgresStore(SqlStore):
+class PostgresStore(SqlStore[_Conn]):
     """The :class:`~agl_core.store.base.Store` on PostgreSQL (``postgresql://user@host:port/db``).
 
     ``schema`` keeps agl's tables in their own schema (created if missing).
@@ -70,14 +74,14 @@ class PostgresStore(SqlStore):
             raw.execute(f'SET search_path TO "{self.schema}"')
         return _Conn(raw)
 
-    def _begin(self, conn: Any) -> None:
+    def _begin(self, conn: _Conn) -> None:
         conn.raw.execute("BEGIN")
 
     def _in(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
         return f"{column} = ANY(?)", [list(values)]
 
-    def _insert_spans(self, conn: Any, rows: Sequence[SpanRow]) -> int:
-        columns = list(zip(*rows))
+    def _insert_spans(self, conn: _Conn, rows: Sequence[SpanRow]) -> int:
+        columns = list(zip(*rows, strict=True))  # every row has the same 11 columns
         cursor = conn.raw.execute(
             f"INSERT INTO spans ({_SPAN_COLUMNS}) SELECT * FROM unnest("
             "%s::bytea[], %s::bytea[], %s::bytea[], %s::text[], %s::bigint[], %s::bigint[], %s::int[],"

@@ -62,7 +62,7 @@ class Redactor:
             keep = [kv for kv in key_values if not self._dropped(kv.key)]
             if len(keep) != len(key_values):
                 copies = [type(kv)() for kv in keep]
-                for copy, kv in zip(copies, keep):
+                for copy, kv in zip(copies, keep, strict=True):  # one fresh copy per kept pair
                     copy.CopyFrom(kv)
                 del key_values[:]
                 key_values.extend(copies)
@@ -114,6 +114,7 @@ def parse_rules(rules: Iterable[str]) -> Redactor:
             patterns.append(arg)
         else:
             raise ValueError(
-                f"redaction rule {rule!r} is not one of key:GLOB, regex:PATTERN, {', '.join(sorted(_PRESETS))}"
+                f"redaction rule {rule!r} is not one of key:GLOB, regex:PATTERN, "
+                f"{', '.join(sorted(_PRESETS))}"
             )
     return Redactor(drop, patterns)

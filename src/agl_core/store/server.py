@@ -6,15 +6,17 @@ Endpoints (JSON unless noted):
 ``POST /v1/traces``                            OTLP/HTTP, ``application/x-protobuf`` or ``application/json``,
                                                optionally gzip / deflate encoded
 ``POST /api/rollouts``                         enqueue ``{"rollouts": [{task_id, input, group_id?, ...}]}``
-``POST /api/rollouts/dequeue``                 ``{"worker_id", "lease_s"?}`` -> ``{"rollout", "attempt"}`` or 204
+``POST /api/rollouts/dequeue``                 ``{"worker_id", "lease_s"?}`` -> ``{"rollout", "attempt"}``
+                                               or 204
 ``POST /api/rollouts/query``                   ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/cancel``                  ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/consumed``                ``{"rollout_ids": [...]}`` -> ``{"marked": n}``
 ``POST /api/attempts/{attempt_id}/heartbeat``  ``{"lease_s"?}`` -> ``{"attempt"}`` (its status says if it
                                                should stop: cancelled or timed out)
 ``POST /api/attempts/{attempt_id}/complete``   ``{"status", "reward"?, "error"?}`` -> ``{"rollout"}``
-``POST /api/spans/query``                      ``{"rollout_ids"?, "attempt_id"?, "trace_id"?, "start_after_ns"?,
-                                               "start_before_ns"?, "after_seq"?, "limit"?}``
+``POST /api/spans/query``                      ``{"rollout_ids"?, "attempt_id"?, "trace_id"?,
+                                               "start_after_ns"?, "start_before_ns"?,
+                                               "after_seq"?, "limit"?}``
 ``PUT /api/resources/{name}``                  ``{"value"}`` -> ``{"resource"}`` (a new version)
 ``GET /api/resources/{name}``                  the latest version
 ``GET /api/stats``, ``GET /healthz``
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import pydantic
@@ -52,6 +55,7 @@ __all__ = ["create_store_app", "MAX_BODY_BYTES"]
 #: Largest request body accepted, after decompression (413 beyond it).
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _PROTOBUF = "application/x-protobuf"
+_Handler = Callable[[Request], Awaitable[Response]]
 
 
 class _Strict(pydantic.BaseModel):
@@ -191,7 +195,7 @@ def create_store_app(
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
-    def api(handler: Any) -> Any:
+    def api(handler: _Handler) -> _Handler:
         async def endpoint(request: Request) -> Response:
             if not authorized(request):
                 return _error(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ._otlp import SpanRow
 from ._sql import _SPAN_COLUMNS, SqlStore, schema
@@ -20,7 +19,7 @@ __all__ = ["SqliteStore"]
 _SCHEMA = schema(serial="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB", real="REAL", bigint="INTEGER")
 
 
-class SqliteStore(SqlStore):
+class SqliteStore(SqlStore[sqlite3.Connection]):
     """The :class:`~agl_core.store.base.Store` on one SQLite file."""
 
     def __init__(self, path: str | Path, *, synchronous: str = "NORMAL") -> None:
@@ -43,10 +42,10 @@ class SqliteStore(SqlStore):
         conn.execute("PRAGMA busy_timeout=30000")
         return conn
 
-    def _begin(self, conn: Any) -> None:
+    def _begin(self, conn: sqlite3.Connection) -> None:
         conn.execute("BEGIN IMMEDIATE")
 
-    def _insert_spans(self, conn: Any, rows: Sequence[SpanRow]) -> int:
+    def _insert_spans(self, conn: sqlite3.Connection, rows: Sequence[SpanRow]) -> int:
         before = conn.total_changes
         conn.executemany(
             f"INSERT INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING", rows

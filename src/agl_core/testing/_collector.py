@@ -10,8 +10,8 @@ from pathlib import Path
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from ..server import BackgroundServer
 from ..records import Span
+from ..server import BackgroundServer
 from ..store import SqliteStore, Store, StoreClient
 from ..store.server import create_store_app
 from ..tracing import make_otlp_exporter

@@ -10,9 +10,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from starlette.applications import Starlette
 
 from .. import semconv
-from ..server import BackgroundServer
 from ..gateway import GatewayMetrics, TemplateRenderer, rollout_base_url
 from ..gateway.backend import Backend
+from ..server import BackgroundServer
 from ..tracing import make_otlp_exporter
 
 __all__ = ["GatewayServer"]
