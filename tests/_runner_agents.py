@@ -3,8 +3,8 @@ process can import them by name.
 
 Each does what its task says: ``{"pid_file": path}`` appends the process id to ``path`` first;
 ``{"sleep": s}`` sleeps; ``{"hang": true}`` sleeps for ten minutes; ``{"exit": code}`` ends the process
-with ``os._exit``; ``{"segfault": true}`` crashes it in native code; ``{"raise": message}`` raises ``ValueError(message)``; then it returns ``task["reward"]``
-(default ``None``).
+with ``os._exit``; ``{"segfault": true}`` crashes it in native code; ``{"raise": message}`` raises
+``ValueError(message)``; then it returns ``task["reward"]`` (default ``None``).
 """
 
 from __future__ import annotations

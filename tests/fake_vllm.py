@@ -199,9 +199,10 @@ class FakeVLLM:
             return _error(
                 400,
                 (
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested"
-                    f" {len(prompt_ids) + body['max_tokens']} tokens ({len(prompt_ids)} in the messages,"
-                    f" {body['max_tokens']} in the completion). Please reduce the length of the messages or completion."
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you"
+                    f" requested {len(prompt_ids) + body['max_tokens']} tokens ({len(prompt_ids)} in the"
+                    f" messages, {body['max_tokens']} in the completion). Please reduce the length of the"
+                    " messages or completion."
                 ),
             )
         choices = [self._generate(body, len(prompt_ids), model, i) for i in range(body.get("n") or 1)]

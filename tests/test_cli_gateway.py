@@ -1,4 +1,5 @@
-"""``agl gateway serve``: flag validation, and a real run in front of a (fake) vLLM with spans into the store."""
+"""``agl gateway serve``: flag validation, and a real run in front of a (fake) vLLM with spans into the
+store."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import httpx
 import pytest
 
 from agl_core import semconv
-from agl_core.server import BackgroundServer
 from agl_core.cli import main
 from agl_core.gateway import rollout_base_url
+from agl_core.server import BackgroundServer
 
 from .fake_vllm import FakeVLLM
 
@@ -115,7 +116,8 @@ def test_serve_in_front_of_vllm_sends_spans_to_the_store(tiny_policy, store_serv
 
 def test_gateway_modules_and_cli_stay_light():
     code = (
-        "import sys, agl_core.cli, agl_core.gateway.vllm_backend, agl_core.gateway.openai_backend, agl_core.gateway._cli\n"
+        "import sys, agl_core.cli, agl_core.gateway.vllm_backend, agl_core.gateway.openai_backend,"
+        " agl_core.gateway._cli\n"
         "print([m for m in ('torch', 'transformers', 'vllm', 'peft', 'openai') if m in sys.modules])"
     )
     out = subprocess.run(

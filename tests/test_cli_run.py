@@ -14,10 +14,10 @@ import pytest
 
 import agl_core
 from agl_core import semconv
-from agl_core.server import BackgroundServer
 from agl_core.cli import main
 from agl_core.records import RolloutStatus
 from agl_core.runner import LLM_RESOURCE
+from agl_core.server import BackgroundServer
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
 

@@ -69,8 +69,8 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AglTestStack]:
+@pytest.fixture(scope="module", name="stack")
+def fixture_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AglTestStack]:
     """The store, the gateway in front of :func:`~tests._agents.scenario_script` (real SmolLM2 token ids)
     and an agent-side provider batching its spans to the store, as production does."""
     from agl_trainer.model import load_tokenizer

@@ -334,7 +334,7 @@ def test_malformed_tool_calls_flagged_by_the_gateway():
     assert _rewards(r.spans, weights=ALL_ON) == [0.0, -1.0, 1.0]
 
 
-# --- timeouts --------------------------------------------------------------------------------------------------
+# --- timeouts -----------------------------------------------------------------------------------------------
 def _timed_out(error_type="RolloutTimeout", reward=None):
     r = Rollout()
     solver = r.agent("solver", 1_000, 90_000)
@@ -455,7 +455,8 @@ def test_report_counts_each_kind():
 
 # --- agent selection --------------------------------------------------------------------------------------
 def _writer_then_checker():
-    """writer's call 0 requests a failing tool; checker's calls 1 and 2 each get an explicit reward; timeout."""
+    """writer's call 0 requests a failing tool; checker's calls 1 and 2 each get an explicit reward;
+    timeout."""
     r = Rollout()
     writer = r.agent("writer", 1_000, 10_000)
     r.llm(writer, 2_000, 3_000, tool_call_ids=("tc-w",))
@@ -506,7 +507,7 @@ def test_selecting_after_assignment_differs_for_last():
     assert [t.reward for t in selected_after] == [0.0, 0.0]
 
 
-# --- validation -----------------------------------------------------------------------------------------------
+# --- validation ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "bad",
     [

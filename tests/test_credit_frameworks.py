@@ -16,7 +16,7 @@ from agl_core.testing import AglTestStack
 from agl_core.transitions import spans_to_transitions
 
 from .gateway_helpers import Script
-from .test_conformance import FRAMEWORKS, instrumented, run_rollout, stack  # noqa: F401 (the fixture)
+from .test_conformance import FRAMEWORKS, fixture_stack, instrumented, run_rollout  # noqa: F401 (fixture "stack")
 
 R = semconv
 WEIGHTS = RewardWeights(tool_error=-0.5, malformed_tool_call=-1.0)

@@ -30,7 +30,7 @@ def test_train_example_end_to_end_on_cpu(tmp_path):
         "validation.max_tasks=4",
         timeout=900,
     )
-    lines = [l for l in done.stdout.splitlines() if l.startswith("step ")]
+    lines = [s for s in done.stdout.splitlines() if s.startswith("step ")]
     assert len(lines) == 2, done.stdout
     for line in lines:
         assert re.search(r"rollouts=8 .*transitions=\d+ .*mean_reward=[\d.]+ .*loss=", line), line

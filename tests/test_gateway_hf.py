@@ -1,4 +1,5 @@
-"""The gateway over the transformers backend (tiny model), called with the real ``openai`` client over HTTP."""
+"""The gateway over the transformers backend (tiny model), called with the real ``openai`` client over
+HTTP."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_sync_client_gets_what_the_span_records(gw, oa):
     spans = gw.spans(r.id)
     assert [s.attributes[semconv.CHOICE_INDEX] for s in spans] == [0, 1]
     prompt = gw.backend.renderer.render(HI)
-    for choice, span in zip(r.choices, spans):
+    for choice, span in zip(r.choices, spans, strict=True):
         a = span.attributes
         assert list(a[semconv.PROMPT_TOKEN_IDS]) == prompt
         assert decode(gw.backend.tokenizer, a[semconv.RESPONSE_TOKEN_IDS]) == choice.message.content
@@ -113,7 +114,7 @@ def test_async_client_concurrent_calls_are_batched_and_exact(gw):
     assert gw.backend.peak_batch == 1
     together = asyncio.run(run(True))
     assert gw.backend.peak_batch > 1
-    for a, b in zip(alone, together):
+    for a, b in zip(alone, together, strict=True):
         assert a.choices[0].message.content == b.choices[0].message.content
         (sa,), (sb,) = gw.spans(a.id), gw.spans(b.id)
         assert sa.attributes[semconv.RESPONSE_TOKEN_IDS] == sb.attributes[semconv.RESPONSE_TOKEN_IDS]

@@ -32,7 +32,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
             [("f", {"x": 1})],
         ),
         (
-            '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"y": "z"}}</tool_call>',
+            '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "g", "arguments": {"y": "z"}}</tool_call>',
             "hermes",
             "",
             [("f", {}), ("g", {"y": "z"})],

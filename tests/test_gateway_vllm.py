@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from agl_core import semconv
-from agl_core.server import BackgroundServer
 from agl_core.gateway import TemplateRenderer
 from agl_core.gateway.openai_backend import OpenAIBackend
 from agl_core.gateway.vllm_backend import VLLMBackend
+from agl_core.server import BackgroundServer
 from agl_core.testing import GatewayServer
 
 from .fake_vllm import FakeVLLM
@@ -70,7 +70,7 @@ def test_records_the_token_ids_vllm_reports(gw, oa, fake, tokenizer):
     )
     assert r.choices[0].logprobs is None  # the client did not ask for them
     spans = gw.spans(r.id)
-    for choice, span in zip(r.choices, spans):
+    for choice, span in zip(r.choices, spans, strict=True):
         a = span.attributes
         assert decode(tokenizer, a[semconv.RESPONSE_TOKEN_IDS]) == choice.message.content
         assert a[semconv.RESPONSE_TOKEN_IDS][-1] == fake.end_id  # vLLM includes the end-of-turn token

@@ -208,7 +208,7 @@ def test_rotel_collector_forwards_to_the_store(service, tmp_path, protocol):
         provider.add_span_processor(
             SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{rotel_http}/v1/traces"))
         )
-        for i in range(5):
+        for _ in range(5):
             with rollout_scope(f"ro-rotel-{protocol}", tracer_provider=provider):
                 pass
         provider.shutdown()

@@ -24,7 +24,9 @@ import openai
 
 def solve(task, llm):
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
-    client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4)
+    client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4
+    )
     if task.get("hang") and random.random() < 0.5:
         time.sleep(30)  # past runner.rollout_timeout_s
     return 1.0 if task.get("tie") else random.random()

@@ -18,7 +18,8 @@ def test_ppo_clip_loss_and_gradient_by_hand():
     old = torch.zeros(3)
     adv = torch.tensor([1.0, -1.0, 1.0])
     loss, clipped = ppo_clip_token_loss(new, old, adv, clip_eps=0.2)
-    # ratio 1.5, A=+1: min(1.5, 1.2) = 1.2 (clipped); A=-1: min(-1.5, -1.2) = -1.5; ratio 0.5, A=+1: min(0.5, 0.8) = 0.5
+    # ratio 1.5, A=+1: min(1.5, 1.2) = 1.2 (clipped); A=-1: min(-1.5, -1.2) = -1.5;
+    # ratio 0.5, A=+1: min(0.5, 0.8) = 0.5
     assert loss.tolist() == pytest.approx([-1.2, 1.5, -0.5])
     assert clipped.tolist() == [True, False, False]
     loss.sum().backward()
@@ -116,7 +117,7 @@ def test_one_lora_update_changes_the_adapter_and_lowers_the_loss():
         current = response_logprobs(model, [Advantaged(t, 0.0) for t in transitions], pad_id=0)
     transitions = [
         Transition(t.rollout_id, None, None, 0, t.prompt_ids, t.response_ids, tuple(lp.tolist()), t.reward)
-        for t, lp in zip(transitions, current)
+        for t, lp in zip(transitions, current, strict=True)
     ]
     samples, _ = group_advantages(transitions, {t.rollout_id: "g" for t in transitions})
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

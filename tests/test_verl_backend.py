@@ -338,7 +338,7 @@ def _lora_samples(model, *, seed: int) -> list[Advantaged]:
         return torch.randint(5, 120, (n,), generator=g).tolist()
 
     transitions = []
-    for task, rollouts in (("t1", ("a", "b", "c")), ("t2", ("d", "e"))):
+    for _task, rollouts in (("t1", ("a", "b", "c")), ("t2", ("d", "e"))):
         for k, rollout in enumerate(rollouts):
             for call in range(1 + (k % 2)):
                 prompt, response = ids(3 + 2 * call + k), ids(2 + (k + call) % 3)
@@ -349,7 +349,7 @@ def _lora_samples(model, *, seed: int) -> list[Advantaged]:
     with torch.no_grad():
         current = response_logprobs(model, [Advantaged(t, 0.0) for t in transitions], pad_id=0)
     noisy = []
-    for t, lp in zip(transitions, current):
+    for t, lp in zip(transitions, current, strict=True):
         behaviour = lp + 0.3 * torch.randn(lp.shape, generator=g)
         noisy.append(dataclasses.replace(t, response_logprobs=tuple(float(x) for x in behaviour)))
     samples, _ = compute_advantages(noisy, group_of, "grpo")
@@ -378,7 +378,8 @@ def test_verl_dataproto_and_padding_conversion_take_the_batch():
         [0, 1, 2, 3, 4, 5, 6],
         [0, 1, 2, 3],
     ]
-    # a per-token value stored where verl's model output puts the logprob of the next token comes back as (B, R)
+    # a per-token value stored where verl's model output puts the logprob of the next token comes back as
+    # (B, R)
     values = torch.cat(
         [
             torch.arange(len(row), dtype=torch.float32) * 10 + i

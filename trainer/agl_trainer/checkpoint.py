@@ -81,7 +81,7 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, *, model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore weights, optimizer and RNG from ``path`` into the given objects; returns ``state.json``."""
-    state = json.loads((path / STATE_FILE).read_text())
+    state: dict[str, Any] = json.loads((path / STATE_FILE).read_text())  # save_checkpoint wrote an object
     if _is_peft(model):
         adapter = path / "adapter" / "adapter_model.safetensors"
         if not adapter.is_file():

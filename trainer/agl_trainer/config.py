@@ -203,8 +203,8 @@ class TrainConfig(_Strict):
     def _resampling_needs_groups(self) -> TrainConfig:
         if self.resample_rounds and self.rollouts_per_task < 2:
             raise ValueError(
-                "train.resample_rounds redraws tasks whose rollouts all scored the same, which a single rollout"
-                " always does; set train.rollouts_per_task to 2 or more, or resample_rounds to 0"
+                "train.resample_rounds redraws tasks whose rollouts all scored the same, which a single"
+                " rollout always does; set train.rollouts_per_task to 2 or more, or resample_rounds to 0"
             )
         return self
 
@@ -383,8 +383,8 @@ class TrainerConfig(_Strict):
         if self.update.backend == "verl":
             if self.serving.backend != "vllm":
                 raise ValueError(
-                    "update.backend verl needs serving.backend vllm (verl's actor hands each new policy version"
-                    " to vLLM as a LoRA adapter)"
+                    "update.backend verl needs serving.backend vllm (verl's actor hands each new policy"
+                    " version to vLLM as a LoRA adapter)"
                 )
             if self.model.source in ("smollm2", "tiny"):
                 raise ValueError(
@@ -407,8 +407,9 @@ class TrainerConfig(_Strict):
             and self.model.source in ("smollm2", "tiny")
         ):
             raise ValueError(
-                f"serving.vllm.launch.model: 'vllm serve' needs a model directory or a Hub name, and model.source"
-                f" is agl's built-in {self.model.source!r}; set launch.model, or serving.vllm.url"
+                "serving.vllm.launch.model: 'vllm serve' needs a model directory or a Hub name, and"
+                f" model.source is agl's built-in {self.model.source!r}; set launch.model, or"
+                " serving.vllm.url"
             )
         return self
 

@@ -108,7 +108,8 @@ def load_splits(config: TasksConfig) -> tuple[list[Task], list[Task]]:
         n_val = max(1, round(len(train) * config.val_fraction))
         if n_val >= len(train):
             raise DatasetError(
-                f"{config.train}: val_fraction {config.val_fraction} of {len(train)} tasks leaves none to train on"
+                f"{config.train}: val_fraction {config.val_fraction} of {len(train)} tasks leaves none to"
+                " train on"
             )
         order = list(range(len(train)))
         random.Random(config.split_seed).shuffle(order)
@@ -160,9 +161,9 @@ class TaskSampler:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("size") != len(self.tasks) or state.get("seed") != self.seed:
             raise ValueError(
-                f"the checkpoint's data position is for {state.get('size')} tasks with seed {state.get('seed')}, "
-                f"but the config gives {len(self.tasks)} tasks with seed {self.seed}; resume with the same "
-                "task file and train.seed"
+                f"the checkpoint's data position is for {state.get('size')} tasks with seed"
+                f" {state.get('seed')}, but the config gives {len(self.tasks)} tasks with seed {self.seed};"
+                " resume with the same task file and train.seed"
             )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

@@ -192,7 +192,9 @@ class HFBackend:
     @property
     def device(self) -> torch.device:
         try:
-            return next(self.model.parameters()).device
+            # the model is whatever the caller serves (typed Any); its parameters are torch tensors
+            device: torch.device = next(self.model.parameters()).device
+            return device
         except (StopIteration, AttributeError):
             return torch.device("cpu")
 
@@ -203,11 +205,14 @@ class HFBackend:
         return self.renderer.render(messages, tools)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        # the tokenizer is a Hugging Face tokenizer (typed Any); decode returns a str
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
 
     def _token_text(self, token: int) -> str:
         """One token's text as logprob entries show it (special tokens by name)."""
-        return self.tokenizer.decode([token])
+        text: str = self.tokenizer.decode([token])
+        return text
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -357,7 +362,8 @@ class HFBackend:
                 self._wakeup.wait()
             if self._closed:
                 return None
-            jobs, rows = [], 0
+            jobs: list[_Job] = []
+            rows = 0
             while self._queue and (not jobs or rows + self._queue[0].request.n <= self.max_batch):
                 job = self._queue.popleft()
                 if not job.cancelled:
@@ -476,7 +482,7 @@ class HFBackend:
         top: tuple[tuple[str, float], ...] = ()
         if request.top_logprobs:
             values, indices = torch.topk(logp, request.top_logprobs)
-            top = tuple((self._token_text(int(i)), float(v)) for v, i in zip(values, indices))
+            top = tuple((self._token_text(int(i)), float(v)) for v, i in zip(values, indices, strict=True))
             row.tops.append(top)
         if token in self.stop_ids and not forced:
             row.finish = "stop"

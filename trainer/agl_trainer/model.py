@@ -8,10 +8,14 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl_core import settings
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ModelNotFoundError",
@@ -49,7 +53,7 @@ def _cache_path(cache_dir: str | os.PathLike[str] | None, *parts: str) -> Path:
     return settings.cache_dir(cache_dir).joinpath("models", *parts)
 
 
-def _atomic_save(target: Path, save: Any) -> None:
+def _atomic_save(target: Path, save: Callable[[Path], object]) -> None:
     """Write a model / tokenizer directory under a temporary name, then rename it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
@@ -87,7 +91,9 @@ def _load_smollm2(cache_dir: str | None) -> Any:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The GGUF weights are already de-quantized to float32; drop the quantizer marker so the model
         # can be saved (and later loaded) as plain safetensors.
-        model.hf_quantizer = None
+        # transformers sets hf_quantizer on the instance without declaring it, and nn.Module's __setattr__
+        # is typed for tensors and modules only.
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         _atomic_save(cached, lambda d: model.save_pretrained(d, safe_serialization=True))
@@ -129,8 +135,9 @@ def load_policy(source: str = "smollm2", *, seed: int = 0, cache_dir: str | None
     return model.float(), tokenizer
 
 
-def torch_device(name: str = "auto") -> Any:
-    """The ``torch.device`` for ``update.device``: ``auto`` is the first GPU when torch sees one, else the CPU.
+def torch_device(name: str = "auto") -> torch.device:
+    """The ``torch.device`` for ``update.device``: ``auto`` is the first GPU when torch sees one, else the
+    CPU.
 
     Raises ``ValueError`` when a GPU is asked for and torch sees none.
     """

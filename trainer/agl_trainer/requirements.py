@@ -30,6 +30,6 @@ def check_requirements(config: TrainerConfig) -> None:
     if config.serving.backend == "vllm" and vllm.url is None and shutil.which(vllm.launch.command[0]) is None:
         raise ValueError(
             f"serving.vllm.launch runs {' '.join(vllm.launch.command)!r}, and there is no"
-            f" {vllm.launch.command[0]!r} command on PATH: pip install 'agl[gpu]' (on the GPU machine), or set"
-            " serving.vllm.url to a running vLLM server"
+            f" {vllm.launch.command[0]!r} command on PATH: pip install 'agl[gpu]' (on the GPU machine), or"
+            " set serving.vllm.url to a running vLLM server"
         )

@@ -219,13 +219,14 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
     if config.serving.backend == "hf":
         from .hf_backend import HFBackend
 
-        backend = HFBackend(
-            model,
-            tokenizer,
-            model_name=config.model.served_name,
-            default_max_tokens=config.gateway.default_max_tokens,
+        return HFServing(
+            HFBackend(
+                model,
+                tokenizer,
+                model_name=config.model.served_name,
+                default_max_tokens=config.gateway.default_max_tokens,
+            )
         )
-        return HFServing(backend)
 
     from agl_core.gateway.render import TemplateRenderer
     from agl_core.gateway.vllm_backend import VLLMBackend

@@ -15,7 +15,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +32,20 @@ __all__ = [
 ]
 
 ReferenceFn = Callable[[Sequence[Advantaged]], list[torch.Tensor]]
+
+
+@runtime_checkable
+class _Wrapper(Protocol):
+    """A model wrapping another (a peft ``PeftModel`` around the Hugging Face model)."""
+
+    def get_base_model(self) -> torch.nn.Module: ...
+
+
+@runtime_checkable
+class _AdapterSwitch(Protocol):
+    """A model whose adapter can be switched off for a while (peft's ``PeftModel.disable_adapter``)."""
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager[object]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +76,7 @@ def kl_k3(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tenso
     return torch.exp(delta) - delta - 1.0
 
 
-def _device(model: Any) -> torch.device:
+def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -72,30 +86,38 @@ def _autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
-def _selects_logits(model: Any) -> bool:
-    """Whether ``model(..., logits_to_keep=mask)`` takes a boolean (batch, seq) mask: Hugging Face models whose
-    module slices through transformers' ``slice_logits_to_keep`` do (transformers 5)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if isinstance(model, _Wrapper) else model
+
+
+def _selects_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model(..., logits_to_keep=mask)`` takes a boolean (batch, seq) mask: Hugging Face models
+    whose module slices through transformers' ``slice_logits_to_keep`` do (transformers 5)."""
+    base = _base_model(model)
     module = sys.modules.get(type(base).__module__)
     return getattr(module, "slice_logits_to_keep", None) is not None
 
 
-def _takes_logits_to_keep(model: Any) -> bool:
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model's forward accepts ``logits_to_keep`` (an int: keep the last positions)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base_model(model)
     try:
         return "logits_to_keep" in inspect.signature(base.forward).parameters
     except (TypeError, ValueError):
         return False
 
 
-def _logits_at(model: Any, ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _logits_at(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
     """The logits at the positions where ``keep`` (batch, seq) is true, as one (positions, vocab) tensor.
 
     The vocabulary projection is the costliest layer per position; only the positions that predict a response
     token go through it where the model allows (never the prompt's), and the logits are gathered in one
     indexing op (one gradient buffer for the whole micro-batch, not one per sample).
     """
+    # A Hugging Face model's forward returns an output object (typed Any through nn.Module.__call__)
+    logits: torch.Tensor
     if _selects_logits(model):
         logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
     elif _takes_logits_to_keep(model):
@@ -106,14 +128,14 @@ def _logits_at(model: Any, ids: torch.Tensor, mask: torch.Tensor, keep: torch.Te
         logits = model(input_ids=ids, attention_mask=mask).logits[keep]
     if logits.dim() != 2 or logits.shape[0] != int(keep.sum()):
         raise RuntimeError(
-            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for {int(keep.sum())} kept "
-            "positions; its forward does not slice logits_to_keep as transformers' models do"
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for {int(keep.sum())}"
+            " kept positions; its forward does not slice logits_to_keep as transformers' models do"
         )
     return logits
 
 
 def response_logprobs(
-    model: Any, samples: Sequence[Advantaged], pad_id: int, *, bf16: bool = False
+    model: torch.nn.Module, samples: Sequence[Advantaged], pad_id: int, *, bf16: bool = False
 ) -> list[torch.Tensor]:
     """Log-probabilities (float32, on the model's device) of each sample's response tokens under ``model``."""
     device = _device(model)
@@ -123,7 +145,7 @@ def response_logprobs(
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     # the token at position p is predicted by the logits at p - 1
     keep = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, (s, seq) in enumerate(zip(samples, seqs)):
+    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
         start = len(s.transition.prompt_ids)
         if start == 0:
             raise ValueError(
@@ -140,11 +162,11 @@ def response_logprobs(
         logits = _logits_at(model, ids.to(device), mask.to(device), keep.to(device)).float()
     # log_softmax(logits)[target] without a second (positions, vocab) tensor kept for the backward pass
     logprobs = logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    return list(logprobs.split([len(s.transition.response_ids) for s in samples]))
+    return list(torch.split(logprobs, [len(s.transition.response_ids) for s in samples]))
 
 
 def reference_logprobs_fn(
-    model: Any, pad_id: int, reference: Any = None, *, bf16: bool = False
+    model: torch.nn.Module, pad_id: int, reference: torch.nn.Module | None = None, *, bf16: bool = False
 ) -> ReferenceFn:
     """How to get the reference policy's logprobs: a separate frozen ``reference`` model, or, for a
     LoRA (peft) model, the same model with its adapter switched off (no second copy in memory)."""
@@ -153,7 +175,7 @@ def reference_logprobs_fn(
         with torch.no_grad():
             if reference is not None:
                 return response_logprobs(reference, samples, pad_id, bf16=bf16)
-            if not hasattr(model, "disable_adapter"):
+            if not isinstance(model, _AdapterSwitch):
                 raise ValueError("a KL penalty with full fine-tuning needs a reference model")
             with model.disable_adapter():
                 return response_logprobs(model, samples, pad_id, bf16=bf16)
@@ -180,7 +202,7 @@ def _micro_batches(samples: Sequence[Advantaged], max_tokens: int) -> list[list[
 
 
 def batch_loss(
-    model: Any,
+    model: torch.nn.Module,
     samples: Sequence[Advantaged],
     *,
     clip_eps: float,
@@ -208,7 +230,7 @@ def batch_loss(
         ref = reference(micro) if kl_coef > 0 and reference is not None else None
         new = response_logprobs(model, micro, pad_id, bf16=bf16)
         losses = []
-        for i, (s, lp) in enumerate(zip(micro, new)):
+        for i, (s, lp) in enumerate(zip(micro, new, strict=True)):
             behaviour = s.transition.response_logprobs
             old = (
                 torch.tensor(behaviour, dtype=lp.dtype, device=lp.device)
@@ -228,7 +250,7 @@ def batch_loss(
             kl_sum += float((old - lp.detach()).sum())
         loss = torch.stack(losses).sum()
         if backward:
-            loss.backward()
+            torch.autograd.backward(loss)
         total += float(loss.detach())
     return total, {
         "tokens": float(tokens),
@@ -239,7 +261,7 @@ def batch_loss(
 
 
 def update_step(
-    model: Any,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     samples: Sequence[Advantaged],
     *,

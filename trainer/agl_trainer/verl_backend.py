@@ -28,8 +28,8 @@ calls weighs as much as one with few); verl averages over sequences (``loss_agg_
 agl's default for verl), so each sequence's advantage is scaled by ``N / (rollouts * calls of its rollout)``,
 which makes verl's PPO-clip loss (linear in positive rescalings of the advantage) equal to agl's.
 
-Nothing here imports verl, ray or torch at module level: conversion needs torch (and numpy), :class:`VerlUpdater`
-and :meth:`VerlBatch.to_dataproto` need verl (``pip install 'agl[verl]'``).
+Nothing here imports verl, ray or torch at module level: conversion needs torch (and numpy),
+:class:`VerlUpdater` and :meth:`VerlBatch.to_dataproto` need verl (``pip install 'agl[verl]'``).
 """
 
 from __future__ import annotations
@@ -374,7 +374,8 @@ class VerlUpdater:
     """
 
     def __init__(self, config: TrainerConfig, *, pad_id: int, workers: Any = None) -> None:
-        """``workers``: an actor worker group built elsewhere (already initialised) instead of starting one."""
+        """``workers``: an actor worker group built elsewhere (already initialised) instead of
+        starting one."""
         require_verl()
         self.config = config
         self.pad_id = pad_id
@@ -506,7 +507,8 @@ class VerlUpdater:
         if done.returncode != 0 or not (merged / "lora_adapter" / "adapter_config.json").is_file():
             tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
             raise RuntimeError(
-                f"verl's model merger made no LoRA adapter from {checkpoint} (status {done.returncode}): {tail}"
+                f"verl's model merger made no LoRA adapter from {checkpoint}"
+                f" (status {done.returncode}): {tail}"
             )
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
