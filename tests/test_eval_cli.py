@@ -119,6 +119,9 @@ def test_eval_of_the_base_model_on_a_task_file(job):
         (["--per-field", "kind"], "agl eval: no task has a field 'kind'; the tasks' fields are: id, op, q"),
         (["--baseline"], "agl eval: a baseline is compared with a checkpoint; pass --checkpoint DIR as well"),
         (["--set", "train.stepz=1"], "agl eval: invalid trainer config:"),
+        (["--limit", "0"], "agl eval: limit must be at least 1, got 0"),
+        (["--limit", "-1"], "agl eval: limit must be at least 1, got -1"),
+        (["--samples", "0"], "agl eval: samples must be at least 1, got 0"),
     ],
 )
 def test_bad_input_is_a_one_line_error(job, args, message):
@@ -130,3 +133,11 @@ def test_bad_input_is_a_one_line_error(job, args, message):
     if not args[0] == "--set":  # a config error lists every bad key, one per line, as agl train's does
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
+
+
+def test_an_unknown_split_is_refused_with_the_choices(job):
+    job, _ = job
+    done = _eval(job, "--split", "test")
+    assert done.returncode == 2
+    (line,) = [x for x in done.stderr.splitlines() if "argument --split: invalid choice: 'test'" in x]
+    assert "val" in line and "train" in line, done.stderr  # the choices, quoted or not by the Python version

@@ -152,9 +152,16 @@ def _quiet(line: str) -> None:
     pass
 
 
+#: What an agent may see as ``llm.split``.
+SPLITS = ("val", "train")
+
+
 def _choose_tasks(
     config: TrainerConfig, tasks: Sequence[Task] | str | Path | None, limit: int | None
 ) -> list[Task]:
+    # both the Python API and the command come through here, so the bound is checked in one place
+    if limit is not None and limit < 1:
+        raise EvalError(f"limit must be at least 1, got {limit}")
     if tasks is None:
         chosen = load_splits(config.tasks)[1]
         if not chosen:
@@ -245,8 +252,8 @@ def evaluate(
 
     if samples is not None and samples < 1:
         raise EvalError(f"samples must be at least 1, got {samples}")
-    if limit is not None and limit < 1:
-        raise EvalError(f"limit must be at least 1, got {limit}")
+    if split not in SPLITS:
+        raise EvalError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if store is not None and config.store.url:
         raise EvalError(
             f"the config sends rollouts to store.url {config.store.url}; drop --store, or that key"
@@ -426,6 +433,7 @@ class EvalCommand:
         parser.add_argument(
             "--split",
             default="val",
+            choices=SPLITS,
             help="what the agent sees as llm.split (default: val, greedy in agents that follow"
             " llm.evaluating; train samples as in training)",
         )
