@@ -122,6 +122,10 @@ def test_eval_of_the_base_model_on_a_task_file(job):
         (["--limit", "0"], "agl eval: limit must be at least 1, got 0"),
         (["--limit", "-1"], "agl eval: limit must be at least 1, got -1"),
         (["--samples", "0"], "agl eval: samples must be at least 1, got 0"),
+        (
+            ["--output", "no/such/dir/s.jsonl"],
+            "agl eval: --output no/such/dir/s.jsonl: the folder no/such/dir does not exist",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_error(job, args, message):

@@ -469,6 +469,11 @@ class EvalCommand:
             tasks = _choose_tasks(config, args.tasks, args.limit)
             if args.per_field:
                 check_field(tasks, args.per_field)
+            if args.output and not Path(args.output).parent.is_dir():
+                # found now, not after the whole evaluation has run
+                raise EvalError(
+                    f"--output {args.output}: the folder {Path(args.output).parent} does not exist"
+                )
             for path in (args.checkpoint, args.baseline if isinstance(args.baseline, str) else None):
                 if path is not None:
                     find_checkpoint(path)
