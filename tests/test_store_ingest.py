@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from agl_core import semconv
 from agl_core.server import BackgroundServer
-from agl_core.store import AsyncStoreClient, StoreClient
+from agl_core.store import AsyncStoreClient, StoreClient, StoreUnavailableError
 from agl_core.store._ingest import IngestPipeline
 from agl_core.store._otlp import OtlpDecodeError
 from agl_core.store.redact import MASK, parse_rules
@@ -310,7 +310,8 @@ def test_write_failure_is_reported_not_acknowledged(store):
     store.add_span_rows = broken
     pipeline = IngestPipeline(store)
     future = pipeline.submit(pipeline.parse(make_request("ro-x", 2).SerializeToString()))
-    with pytest.raises(RuntimeError, match="disk full"):
+    # a database error is reported as retryable (HTTP 503 / gRPC UNAVAILABLE), never acknowledged
+    with pytest.raises(StoreUnavailableError, match="RuntimeError: disk full"):
         future.result(10)
     pipeline.close()
 

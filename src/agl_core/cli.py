@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -71,7 +72,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--grpc-port", type=_port, default=4317, help="OTLP/gRPC port (default: %(default)s)")
     serve.add_argument("--no-grpc", action="store_true", help="do not start the OTLP/gRPC receiver")
-    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' on every request")
+    serve.add_argument(
+        "--token",
+        default=None,
+        help="require 'Authorization: Bearer TOKEN' on every request (default: $AGL_STORE_TOKEN; required"
+        " when --host is not a loopback address)",
+    )
+    serve.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="listen beyond localhost with no token: anyone who reaches the ports can read and write spans",
+    )
     serve.add_argument(
         "--redact",
         action="append",
@@ -166,6 +177,21 @@ def _store_serve(args: argparse.Namespace) -> int:
         print(f"agl store serve: {message}", file=sys.stderr)
         return 2
 
+    token = settings.store_token(args.token)
+    if args.token is not None and not args.token.strip():
+        return fail('--token is empty; pass a secret, e.g. --token "$(openssl rand -hex 16)"')
+    if token is None and not settings.is_loopback(args.host):
+        if not args.insecure_no_token:
+            return fail(
+                f"--host {args.host} is reachable from other machines, and without a token anyone there could"
+                " read every span and queue rollouts; pass --token TOKEN or set AGL_STORE_TOKEN (or"
+                " --insecure-no-token to accept that)"
+            )
+        print(
+            f"agl store serve: WARNING: --insecure-no-token: anyone who can reach {args.host} can read and"
+            " write this store",
+            file=sys.stderr,
+        )
     if args.max_pending_spans < 1:
         return fail("--max-pending-spans must be >= 1")
     if not 0 <= args.parse_workers <= 64:
@@ -181,7 +207,7 @@ def _store_serve(args: argparse.Namespace) -> int:
         return fail(f"cannot open {args.db}: {exc}")
     service = StoreService(
         store,
-        token=args.token,
+        token=token,
         redactor=redactor,
         retention=retention,
         max_pending_spans=args.max_pending_spans,
@@ -199,6 +225,10 @@ def _store_serve(args: argparse.Namespace) -> int:
             + (f"; retention {', '.join(args.retention)}" if retention else ""),
             flush=True,
         )
+        # uvicorn stops on SIGINT / SIGTERM, then re-raises the signal to the handler it found; one that
+        # returns lets the finally below run (parse workers stopped, the database closed cleanly).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
         serve_forever(service.app, args.host, args.http_port)
     except (OSError, ImportError) as exc:
         return fail(str(exc))

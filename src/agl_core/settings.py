@@ -4,7 +4,9 @@ Precedence everywhere: an explicit argument, then the environment, then the defa
 
 =========================== ==========================================================================
 ``AGL_STORE_URL``           Base URL of the collector-store (default ``http://127.0.0.1:4318``).
-``AGL_STORE_TOKEN``         Bearer token sent to the store, when it requires one.
+``AGL_STORE_TOKEN``         Bearer token sent to the store, when it requires one; ``agl store serve``
+                            requires it when it is not set by ``--token``.
+``AGL_GATEWAY_ADMIN_TOKEN`` The gateway's admin token (``agl gateway serve --admin-token``).
 ``AGL_CACHE_DIR``           Where converted models are cached (default ``~/.cache/agl``).
 ``OTEL_EXPORTER_OTLP_*``    Standard OTLP exporter settings; when set they win over ``AGL_STORE_URL`` for
                             where spans are sent.
@@ -13,6 +15,7 @@ Precedence everywhere: an explicit argument, then the environment, then the defa
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -39,3 +42,16 @@ def otlp_env_configured() -> bool:
     return bool(
         os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server listening on ``host`` is reachable from this machine only: ``localhost``,
+    127.0.0.0/8 or ``::1``. A wildcard (``0.0.0.0``, ``::``), any other address and any other name count as
+    reachable from elsewhere, where a server must ask for a token."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -110,7 +111,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
         "--threads", type=_positive, default=None, help="hf: torch CPU threads (default: torch's choice)"
     )
     serve.add_argument(
-        "--admin-token", default=None, help="require 'Authorization: Bearer TOKEN' to publish policy versions"
+        "--admin-token",
+        default=None,
+        help="require 'Authorization: Bearer TOKEN' to publish policy versions (default:"
+        " $AGL_GATEWAY_ADMIN_TOKEN; required when --host is not a loopback address)",
+    )
+    serve.add_argument(
+        "--insecure-no-admin-token",
+        action="store_true",
+        help="listen beyond localhost with no admin token: anyone who reaches the port can load a policy",
     )
     serve.add_argument(
         "--vllm-arg",
@@ -127,6 +136,18 @@ class _UsageError(Exception):
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.admin_token is None:
+        args.admin_token = os.environ.get("AGL_GATEWAY_ADMIN_TOKEN") or None
+    if args.admin_token is not None and not args.admin_token.strip():
+        raise _UsageError(
+            '--admin-token is empty; pass a secret, e.g. --admin-token "$(openssl rand -hex 16)"'
+        )
+    if args.admin_token is None and not settings.is_loopback(args.host) and not args.insecure_no_admin_token:
+        raise _UsageError(
+            f"--host {args.host} is reachable from other machines, and without an admin token anyone there"
+            " could publish a policy (the backend loads the path they send); pass --admin-token TOKEN or set"
+            " AGL_GATEWAY_ADMIN_TOKEN (or --insecure-no-admin-token to accept that)"
+        )
     if args.backend == "openai":
         if not args.upstream:
             raise _UsageError(
@@ -222,6 +243,12 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     except (BackendError, OSError, RuntimeError, ValueError) as exc:
         print(f"agl gateway serve: cannot start the {args.backend} backend: {exc}", file=sys.stderr)
         return 2
+    if args.admin_token is None and not settings.is_loopback(args.host):
+        print(
+            "agl gateway serve: WARNING: --insecure-no-admin-token: anyone who can reach"
+            f" {args.host}:{args.port} can publish a policy",
+            file=sys.stderr,
+        )
     backend, renderer, description = served.backend, served.renderer, served.description
     store = settings.store_url(args.store)
     provider = TracerProvider(resource=Resource.create({"service.name": "agl-gateway"}))

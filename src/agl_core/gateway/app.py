@@ -70,6 +70,45 @@ def _openai_error(
     )
 
 
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, limit: int = _MAX_BODY) -> bytes:
+    """The request body, refused (:class:`_TooLarge`) as soon as it is known to pass ``limit`` bytes:
+    from ``Content-Length`` before anything is read, or while a chunked body streams in. The rest of an
+    oversized body is never read into memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _TooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge(f"request body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return _openai_error(
+        404, f"no endpoint {request.url.path!r} here; the API is under /v1", "invalid_request_error"
+    )
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    allowed = dict(getattr(exc, "headers", None) or {})
+    methods = allowed.get("Allow", "another method")
+    response = _openai_error(
+        405,
+        f"{request.method} is not allowed on {request.url.path}; use {methods}",
+        "invalid_request_error",
+    )
+    response.headers.update(allowed)
+    return response
+
+
 def _error_of(exc: BackendError) -> tuple[int, str, str, str | None]:
     """(HTTP status, message, OpenAI error type, error.type for the span) for a backend failure."""
     if isinstance(exc, ContextTooLongError):
@@ -325,8 +364,9 @@ class _Gateway:
         if request.method == "GET":
             return JSONResponse({"policy_version": getattr(self.backend, "policy_version", None)})
         if self.admin_token is not None:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given, self.admin_token):
+            # Bytes, not str: compare_digest refuses non-ASCII text (a header is latin-1 on the wire).
+            given = request.headers.get("authorization", "").encode("latin-1", "replace")
+            if not hmac.compare_digest(given, b"Bearer " + self.admin_token.encode()):
                 return _openai_error(
                     401,
                     "publishing a policy needs 'Authorization: Bearer <admin token>'",
@@ -340,7 +380,13 @@ class _Gateway:
                 "invalid_request_error",
             )
         try:
-            body = json.loads(await request.body())
+            raw = await _read_body(request)
+        except _TooLarge as exc:
+            return _openai_error(413, str(exc), "invalid_request_error")
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise TypeError(f"the body is a JSON {type(body).__name__}, not an object")
             update = PolicyUpdate(
                 version=int(body["version"]), path=str(body["path"]), kind=body.get("kind", "lora")
             )
@@ -367,11 +413,10 @@ class _Gateway:
         self, request: Request, endpoint: str, parse: Callable[[bytes], tuple[Any, ChatRequest]]
     ) -> Response:
         metrics = self.metrics
-        raw = await request.body()
-        if len(raw) > _MAX_BODY:
-            return self._done(
-                endpoint, _openai_error(413, f"request body over {_MAX_BODY} bytes", "invalid_request_error")
-            )
+        try:
+            raw = await _read_body(request)
+        except _TooLarge as exc:
+            return self._done(endpoint, _openai_error(413, str(exc), "invalid_request_error"))
         try:
             body, chat = parse(raw)
         except pydantic.ValidationError as exc:
@@ -721,7 +766,7 @@ def create_gateway_app(
         routes.append(Route(prefix + "/v1/chat/completions", gateway.chat_completions, methods=["POST"]))
         routes.append(Route(prefix + "/v1/completions", gateway.completions, methods=["POST"]))
         routes.append(Route(prefix + "/v1/models", gateway.models, methods=["GET"]))
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.metrics = gateway.metrics
     app.state.backend = gateway.backend
     return app

@@ -11,14 +11,21 @@ acknowledged before it is committed.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
+import os
 import queue
+import signal
+import sys
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from ._otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
+from .base import StoreError, StoreUnavailableError
 from .redact import Redactor
 
 __all__ = ["IngestPipeline", "Overloaded"]
@@ -27,13 +34,31 @@ logger = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
-    """The store's write backlog is full; the sender should retry after ``retry_after_s``."""
+    """The store cannot take this request now (its write backlog or decode budget is full, or a parse
+    worker was lost); the sender should retry after ``retry_after_s``. Receivers answer HTTP 503 +
+    Retry-After and gRPC UNAVAILABLE, which OTLP exporters retry."""
 
-    def __init__(self, pending: int, limit: int, retry_after_s: int = 1) -> None:
-        super().__init__(
-            f"the store is busy ({pending} spans waiting to be written, limit {limit}); retry later"
-        )
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def _watch_parent(parent: int) -> None:
+    """Parse-worker initializer: exit when the store process is gone, however it ended."""
+    if sys.platform.startswith("linux"):
+        try:  # the kernel sends SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1)
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # died before prctl took effect
+        os._exit(0)
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=poll, name="agl-parent-watch", daemon=True).start()
 
 
 def _parse(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBatch:
@@ -50,6 +75,7 @@ class IngestPipeline:
         max_pending_spans: int = 200_000,
         max_commit_spans: int = 20_000,
         parse_workers: int = 0,
+        max_decoding_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         if max_pending_spans < 1 or max_commit_spans < 1:
             raise ValueError("max_pending_spans and max_commit_spans must be >= 1")
@@ -57,12 +83,15 @@ class IngestPipeline:
             raise ValueError("parse_workers must be >= 0")
         self.store = store
         self.redactor = redactor if redactor else None
-        # spawn, not fork: the server process runs threads (gRPC, uvicorn) that must not be forked.
-        self._pool = (
-            ProcessPoolExecutor(parse_workers, mp_context=multiprocessing.get_context("spawn"))
-            if parse_workers
-            else None
-        )
+        self.parse_workers = parse_workers
+        self._pool_lock = threading.Lock()
+        self._pool = self._new_pool() if parse_workers else None
+        self.workers_restarted = 0
+        # Bytes being decoded at once: decoding expands a body many times over in memory, so beyond this
+        # budget a request is refused before it is decoded (retryable), not after.
+        self.max_decoding_bytes = max_decoding_bytes
+        self._decoding = 0
+        self._decoding_lock = threading.Lock()
         self.max_pending_spans = max_pending_spans
         self.max_commit_spans = max_commit_spans
         self._queue: queue.Queue[tuple[ParsedBatch, Future[int]] | None] = queue.Queue()
@@ -72,6 +101,15 @@ class IngestPipeline:
         self._start_lock = threading.Lock()
         self.refused_requests = 0
 
+    def _new_pool(self) -> ProcessPoolExecutor:
+        # spawn, not fork: the server process runs threads (gRPC, uvicorn) that must not be forked.
+        return ProcessPoolExecutor(
+            self.parse_workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_watch_parent,
+            initargs=(os.getpid(),),
+        )
+
     @property
     def has_workers(self) -> bool:
         return self._pool is not None
@@ -80,17 +118,81 @@ class IngestPipeline:
         """Decode and validate a request body (raises ``OtlpDecodeError``) in the calling thread."""
         return _parse(body, json_body, self.redactor)
 
+    def admit(self, size: int) -> None:
+        """Refuse (:class:`Overloaded`) a body of ``size`` bytes before it is decoded when the write
+        backlog is full or the bytes already being decoded would pass ``max_decoding_bytes``; otherwise
+        reserve its share of the decode budget until its parse finishes."""
+        with self._pending_lock:
+            if self._pending >= self.max_pending_spans:
+                self.refused_requests += 1
+                raise Overloaded(self._busy_message())
+        with self._decoding_lock:
+            if self._decoding and self._decoding + size > self.max_decoding_bytes:
+                self.refused_requests += 1
+                raise Overloaded(
+                    f"the store is decoding {self._decoding} bytes of other requests (limit"
+                    f" {self.max_decoding_bytes}); retry later"
+                )
+            self._decoding += size
+
+    def _release(self, size: int) -> None:
+        with self._decoding_lock:
+            self._decoding -= size
+
     def parse_async(self, body: bytes, *, json_body: bool = False) -> Future[ParsedBatch]:
         """Like :meth:`parse`, in a worker process when the pipeline has them (small bodies stay here:
-        shipping them costs more than decoding them)."""
-        if self._pool is None or len(body) < 16_384:
-            done: Future[ParsedBatch] = Future()
+        shipping them costs more than decoding them). Refuses with :class:`Overloaded` before decoding
+        (see :meth:`admit`). A worker that dies (killed, out of memory) fails only the requests it held,
+        with :class:`Overloaded` so their senders retry; the pool is rebuilt for the next ones."""
+        size = len(body)
+        self.admit(size)
+        done: Future[ParsedBatch] = Future()
+        pool = self._pool
+        if pool is None or size < 16_384:
             try:
                 done.set_result(self.parse(body, json_body=json_body))
             except BaseException as exc:
                 done.set_exception(exc)
+            finally:
+                self._release(size)
             return done
-        return self._pool.submit(_parse, body, json_body, self.redactor)
+        try:
+            inner = pool.submit(_parse, body, json_body, self.redactor)
+        except (BrokenProcessPool, RuntimeError):
+            self._release(size)
+            self._replace_pool(pool)
+            raise Overloaded("a parse worker of the store was lost; it was restarted, retry") from None
+
+        def finished(inner: Future[ParsedBatch]) -> None:
+            self._release(size)
+            exc = inner.exception()
+            if isinstance(exc, BrokenProcessPool):
+                self._replace_pool(pool)
+                done.set_exception(
+                    Overloaded("a parse worker of the store was lost; it was restarted, retry")
+                )
+            elif exc is not None:
+                done.set_exception(exc)
+            else:
+                done.set_result(inner.result())
+
+        inner.add_done_callback(finished)
+        return done
+
+    def _replace_pool(self, broken: ProcessPoolExecutor) -> None:
+        with self._pool_lock:
+            if self._pool is not broken:  # another request rebuilt it already, or the pipeline closed
+                return
+            logger.warning("agl store: a parse worker died; starting new ones")
+            self._pool = self._new_pool()
+            self.workers_restarted += 1
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    def _busy_message(self) -> str:
+        return (
+            f"the store is busy ({self._pending} spans waiting to be written, limit"
+            f" {self.max_pending_spans}); retry later"
+        )
 
     def submit(self, batch: ParsedBatch) -> Future[int]:
         """Queue a parsed batch for writing; the future resolves (to the count of new spans) once it is
@@ -102,7 +204,7 @@ class IngestPipeline:
         with self._pending_lock:
             if self._pending and self._pending + len(batch.rows) > self.max_pending_spans:
                 self.refused_requests += 1
-                raise Overloaded(self._pending, self.max_pending_spans)
+                raise Overloaded(self._busy_message())
             self._pending += len(batch.rows)
         self._ensure_writer()
         self._queue.put((batch, done))
@@ -146,10 +248,15 @@ class IngestPipeline:
             scopes.update(batch.scopes)
         try:
             self.store.add_span_rows(rows, scopes)
-        except Exception as exc:  # reported to every sender in the group; they may retry
+        except Exception as exc:  # reported to every sender in the group as retryable; nothing was written
             logger.exception("agl store: writing %d spans failed", len(rows))
+            error = (
+                exc
+                if isinstance(exc, StoreError)
+                else StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip())
+            )
             for _, done in items:
-                done.set_exception(exc)
+                done.set_exception(error)
         else:
             for batch, done in items:
                 done.set_result(len(batch.rows))
@@ -159,9 +266,10 @@ class IngestPipeline:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued, then stop the writer (and the parse workers)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout_s)

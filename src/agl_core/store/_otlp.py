@@ -50,6 +50,9 @@ _MAX_DEPTH = 16
 _MAX_NAME = 1024
 _MAX_ID = 256
 _MAX_TIME_NS = 2**63 - 1
+#: Most spans accepted in one export request. OTLP exporters send batches of 512 by default; a request far
+#: beyond this costs the store hundreds of megabytes to decode, so it is refused (400) whole.
+MAX_SPANS_PER_REQUEST = 100_000
 
 
 class OtlpDecodeError(ValueError):
@@ -97,6 +100,31 @@ def _hex_ids_to_base64(obj: dict[str, Any], where: str) -> None:
             raise OtlpDecodeError(f"{where}.{key} is not hex: {value[:64]!r}") from None
 
 
+def _objects(parent: dict[str, Any], keys: tuple[str, ...], where: str) -> list[dict[str, Any]]:
+    """The list of objects under the first of ``keys`` present (JSON null or absent: none), or
+    :class:`OtlpDecodeError` naming the path when it is not a list of objects."""
+    key = next((k for k in keys if k in parent), keys[0])
+    value = parent.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise OtlpDecodeError(f"{where}{key} must be a list, not a JSON {_json_type(value)}")
+    for n, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise OtlpDecodeError(f"{where}{key}[{n}] must be an object, not a JSON {_json_type(item)}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
 def decode_json(body: bytes) -> ExportTraceServiceRequest:
     """Parse an OTLP/JSON body (hex ids, lowerCamelCase or snake_case keys, enums as numbers)."""
     try:
@@ -105,23 +133,18 @@ def decode_json(body: bytes) -> ExportTraceServiceRequest:
         raise OtlpDecodeError(f"body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise OtlpDecodeError("the JSON body must be an object with a 'resourceSpans' list")
-    for i, rs in enumerate(data.get("resourceSpans") or data.get("resource_spans") or []):
-        if not isinstance(rs, dict):
-            raise OtlpDecodeError(f"resourceSpans[{i}] must be an object")
-        for j, ss in enumerate(rs.get("scopeSpans") or rs.get("scope_spans") or []):
-            if not isinstance(ss, dict):
-                raise OtlpDecodeError(f"resourceSpans[{i}].scopeSpans[{j}] must be an object")
-            for k, span in enumerate(ss.get("spans") or []):
-                if not isinstance(span, dict):
-                    raise OtlpDecodeError(f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}] must be an object")
+    for i, rs in enumerate(_objects(data, ("resourceSpans", "resource_spans"), "")):
+        for j, ss in enumerate(_objects(rs, ("scopeSpans", "scope_spans"), f"resourceSpans[{i}].")):
+            for k, span in enumerate(_objects(ss, ("spans",), f"resourceSpans[{i}].scopeSpans[{j}].")):
                 where = f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]"
                 _hex_ids_to_base64(span, where)
-                for n, link in enumerate(span.get("links") or []):
-                    if isinstance(link, dict):
-                        _hex_ids_to_base64(link, f"{where}.links[{n}]")
+                for n, link in enumerate(_objects(span, ("links",), f"{where}.")):
+                    _hex_ids_to_base64(link, f"{where}.links[{n}]")
     try:
         return json_format.ParseDict(data, ExportTraceServiceRequest(), ignore_unknown_fields=True)
-    except (json_format.ParseError, RecursionError, ValueError, TypeError) as exc:
+    except (
+        Exception
+    ) as exc:  # the JSON mapping raises several types for ill-typed fields; all are the sender's
         raise OtlpDecodeError(f"body is not a valid OTLP/JSON ExportTraceServiceRequest: {exc}") from None
 
 
@@ -154,6 +177,12 @@ def extract_rows(
     A span with an invalid id is rejected on its own (counted, first reason kept); the rest are kept.
     ``redact`` is applied to every resource and span message before anything is encoded.
     """
+    total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+    if total > MAX_SPANS_PER_REQUEST:
+        raise OtlpDecodeError(
+            f"the request holds {total} spans, over the {MAX_SPANS_PER_REQUEST} accepted in one export;"
+            " send smaller batches (BatchSpanProcessor's max_export_batch_size)"
+        )
     rows: list[SpanRow] = []
     scopes: dict[bytes, tuple[bytes, bytes]] = {}
     rejected = 0

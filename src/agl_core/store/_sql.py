@@ -123,7 +123,12 @@ def schema(*, serial: str, blob: str, real: str, bigint: str) -> str:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise ValueError(
+            "NaN and Infinity cannot be stored (JSON has no such numbers); send finite numbers or null"
+        ) from None
 
 
 class SqlStore(Generic[_C]):

@@ -105,6 +105,16 @@ def _complete(
     )
 
 
+_CANCEL, _CONSUMED, _QUERY = "/api/rollouts/cancel", "/api/rollouts/consumed", "/api/rollouts/query"
+#: Most ids (or rollouts) the store takes in one call (its ``MAX_IDS_PER_CALL``); longer lists are paged.
+_PAGE = 10_000
+
+
+def _chunks(items: Sequence[_T]) -> list[Sequence[_T]]:
+    """``items`` in pages the store accepts; one empty page for an empty list (the call still happens)."""
+    return [items[i : i + _PAGE] for i in range(0, len(items), _PAGE)] or [items]
+
+
 def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], _T]) -> _Call[_T]:
     return _Call("POST", path, {"rollout_ids": list(rollout_ids)}, parse)
 
@@ -171,18 +181,21 @@ class StoreClient:
         )
 
     def all_spans(self, rollout_ids: Sequence[str], *, page: int = 10_000) -> list[Span]:
-        """Every span of the given rollouts, paging through the store."""
+        """Every span of the given rollouts, paging through the store (and through the ids, at most
+        ``MAX_IDS_PER_CALL`` per request)."""
         out: list[Span] = []
-        after = 0
-        while True:
-            chunk = self.query_spans(rollout_ids=rollout_ids, after_seq=after, limit=page)
-            out.extend(chunk)
-            if len(chunk) < page:
-                return out
-            after = chunk[-1].seq or after
+        for ids in _chunks(rollout_ids):
+            after = 0
+            while True:
+                chunk = self.query_spans(rollout_ids=ids, after_seq=after, limit=page)
+                out.extend(chunk)
+                if len(chunk) < page:
+                    break
+                after = chunk[-1].seq or after
+        return out
 
     def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
-        return self._run(_enqueue(requests))
+        return [r for part in _chunks(list(requests)) for r in self._run(_enqueue(part))]
 
     def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
         return self._run(_dequeue(worker_id, lease_s))
@@ -196,13 +209,13 @@ class StoreClient:
         return self._run(_complete(attempt_id, status, reward, error))
 
     def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return self._run(_ids_call("/api/rollouts/cancel", rollout_ids, _rollouts))
+        return [r for ids in _chunks(rollout_ids) for r in self._run(_ids_call(_CANCEL, ids, _rollouts))]
 
     def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
-        return self._run(_ids_call("/api/rollouts/consumed", rollout_ids, _marked))
+        return sum(self._run(_ids_call(_CONSUMED, ids, _marked)) for ids in _chunks(rollout_ids))
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return self._run(_ids_call("/api/rollouts/query", rollout_ids, _rollouts))
+        return [r for ids in _chunks(rollout_ids) for r in self._run(_ids_call(_QUERY, ids, _rollouts))]
 
     def wait_for_rollouts(
         self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2
@@ -267,7 +280,7 @@ class AsyncStoreClient:
         )
 
     async def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
-        return await self._run(_enqueue(requests))
+        return [r for part in _chunks(list(requests)) for r in await self._run(_enqueue(part))]
 
     async def dequeue_rollout(
         self, worker_id: str, *, lease_s: float = 60.0
@@ -283,13 +296,15 @@ class AsyncStoreClient:
         return await self._run(_complete(attempt_id, status, reward, error))
 
     async def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return await self._run(_ids_call("/api/rollouts/cancel", rollout_ids, _rollouts))
+        return [
+            r for ids in _chunks(rollout_ids) for r in await self._run(_ids_call(_CANCEL, ids, _rollouts))
+        ]
 
     async def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
-        return await self._run(_ids_call("/api/rollouts/consumed", rollout_ids, _marked))
+        return sum([await self._run(_ids_call(_CONSUMED, ids, _marked)) for ids in _chunks(rollout_ids)])
 
     async def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        return await self._run(_ids_call("/api/rollouts/query", rollout_ids, _rollouts))
+        return [r for ids in _chunks(rollout_ids) for r in await self._run(_ids_call(_QUERY, ids, _rollouts))]
 
     async def wait_for_rollouts(
         self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2

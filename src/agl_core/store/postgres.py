@@ -23,8 +23,13 @@ _SCHEMA = schema(serial="BIGSERIAL PRIMARY KEY", blob="BYTEA", real="DOUBLE PREC
 
 
 def _no_nul(value: Any) -> Any:
-    # PostgreSQL text cannot hold NUL characters; they are dropped from text columns.
-    return value.replace("\x00", "") if isinstance(value, str) and "\x00" in value else value
+    # PostgreSQL text cannot hold NUL characters; they are dropped from text columns (and from the lists
+    # bound to "= ANY(?)").
+    if isinstance(value, str):
+        return value.replace("\x00", "") if "\x00" in value else value
+    if isinstance(value, list):
+        return [_no_nul(v) for v in value]
+    return value
 
 
 class _Conn:

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import math
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from google.protobuf import json_format
@@ -48,7 +50,7 @@ from ..records import RolloutStatus
 from . import _wire
 from ._ingest import IngestPipeline, Overloaded
 from ._otlp import OtlpDecodeError, encode_export_response
-from .base import NotFoundError, Store, StoreError
+from .base import NotFoundError, Store, StoreError, StoreUnavailableError
 
 __all__ = ["create_store_app", "MAX_BODY_BYTES"]
 
@@ -56,6 +58,11 @@ __all__ = ["create_store_app", "MAX_BODY_BYTES"]
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _PROTOBUF = "application/x-protobuf"
 _Handler = Callable[[Request], Awaitable[Response]]
+#: Most ids one API call may name; StoreClient pages longer lists.
+MAX_IDS_PER_CALL = 10_000
+_INT64 = 2**63 - 1
+#: An id or name: no NUL characters (PostgreSQL text cannot hold them), bounded length.
+_Id = Annotated[str, pydantic.StringConstraints(min_length=1, max_length=512, pattern=r"^[^\x00]+$")]
 
 
 class _Strict(pydantic.BaseModel):
@@ -63,20 +70,20 @@ class _Strict(pydantic.BaseModel):
 
 
 class _RolloutIn(_Strict):
-    task_id: str = pydantic.Field(min_length=1, max_length=512)
+    task_id: _Id
     input: Any = None
-    group_id: str | None = pydantic.Field(default=None, max_length=512)
-    rollout_id: str | None = pydantic.Field(default=None, min_length=1, max_length=128)
+    group_id: _Id | None = None
+    rollout_id: Annotated[_Id, pydantic.Field(max_length=128)] | None = None
     metadata: dict[str, Any] = {}
     max_attempts: int = pydantic.Field(default=1, ge=1, le=100)
 
 
 class _EnqueueIn(_Strict):
-    rollouts: list[_RolloutIn] = pydantic.Field(min_length=1, max_length=100_000)
+    rollouts: list[_RolloutIn] = pydantic.Field(min_length=1, max_length=MAX_IDS_PER_CALL)
 
 
 class _DequeueIn(_Strict):
-    worker_id: str = pydantic.Field(min_length=1, max_length=256)
+    worker_id: Annotated[_Id, pydantic.Field(max_length=256)]
     lease_s: float = pydantic.Field(default=60.0, gt=0, le=86_400)
 
 
@@ -85,7 +92,7 @@ class _HeartbeatIn(_Strict):
 
 
 class _RolloutQueryIn(_Strict):
-    rollout_ids: list[str] = pydantic.Field(max_length=100_000)
+    rollout_ids: list[_Id] = pydantic.Field(max_length=MAX_IDS_PER_CALL)
 
 
 class _CompleteIn(_Strict):
@@ -95,12 +102,12 @@ class _CompleteIn(_Strict):
 
 
 class _SpanQueryIn(_Strict):
-    rollout_ids: list[str] | None = pydantic.Field(default=None, max_length=100_000)
-    attempt_id: str | None = pydantic.Field(default=None, max_length=256)
+    rollout_ids: list[_Id] | None = pydantic.Field(default=None, max_length=MAX_IDS_PER_CALL)
+    attempt_id: Annotated[_Id, pydantic.Field(max_length=256)] | None = None
     trace_id: str | None = pydantic.Field(default=None, pattern=r"^[0-9a-f]{32}$")
-    start_after_ns: int | None = pydantic.Field(default=None, ge=0)
-    start_before_ns: int | None = pydantic.Field(default=None, ge=0)
-    after_seq: int = pydantic.Field(default=0, ge=0)
+    start_after_ns: int | None = pydantic.Field(default=None, ge=0, le=_INT64)
+    start_before_ns: int | None = pydantic.Field(default=None, ge=0, le=_INT64)
+    after_seq: int = pydantic.Field(default=0, ge=0, le=_INT64)
     limit: int = pydantic.Field(default=10_000, ge=1, le=100_000)
 
 
@@ -167,18 +174,56 @@ async def _read_body(request: Request) -> bytes:
     return out
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send finite numbers (or null)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a number; send finite numbers (or null)")
+    return value
+
+
+def _finite_json(body: bytes) -> Any:
+    """Parse a JSON body, refusing NaN, Infinity and numbers too large for a double anywhere in it: JSON
+    has no such numbers, and a stored one could never be sent back."""
+    try:
+        return json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _HttpError(400, f"invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise _HttpError(400, "invalid JSON body: nested too deeply") from None
+
+
 async def _json_body(request: Request, model: type[pydantic.BaseModel]) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise _HttpError(415, f"send the body as application/json, not {ctype or 'no content type'!r}")
-    body = await _read_body(request)
+    data = _finite_json(await _read_body(request))
     try:
-        return model.model_validate_json(body)
+        return model.model_validate(data, strict=False)
     except pydantic.ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5]
         )
         raise _HttpError(400, f"invalid request body: {problems}") from None
+
+
+async def _route_not_found(request: Request, exc: Exception) -> Response:
+    return _error(404, f"no endpoint {request.url.path!r}; see the API list in docs/store.md", "not_found")
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    allowed = dict(getattr(exc, "headers", None) or {})
+    methods = allowed.get("Allow", "another method")
+    response = _error(
+        405,
+        f"{request.method} is not allowed on {request.url.path}; use {methods}",
+        "method_not_allowed",
+    )
+    response.headers.update(allowed)
+    return response
 
 
 def create_store_app(
@@ -207,6 +252,10 @@ def create_store_app(
                 return _error(exc.status, str(exc), exc.kind)
             except NotFoundError as exc:
                 return _error(404, str(exc), "not_found")
+            except StoreUnavailableError as exc:
+                response = _error(503, f"the store cannot answer now: {exc}; retry later", "unavailable")
+                response.headers["retry-after"] = "1"
+                return response
             except StoreError as exc:
                 return _error(409, str(exc), "conflict")
 
@@ -280,7 +329,14 @@ def create_store_app(
         body = await _json_body(request, _RolloutQueryIn)
         return JSONResponse({"marked": await run_in_threadpool(store.mark_consumed, body.rollout_ids)})
 
+    def path_id(request: Request, name: str) -> str:
+        value = str(request.path_params[name])
+        if not value or len(value) > 512 or "\x00" in value:
+            raise _HttpError(400, f"invalid {name.replace('_', ' ')} {value[:80]!r} in the path")
+        return value
+
     async def heartbeat(request: Request) -> Response:
+        path_id(request, "attempt_id")
         body = await _json_body(request, _HeartbeatIn)
         attempt = await run_in_threadpool(
             lambda: store.heartbeat(request.path_params["attempt_id"], lease_s=body.lease_s)
@@ -288,6 +344,7 @@ def create_store_app(
         return JSONResponse({"attempt": _wire.attempt_to_json(attempt)})
 
     async def complete(request: Request) -> Response:
+        path_id(request, "attempt_id")
         body = await _json_body(request, _CompleteIn)
         rollout = await run_in_threadpool(
             lambda: store.complete_attempt(
@@ -315,7 +372,7 @@ def create_store_app(
         return JSONResponse({"spans": [_wire.span_to_json(s) for s in spans]})
 
     async def resource(request: Request) -> Response:
-        name = request.path_params["name"]
+        name = path_id(request, "name")
         if request.method == "PUT":
             body = await _json_body(request, _ResourceIn)
             published = await run_in_threadpool(store.put_resource, name, body.value)
@@ -347,7 +404,8 @@ def create_store_app(
             Route("/api/resources/{name}", api(resource), methods=["GET", "PUT"]),
             Route("/api/stats", api(stats), methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
-        ]
+        ],
+        exception_handlers={404: _route_not_found, 405: _method_not_allowed},
     )
     app.state.pipeline = ingest
     return app
