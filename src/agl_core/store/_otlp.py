@@ -175,7 +175,7 @@ def extract_rows(
     """Validate each span and turn it into a :class:`SpanRow`.
 
     A span with an invalid id is rejected on its own (counted, first reason kept); the rest are kept.
-    ``redact`` is applied to every resource and span message before anything is encoded.
+    ``redact`` is applied to every resource, scope and span message before anything is encoded.
     """
     total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
     if total > MAX_SPANS_PER_REQUEST:
@@ -194,6 +194,8 @@ def extract_rows(
             redact(resource_spans.resource)
         resource_bytes = resource_spans.resource.SerializeToString(deterministic=True)
         for scope_spans in resource_spans.scope_spans:
+            if redact is not None:
+                redact(scope_spans.scope)
             scope_bytes = scope_spans.scope.SerializeToString(deterministic=True)
             scope_key = hashlib.blake2b(resource_bytes + b"\0" + scope_bytes, digest_size=16).digest()
             if scope_key not in scopes:

@@ -152,6 +152,12 @@ class SqlStore(Generic[_C]):
     def _connect(self) -> _C:
         raise NotImplementedError
 
+    #: run :meth:`_purge` when the store closes too
+    _purge_on_close = False
+
+    def _purge(self, conn: _C) -> None:
+        """After rows were deleted: make their bytes leave the database files where the engine allows."""
+
     def _begin(self, conn: _C) -> None:
         raise NotImplementedError
 
@@ -203,6 +209,9 @@ class SqlStore(Generic[_C]):
 
     def close(self) -> None:
         with self._write_lock:
+            if not self._closed and self._purge_on_close:
+                with contextlib.suppress(Exception):
+                    self._purge(self._writer)
             self._closed = True
             with self._readers_lock:
                 for conn in [self._writer, *self._readers]:
@@ -562,6 +571,10 @@ class SqlStore(Generic[_C]):
                     "DELETE FROM spans WHERE rollout_id IN"
                     " (SELECT rollout_id FROM rollouts WHERE consumed = 1)",
                 ).rowcount
+        if deleted:
+            with self._write_lock:
+                if not self._closed:
+                    self._purge(self._writer)
         return deleted
 
     def stats(self) -> dict[str, int]:

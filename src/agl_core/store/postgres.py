@@ -82,6 +82,11 @@ class PostgresStore(SqlStore[_Conn]):
     def _begin(self, conn: _Conn) -> None:
         conn.raw.execute("BEGIN")
 
+    def _purge(self, conn: _Conn) -> None:
+        # Dead rows stay in the table files until VACUUM marks their space free for reuse; their bytes
+        # (and PostgreSQL's own WAL segments) may remain on disk until overwritten (docs/security.md).
+        conn.raw.execute("VACUUM spans")
+
     def _in(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
         return f"{column} = ANY(?)", [list(values)]
 

@@ -10,8 +10,13 @@ Rules, as given to ``agl store serve --redact RULE`` (repeatable):
 ``api-key``        mask common API key and token shapes (``sk-...``, ``Bearer ...``, AWS, GitHub)
 =================  ===========================================================================
 
-Masking reaches string values nested in arrays and key-value lists, span status messages and event
-attributes. Token ids and numbers are never touched.
+Rules reach every string an OTLP request can carry to disk: resource, scope, span, event and link
+attributes (key rules also inside key-value lists, at any depth), span, event and scope names, the scope
+version, trace states and status messages, and bytes values read as UTF-8. A value nested deeper than
+:data:`MAX_DEPTH` levels cannot be checked and is replaced by the mask. Through the coordination API, a
+rollout's input and metadata, a resource's value and an attempt's error text get the same rules
+(:meth:`Redactor.redact_json`). Ids (rollout, attempt, task, worker, trace and span ids) and numbers are
+never touched: do not put secrets in them.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["MASK", "Redactor", "parse_rules"]
+__all__ = ["MASK", "MAX_DEPTH", "Redactor", "parse_rules"]
 
 MASK = "[REDACTED]"
+#: Deepest nesting of arrays / key-value lists checked; anything deeper is masked whole.
+MAX_DEPTH = 16
 _PRESETS = {
     "email": [r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"],
     "api-key": [
@@ -57,7 +64,12 @@ class Redactor:
             text = pattern.sub(MASK, text)
         return text
 
-    def _clean(self, key_values: Any) -> None:
+    def _mask_bytes(self, data: bytes) -> bytes:
+        text = data.decode("utf-8", "surrogateescape")
+        masked = self.mask(text)
+        return data if masked == text else masked.encode("utf-8", "surrogateescape")
+
+    def _clean(self, key_values: Any, depth: int = 0) -> None:
         if self.drop_keys:
             keep = [kv for kv in key_values if not self._dropped(kv.key)]
             if len(keep) != len(key_values):
@@ -66,34 +78,68 @@ class Redactor:
                     copy.CopyFrom(kv)
                 del key_values[:]
                 key_values.extend(copies)
-        if self._patterns:
-            for kv in key_values:
-                self._mask_value(kv.value)
+        for kv in key_values:
+            self._mask_value(kv.value, depth)
 
     def _mask_value(self, value: Any, depth: int = 0) -> None:
-        if depth > 16:
-            return
         kind = value.WhichOneof("value")
-        if kind == "string_value":
-            masked = self.mask(value.string_value)
-            if masked != value.string_value:
-                value.string_value = masked
+        if kind in ("array_value", "kvlist_value") and depth >= MAX_DEPTH:
+            value.string_value = MASK  # too deep to check: replaced whole (clears the nested value)
+        elif kind == "string_value":
+            if self._patterns:
+                masked = self.mask(value.string_value)
+                if masked != value.string_value:
+                    value.string_value = masked
+        elif kind == "bytes_value":
+            if self._patterns:
+                masked_bytes = self._mask_bytes(value.bytes_value)
+                if masked_bytes != value.bytes_value:
+                    value.bytes_value = masked_bytes
         elif kind == "array_value":
             for item in value.array_value.values:
                 self._mask_value(item, depth + 1)
         elif kind == "kvlist_value":
-            for kv in value.kvlist_value.values:
-                self._mask_value(kv.value, depth + 1)
+            self._clean(value.kvlist_value.values, depth + 1)
+
+    def _mask_field(self, message: Any, field: str) -> None:
+        text = getattr(message, field)
+        if text and self._patterns:
+            masked = self.mask(text)
+            if masked != text:
+                setattr(message, field, masked)
 
     def __call__(self, message: Any) -> None:
-        """Redact a ``Resource`` or ``Span`` protobuf message in place."""
+        """Redact a ``Resource``, ``InstrumentationScope`` or ``Span`` protobuf message in place."""
         self._clean(message.attributes)
-        events = getattr(message, "events", None)
-        if events is not None:
-            for event in events:
+        for field in ("name", "version", "trace_state"):  # whichever the message has
+            if field in message.DESCRIPTOR.fields_by_name:
+                self._mask_field(message, field)
+        if "events" in message.DESCRIPTOR.fields_by_name:
+            for event in message.events:
                 self._clean(event.attributes)
-            if self._patterns and message.status.message:
-                message.status.message = self.mask(message.status.message)
+                self._mask_field(event, "name")
+            for link in message.links:
+                self._clean(link.attributes)
+                self._mask_field(link, "trace_state")
+            self._mask_field(message.status, "message")
+
+    def redact_json(self, value: Any, depth: int = 0) -> Any:
+        """A copy of a JSON value (a rollout's input or metadata, a resource's value) with the rules
+        applied: object keys matching a key rule dropped, patterns masked in strings (keys included),
+        anything nested deeper than :data:`MAX_DEPTH` replaced by the mask."""
+        if isinstance(value, str):
+            return self.mask(value)
+        if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+            return MASK
+        if isinstance(value, list):
+            return [self.redact_json(v, depth + 1) for v in value]
+        if isinstance(value, dict):
+            return {
+                self.mask(str(k)): self.redact_json(v, depth + 1)
+                for k, v in value.items()
+                if not self._dropped(str(k))
+            }
+        return value
 
 
 def parse_rules(rules: Iterable[str]) -> Redactor:

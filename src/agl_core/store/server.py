@@ -51,6 +51,7 @@ from . import _wire
 from ._ingest import IngestPipeline, Overloaded
 from ._otlp import OtlpDecodeError, encode_export_response
 from .base import NotFoundError, Store, StoreError, StoreUnavailableError
+from .redact import Redactor
 
 __all__ = ["create_store_app", "MAX_BODY_BYTES"]
 
@@ -227,12 +228,21 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def create_store_app(
-    store: Store, *, token: str | None = None, pipeline: IngestPipeline | None = None
+    store: Store,
+    *,
+    token: str | None = None,
+    pipeline: IngestPipeline | None = None,
+    redactor: Redactor | None = None,
 ) -> Starlette:
     """The ASGI app serving ``store``. With ``token``, every endpoint but ``/healthz`` needs
     ``Authorization: Bearer <token>``. Spans are written through ``pipeline`` (one is made if not
-    given; ``app.state.pipeline`` holds it)."""
-    ingest = pipeline or IngestPipeline(store)
+    given, with ``redactor``; ``app.state.pipeline`` holds it). ``redactor`` also applies to what the
+    API writes: rollout inputs and metadata, resource values and attempt errors."""
+    ingest = pipeline or IngestPipeline(store, redactor=redactor)
+    clean = redactor if redactor else None
+
+    def redacted(value: Any) -> Any:
+        return value if clean is None else clean.redact_json(value)
 
     def authorized(request: Request) -> bool:
         if token is None:
@@ -302,7 +312,11 @@ def create_store_app(
 
     async def enqueue(request: Request) -> Response:
         body = await _json_body(request, _EnqueueIn)
-        rollouts = await run_in_threadpool(store.enqueue_rollouts, [r.model_dump() for r in body.rollouts])
+        requests = [r.model_dump() for r in body.rollouts]
+        for request_ in requests:
+            request_["input"] = redacted(request_["input"])
+            request_["metadata"] = redacted(request_["metadata"])
+        rollouts = await run_in_threadpool(store.enqueue_rollouts, requests)
         return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
 
     async def dequeue(request: Request) -> Response:
@@ -351,7 +365,7 @@ def create_store_app(
                 request.path_params["attempt_id"],
                 RolloutStatus(body.status),
                 reward=body.reward,
-                error=body.error,
+                error=redacted(body.error),
             )
         )
         return JSONResponse({"rollout": _wire.rollout_to_json(rollout)})
@@ -375,7 +389,7 @@ def create_store_app(
         name = path_id(request, "name")
         if request.method == "PUT":
             body = await _json_body(request, _ResourceIn)
-            published = await run_in_threadpool(store.put_resource, name, body.value)
+            published = await run_in_threadpool(store.put_resource, name, redacted(body.value))
             return JSONResponse({"resource": _wire.resource_to_json(published)})
         found = await run_in_threadpool(store.get_resource, name)
         if found is None:

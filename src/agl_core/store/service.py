@@ -79,7 +79,7 @@ class StoreService:
         self.pipeline = IngestPipeline(
             store, redactor=redactor, max_pending_spans=max_pending_spans, parse_workers=parse_workers
         )
-        self.app = create_store_app(store, token=token, pipeline=self.pipeline)
+        self.app = create_store_app(store, token=token, pipeline=self.pipeline, redactor=redactor)
         self.maintenance_interval_s = maintenance_interval_s
         self._grpc: Any = None
         self._http: BackgroundServer | None = None

@@ -40,7 +40,15 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.execute("PRAGMA busy_timeout=30000")
+        # deleted rows are overwritten with zeros, not left in free pages (retention, redaction promises)
+        conn.execute("PRAGMA secure_delete=ON")
         return conn
+
+    _purge_on_close = True
+
+    def _purge(self, conn: sqlite3.Connection) -> None:
+        # copy the WAL into the database and truncate it, so no deleted row survives in the WAL file
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def _begin(self, conn: sqlite3.Connection) -> None:
         conn.execute("BEGIN IMMEDIATE")
