@@ -110,3 +110,86 @@ def test_generation_spans_put_their_traceparent_on_the_request_headers(recorded)
     assert HEADERS_OVERRIDE.get() in (None, {})
     (gen,) = [s for s in exporter.get_finished_spans() if s.name == "chat m"]
     assert seen["traceparent"].startswith(f"00-{gen.context.trace_id:032x}-{gen.context.span_id:016x}-")
+
+
+class _IngestRecorder:
+    """A local stand-in for OpenAI's trace ingest endpoint, counting the uploads it receives."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        bodies: list[bytes] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                bodies.append(self.rfile.read(int(self.headers.get("content-length", 0))))
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.bodies = bodies
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces/ingest"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_sdks_upload_to_openai_is_off_unless_kept(keep, caplog):
+    """The SDK's default processor uploads traces to OpenAI; instrument() switches it off (and no
+    'OPENAI_API_KEY is not set' warning is logged), keep_openai_export=True leaves it on, and
+    uninstrument() puts it back."""
+    from agents.tracing import custom_span, set_trace_processors, trace
+    from agents.tracing.processors import BackendSpanExporter, BatchTraceProcessor
+
+    import agl_openai_agents
+    from agl_openai_agents._processor import _sdk_processors
+
+    ingest = _IngestRecorder()
+    uploader = BatchTraceProcessor(BackendSpanExporter(api_key="sk-test", endpoint=ingest.url))
+    before = _sdk_processors()
+    set_trace_processors([uploader])  # the SDK's default, aimed at a local "OpenAI"
+    provider = TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    try:
+        agl_openai_agents.instrument(tracer_provider=provider, keep_openai_export=keep)
+        with rollout_scope("ro-upload", tracer_provider=provider), trace("workflow"):
+            with custom_span("step", data={"secret": "user data"}):
+                pass
+        uploader.force_flush()
+        assert exporter.get_finished_spans(), "agl's own processor records the run"
+        assert bool(ingest.bodies) is keep
+        assert (uploader in (_sdk_processors() or ())) is keep
+        agl_openai_agents.uninstrument()
+        assert uploader in (_sdk_processors() or ())
+    finally:
+        if agl_openai_agents.is_instrumented():
+            agl_openai_agents.uninstrument()
+        uploader.shutdown()
+        set_trace_processors(list(before or ()))
+        ingest.close()
+    assert "OPENAI_API_KEY is not set" not in caplog.text
+
+
+def test_by_default_no_processor_uploads_to_openai():
+    from agents.tracing import get_trace_provider
+
+    import agl_openai_agents
+    from agl_openai_agents._processor import _sdk_processors, _uploads_to_openai
+
+    get_trace_provider()  # the SDK's default set-up, its upload processor included
+    assert any(_uploads_to_openai(p) for p in _sdk_processors() or ())
+    agl_openai_agents.instrument()
+    try:
+        assert not any(_uploads_to_openai(p) for p in _sdk_processors() or ())
+    finally:
+        agl_openai_agents.uninstrument()

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from . import plugins, settings
 
 if TYPE_CHECKING:
-    from .records import Span
+    from .records import Rollout, Span
+    from .store import SqliteStore, StoreClient
 
 
 def _port(text: str) -> int:
@@ -112,7 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     stats = store.add_parser("stats", help="print what a running store holds")
     stats.add_argument(
-        "--url", default=None, help=f"store URL (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})"
+        "--store",
+        "--url",
+        dest="store",
+        default=None,
+        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
     )
     stats.add_argument("--token", default=None)
 
@@ -152,19 +157,54 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _spans_from_file(path: str, rollout_id: str) -> list[Span]:
-    """Spans of one rollout from a store's SQLite file (what an embedded store leaves behind)."""
-    from pathlib import Path
+class _Reader:
+    """A store to read from: a running one (URL) or a SQLite file an embedded store left behind."""
 
-    from .store import SqliteStore, StoreError
+    def __init__(self, target: str | None, token: str | None) -> None:
+        from pathlib import Path
 
-    if not Path(path).is_file():
-        raise StoreError(f"{path} is neither a store URL (http://...) nor an existing SQLite file")
-    store = SqliteStore(path)
-    try:
-        return store.query_spans(rollout_ids=[rollout_id], limit=1_000_000)
-    finally:
-        store.close()
+        from .store import SqliteStore, StoreClient, StoreError
+
+        self.store: SqliteStore | None = None
+        self.client: StoreClient | None = None
+        if target and not target.startswith(("http://", "https://")):
+            if not Path(target).is_file():
+                raise StoreError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
+            self.store, self.where = SqliteStore(target), target
+        else:
+            self.client = StoreClient(target, token=token)
+            self.where = self.client.url
+
+    def spans(self, rollout_id: str) -> list[Span]:
+        if self.store is not None:
+            return self.store.query_spans(rollout_ids=[rollout_id], limit=1_000_000)
+        assert self.client is not None
+        return self.client.all_spans([rollout_id])
+
+    def rollout(self, rollout_id: str) -> Rollout | None:
+        from .store import NotFoundError
+
+        try:
+            if self.store is not None:
+                found = self.store.get_rollouts([rollout_id])
+            else:
+                assert self.client is not None
+                found = self.client.get_rollouts([rollout_id])
+        except NotFoundError:
+            return None
+        return found[0] if found else None
+
+    def stats(self) -> dict[str, int]:
+        if self.store is not None:
+            return self.store.stats()
+        assert self.client is not None
+        return self.client.stats()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self.client is not None:
+            self.client.close()
 
 
 def _store_serve(args: argparse.Namespace) -> int:
@@ -260,11 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "store" and args.store_command == "serve":
         return _store_serve(args)
     if args.command == "store" and args.store_command == "stats":
-        from .store import StoreClient, StoreError
+        from .store import StoreError
 
         try:
-            with StoreClient(args.url, token=args.token) as client:
-                print(json.dumps(client.stats(), indent=2))
+            reader = _Reader(args.store, args.token)
+            try:
+                print(json.dumps(reader.stats(), indent=2))
+            finally:
+                reader.close()
         except StoreError as exc:
             print(f"agl store stats: {exc}", file=sys.stderr)
             return 1
@@ -279,25 +322,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_agents(args)
     if args.command == "inspect":
         from .report import format_rollout
-        from .store import StoreClient, StoreError
+        from .store import StoreError
 
         try:
-            if args.store and not args.store.startswith(("http://", "https://")):
-                spans, url = _spans_from_file(args.store, args.rollout_id), args.store
-            else:
-                with StoreClient(args.store, token=args.token) as client:
-                    spans = client.all_spans([args.rollout_id])
-                    url = client.url
+            reader = _Reader(args.store, args.token)
+            try:
+                spans, rollout = reader.spans(args.rollout_id), reader.rollout(args.rollout_id)
+            finally:
+                reader.close()
         except StoreError as exc:
             print(f"agl inspect: {exc}", file=sys.stderr)
             return 1
-        if not spans:
+        if not spans and rollout is None:
             print(
-                f"agl inspect: the store at {url} has no spans of rollout {args.rollout_id!r}",
+                f"agl inspect: the store at {reader.where} has no rollout {args.rollout_id!r} and no spans"
+                " of it",
                 file=sys.stderr,
             )
             return 1
-        print(format_rollout(args.rollout_id, spans))
+        print(format_rollout(args.rollout_id, spans, rollout=rollout))
         return 0
     return 2
 

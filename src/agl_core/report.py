@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from . import semconv
-from .records import Span
+from .records import Rollout, Span
 from .spantree import AGENT, GATEWAY, LLM, TOOL, SpanTree, kind_of, own_agent_name, source_of, tool_name
 from .transitions import spans_to_transitions
 
@@ -44,11 +44,26 @@ def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem
     return span.name + ("  [" + ", ".join(tags) + "]" if tags else "")
 
 
-def format_rollout(rollout_id: str, spans: Sequence[Span]) -> str:
-    """The report of ``rollout_id`` from its spans (as the store returns them)."""
+def _outcome_lines(rollout: Rollout) -> list[str]:
+    """How the rollout ended: its status, and for a failed attempt the stored error and traceback."""
+    attempts = rollout.attempts
+    lines = [f"status: {rollout.status.value} (task {rollout.task_id}, {len(attempts)} attempt(s))"]
+    last = attempts[-1] if attempts else None
+    if last is not None and last.error:
+        first, _, rest = last.error.strip().partition("\n")
+        lines.append(f"error ({last.attempt_id}, {last.status.value}): {first}")
+        if rest.strip():
+            lines += ["", "stored traceback"] + ["  " + line for line in rest.strip("\n").splitlines()]
+    return lines
+
+
+def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout | None = None) -> str:
+    """The report of ``rollout_id`` from its spans (as the store returns them); with its ``rollout``
+    record, how it ended (status, error, stored traceback) comes first."""
     spans = [s for s in spans if s.rollout_id == rollout_id]
+    head = _outcome_lines(rollout) + [""] if rollout is not None else []
     if not spans:
-        return f"rollout {rollout_id}: no spans"
+        return "\n".join([*head, f"rollout {rollout_id}: no spans"])
     tree = SpanTree(spans)
     result = spans_to_transitions(spans)
     transition_of = {t.span_id: t.call_index for t in result.transitions if t.span_id}
@@ -57,7 +72,7 @@ def format_rollout(rollout_id: str, spans: Sequence[Span]) -> str:
         p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id
     }
     llm_calls = sum(1 for s in spans if kind_of(s) == GATEWAY and semconv.PROMPT_TOKEN_IDS in s.attributes)
-    lines = [
+    lines = head + [
         f"rollout {rollout_id}: {len(spans)} spans, {llm_calls} LLM calls through the gateway, "
         f"{len(result.transitions)} transitions",
         "",

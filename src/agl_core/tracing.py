@@ -240,11 +240,14 @@ class _SwitchableExporter(SpanExporter):
     """Forwards to an OTLP exporter that :func:`setup_tracing` can re-aim later in the process
     (OpenTelemetry allows setting the global tracer provider only once)."""
 
-    def __init__(self, inner: SpanExporter) -> None:
+    def __init__(self, inner: SpanExporter, endpoint: str) -> None:
         self._inner = inner
+        #: where spans go (the store URL asked for)
+        self.endpoint = endpoint
 
-    def switch(self, inner: SpanExporter) -> None:
+    def switch(self, inner: SpanExporter, endpoint: str) -> None:
         old, self._inner = self._inner, inner
+        self.endpoint = endpoint
         old.shutdown()
 
     def export(self, spans: Any) -> Any:
@@ -270,18 +273,33 @@ def setup_tracing(
 
     If the process already has an SDK tracer provider (the user's own tracing), agl adds its exporter to
     it instead of replacing it. A :class:`RolloutSpanProcessor` is added too, so spans from other
-    instrumentation (OpenInference) made during a rollout are attributed to it. Calling it again re-aims
-    agl's exporter at the new endpoint. Returns the provider spans go through; call ``force_flush()`` on
-    it before relying on the store having them.
+    instrumentation (OpenInference) made during a rollout are attributed to it. Returns the provider spans
+    go through; call ``force_flush()`` on it before relying on the store having them.
+
+    Once tracing is set up, calling it again without an ``endpoint`` keeps the exporter as it is, and so
+    does any call made during a rollout (from the agent function, where the runner has already aimed the
+    exporter at the run's store): the run's spans are never sent elsewhere, and a different endpoint asked
+    for there is logged as a warning. Outside a rollout, a new ``endpoint`` re-aims agl's exporter.
     """
     global _global_setup
-    exporter = make_otlp_exporter(endpoint, token=token)
     if _global_setup is not None:
         provider, switchable = _global_setup
+        rollout = current_rollout()
+        if endpoint is None or rollout is not None:
+            if endpoint is not None and endpoint.rstrip("/") != switchable.endpoint:
+                logger.warning(
+                    "setup_tracing(%r) was called during rollout %s; its spans keep going to %s, where this"
+                    " run reads them. Call setup_tracing once at start-up, outside the agent function.",
+                    endpoint,
+                    rollout.rollout_id if rollout is not None else "?",
+                    switchable.endpoint,
+                )
+            return provider
         provider.force_flush()
-        switchable.switch(exporter)
+        switchable.switch(make_otlp_exporter(endpoint, token=token), endpoint.rstrip("/"))
         return provider
-    switchable = _SwitchableExporter(exporter)
+    exporter = make_otlp_exporter(endpoint, token=token)
+    switchable = _SwitchableExporter(exporter, settings.store_url(endpoint))
     processor = BatchSpanProcessor(switchable, schedule_delay_millis=200)
     existing = trace.get_tracer_provider()
     if isinstance(existing, TracerProvider):

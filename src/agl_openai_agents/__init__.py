@@ -1,8 +1,9 @@
 """OpenAI Agents SDK adapter: ``agl_openai_agents.instrument()`` and every agent run is traced.
 
 ``instrument()`` adds a trace processor to the SDK (keeping the processors already there unless
-``replace_processors=True``); ``uninstrument()`` takes it out again. The SDK is imported only when
-one of these is used.
+``replace_processors=True``) and switches off the SDK's default upload of traces to OpenAI's servers
+(``keep_openai_export=True`` keeps it); ``uninstrument()`` restores what was there. The SDK is imported
+only when one of these is used.
 """
 
 from __future__ import annotations

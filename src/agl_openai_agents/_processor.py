@@ -194,6 +194,17 @@ class _Installed:
     processor: AglTracingProcessor
     #: The SDK's processors before ``instrument(replace_processors=True)``; ``None`` when agl only added.
     replaced: tuple[Any, ...] | None
+    #: The SDK's own uploaders to OpenAI that agl switched off (put back by ``uninstrument()``).
+    removed_uploaders: tuple[Any, ...] = ()
+
+
+def _uploads_to_openai(processor: Any) -> bool:
+    """Whether ``processor`` is the SDK's batch processor exporting to OpenAI's trace ingest endpoint."""
+    from agents.tracing.processors import BackendSpanExporter, BatchTraceProcessor
+
+    return isinstance(processor, BatchTraceProcessor) and isinstance(
+        getattr(processor, "_exporter", None), BackendSpanExporter
+    )
 
 
 def _sdk_processors() -> tuple[Any, ...] | None:
@@ -207,12 +218,28 @@ def _sdk_processors() -> tuple[Any, ...] | None:
 
 
 def _install(
-    tracer_provider: trace.TracerProvider | None, capture_content: bool, replace_processors: bool
+    tracer_provider: trace.TracerProvider | None,
+    capture_content: bool,
+    replace_processors: bool,
+    keep_openai_export: bool,
 ) -> _Installed:
     from agents.tracing import add_trace_processor, set_trace_processors
 
     processor = AglTracingProcessor(tracer_provider=tracer_provider, capture_content=capture_content)
     replaced = None
+    if not replace_processors and not keep_openai_export:
+        current = _sdk_processors()
+        if current is None:
+            logger.warning(
+                "agl: cannot list the Agents SDK's trace processors to switch off its upload to OpenAI;"
+                " call agents.set_tracing_disabled(True) or instrument(replace_processors=True)"
+            )
+        else:
+            uploaders = tuple(p for p in current if _uploads_to_openai(p))
+            if uploaders:
+                set_trace_processors([p for p in current if p not in uploaders])
+                add_trace_processor(processor)
+                return _Installed(processor, None, uploaders)
     if replace_processors:
         replaced = _sdk_processors()
         if replaced is None:
@@ -239,7 +266,8 @@ def _uninstall(installed: _Installed) -> None:
             "agl: cannot list the Agents SDK's trace processors; agl's stays registered, switched off"
         )
         return
-    set_trace_processors([p for p in current if p is not installed.processor])
+    kept = [p for p in current if p is not installed.processor]
+    set_trace_processors([*installed.removed_uploaders, *kept])
 
 
 _instrumentor: Instrumentor[_Installed] = Instrumentor(_uninstall)
@@ -250,15 +278,17 @@ def instrument(
     tracer_provider: trace.TracerProvider | None = None,
     capture_content: bool = False,
     replace_processors: bool = False,
+    keep_openai_export: bool = False,
 ) -> AglTracingProcessor:
     """Record the Agents SDK's traces as OpenTelemetry spans; returns the processor.
 
-    Adds :class:`AglTracingProcessor` next to the processors already registered (the SDK's own exporter
-    to the OpenAI dashboard included); ``replace_processors=True`` makes it the only one. Calling it
-    again while instrumented returns the same processor and changes nothing.
+    Adds :class:`AglTracingProcessor` next to the processors already registered, and switches off the
+    SDK's default one, which uploads every trace to OpenAI's servers (``keep_openai_export=True`` keeps
+    it); ``replace_processors=True`` makes agl's the only one. ``uninstrument()`` restores what was
+    there. Calling it again while instrumented returns the same processor and changes nothing.
     """
     installed = _instrumentor.instrument(
-        lambda: _install(tracer_provider, capture_content, replace_processors)
+        lambda: _install(tracer_provider, capture_content, replace_processors, keep_openai_export)
     )
     return installed.processor
 

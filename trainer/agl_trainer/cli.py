@@ -45,7 +45,7 @@ def run_train(
     except ValueError as exc:
         print(f"agl train: {exc}", file=sys.stderr)
         return 2
-    from .loop import train
+    from .loop import NothingTrainedError, train
     from .model import ModelNotFoundError
 
     try:
@@ -53,6 +53,9 @@ def run_train(
     except (ModelNotFoundError, CheckpointError, ValueError) as exc:
         print(f"agl train: {exc}", file=sys.stderr)
         return 2
+    except NothingTrainedError as exc:
+        print(f"agl train: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("agl train: interrupted; continue with --resume from the newest checkpoint", file=sys.stderr)
         return 130

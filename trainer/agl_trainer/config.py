@@ -438,6 +438,31 @@ def _fields_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> list[st
     return list(current.model_fields)
 
 
+def config_keys(model: type[pydantic.BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the trainer config (``algorithm.agents``, ``train.tasks_per_step``, ...)."""
+    model = model or TrainerConfig
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        if name == "base_dir":
+            continue
+        dotted = prefix + name
+        keys.append(dotted)
+        annotation = field.annotation
+        for candidate in (annotation, *getattr(annotation, "__args__", ())):
+            if isinstance(candidate, type) and issubclass(candidate, pydantic.BaseModel):
+                keys += config_keys(candidate, dotted + ".")
+                break
+    return keys
+
+
+def _closest_dotted_key(name: str) -> list[str]:
+    """The dotted key whose last part is nearest ``name`` (a key put in the wrong section)."""
+    by_last = {}
+    for key in config_keys():
+        by_last.setdefault(key.rsplit(".", 1)[-1], key)
+    return [by_last[m] for m in difflib.get_close_matches(name, list(by_last), n=1)]
+
+
 def _describe(errors: list[Any], source: str) -> str:
     lines = []
     for err in errors:
@@ -446,7 +471,13 @@ def _describe(errors: list[Any], source: str) -> str:
         if err["type"] == "extra_forbidden":
             known = [f for f in _fields_at(TrainerConfig, loc) if f != "base_dir"]
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys here: {', '.join(known)})"
+            elsewhere = [] if close else _closest_dotted_key(str(loc[-1]))
+            if close:
+                hint = f" (did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?)"
+            elif elsewhere:
+                hint = f" (did you mean '{elsewhere[0]}'?)"
+            else:
+                hint = f" (known keys here: {', '.join(known)})"
             lines.append(f"{source}: unknown key '{key}'{hint}")
         elif err["type"] == "missing":
             lines.append(f"{source}: missing required key '{key}'")

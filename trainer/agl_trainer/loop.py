@@ -242,6 +242,10 @@ def _validate(config: TrainerConfig, queue: RolloutQueue, step: int, tasks: Sequ
     ).result
 
 
+class NothingTrainedError(RuntimeError):
+    """A run ended without one step that trained (every rollout failed, or none gave training data)."""
+
+
 def train(
     config: TrainerConfig,
     *,
@@ -318,6 +322,8 @@ def train(
             before = _validate(config, queue, 0, val_tasks)
             log.record_eval(before, "before training")
         last_saved: Path | None = checkpoint
+        trained_any = checkpoint is not None  # a resumed run trained before
+        warnings_seen: list[str] = []
         for step in range(start_step, steps + 1):
             display.start_step(step, step - 1)
             outcome = trainer.run(step, sampler.sample(config.train.tasks_per_step), draw=sampler.sample)
@@ -328,11 +334,16 @@ def train(
             ):
                 display.line(line)
             log.record_step(metrics)
+            if metrics.warning is not None:
+                display.line(f"  warning: step {step} trained nothing: {metrics.warning}")
+                warnings_seen.append(metrics.warning)
+            else:
+                trained_any = True
             every = config.validation.every_steps
             if validating and every and step % every == 0 and step != steps:
                 log.record_eval(_validate(config, queue, step, val_tasks), "during training")
             every = config.checkpoint.every_steps
-            if step == steps or (every and step % every == 0):
+            if trained_any and (step == steps or (every and step % every == 0)):
                 last_saved = _save(config, policy, services, step, sampler, before) or last_saved
             log.redraw()
             display.end_step(
@@ -355,4 +366,9 @@ def train(
             f"done: metrics in {log.metrics_path}"
             + ("" if config.store.url else f", spans in {out / config.store.path}")
         )
+        if not trained_any and steps >= start_step:
+            raise NothingTrainedError(
+                f"no step trained: {warnings_seen[0]}; no checkpoint was written. Inspect a rollout with"
+                f" 'agl inspect ROLLOUT_ID{where}' (ids in {log.metrics_path})"
+            )
         return RunResult(log.history, before, after, log.plot, last_saved)

@@ -204,9 +204,10 @@ def format_step(m: StepMetrics, total_steps: int) -> str:
     )
     extra = f" failed={m.rollouts_failed}" if m.rollouts_failed else ""
     extra += f" late={m.rollouts_late}" if m.rollouts_late else ""
+    skipped = f", {m.groups_skipped} groups skipped" if m.groups_skipped else ""
     return (
         f"step {m.step}/{total_steps}  rollouts={m.rollouts}{extra}  transitions={m.transitions}"
-        f" (trained {m.trained_transitions})  mean_reward={reward}  loss={loss}  tokens={m.tokens}"
+        f" (trained {m.trained_transitions}{skipped})  mean_reward={reward}  loss={loss}  tokens={m.tokens}"
         f" ({m.tokens_per_s:,.0f}/s)  policy=v{m.policy_version}  {m.seconds:.1f}s"
     )
 
@@ -230,8 +231,19 @@ def step_lines(
         )
     if report.skipped_no_variance:
         lines.append(
-            f"  {report.skipped_no_variance}/{report.groups} task groups had equal rewards (no signal),"
-            " skipped"
+            f"  {report.skipped_no_variance}/{report.groups} task groups skipped: tied rewards (every"
+            " rollout of the task scored the same, no learning signal)"
+        )
+    if report.skipped_singleton:
+        lines.append(
+            f"  {report.skipped_singleton}/{report.groups} task groups skipped: a single finished rollout"
+            " (nothing to compare it with; raise train.rollouts_per_task)"
+        )
+    if metrics.rollout_ids:
+        shown = ", ".join(metrics.rollout_ids[:3])
+        more = f" and {len(metrics.rollout_ids) - 3} more" if len(metrics.rollout_ids) > 3 else ""
+        lines.append(
+            f"  rollouts: {shown}{more} (all in metrics.jsonl; agl inspect ROLLOUT_ID{inspect_hint})"
         )
     if len(metrics.agents) > 1 or show_agents:
         lines.append(

@@ -55,6 +55,10 @@ class StepMetrics:
     #: Tasks drawn beyond ``tasks_per_step`` because too few groups had differing rewards.
     redrawn_tasks: int
     seconds: float
+    #: Every rollout of the step (succeeded, failed and late), for ``agl inspect ROLLOUT_ID``.
+    rollout_ids: list[str] = dataclasses.field(default_factory=list)
+    #: Why the step trained nothing (None when it trained); also counted in ``problems``.
+    warning: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,10 +121,9 @@ class RolloutQueue:
         done = [r for r in rollouts if r.status == RolloutStatus.SUCCEEDED]
         failed = [r for r in rollouts if r.status.finished and r.status != RolloutStatus.SUCCEEDED]
         for r in failed[:3]:
-            last_error = (r.attempts[-1].error or "").strip().splitlines()[-1:] if r.attempts else []
-            self.progress.line(
-                f"  rollout {r.rollout_id} {r.status.value}: {last_error[0] if last_error else ''}"
-            )
+            # the runner stores the root cause on the error's first line, the traceback after it
+            cause = (r.attempts[-1].error or "").strip().splitlines()[:1] if r.attempts else []
+            self.progress.line(f"  rollout {r.rollout_id} {r.status.value}: {cause[0] if cause else ''}")
         if len(failed) > 3:
             self.progress.line(f"  ... and {len(failed) - 3} more failed rollouts (agl inspect ROLLOUT_ID)")
         if late:

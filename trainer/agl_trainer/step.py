@@ -187,6 +187,10 @@ class TrainStep:
         # lets `agl store serve --retention consumed` drop spans that training has used
         self.queue.client.mark_consumed(finished.finished_ids)
         report = batch.report
+        warning = None if batch.samples else nothing_trained_reason(finished, batch)
+        problems = batch.result.reasons()
+        if warning is not None:
+            problems["step trained nothing"] = 1
         metrics = StepMetrics(
             step=step,
             policy_version=self.learner.policy_version,
@@ -201,12 +205,45 @@ class TrainStep:
             tokens=stats.tokens if stats else 0,
             tokens_per_s=(stats.tokens / update_s) if stats and update_s > 0 else 0.0,
             groups_skipped=report.skipped_no_variance + report.skipped_singleton,
-            problems=batch.result.reasons(),
+            problems=problems,
             untrained=dict(Counter(batch.untrained.values())),
             reward_events=batch.credit.counts(),
             agents=agent_counts(batch.result.transitions, [s.transition for s in batch.samples]),
             tasks=[t.task_id for t in drawn],
             redrawn_tasks=len(drawn) - first_draw,
             seconds=time.monotonic() - step_start,
+            rollout_ids=[r.rollout_id for r in finished.done + finished.failed + finished.late],
+            warning=warning,
         )
         return StepOutcome(metrics, batch, extra_rounds)
+
+
+def first_error(rollouts: Sequence[Rollout]) -> str:
+    """The first line of the first stored error among ``rollouts`` (the runner puts the root cause
+    there), with its rollout id; empty when none has one."""
+    for r in rollouts:
+        error = (r.attempts[-1].error or "").strip() if r.attempts else ""
+        if error:
+            return f"{error.splitlines()[0]} (rollout {r.rollout_id})"
+    return ""
+
+
+def nothing_trained_reason(finished: RolloutRound, batch: Batch) -> str:
+    """Why a step's batch holds no sample, in words a user can act on."""
+    total = len(finished.done) + len(finished.failed) + len(finished.late)
+    if not finished.done and finished.failed and not finished.late:
+        cause = first_error(finished.failed)
+        return f"all {total} rollouts failed" + (f"; first error: {cause}" if cause else "")
+    if not finished.done and finished.late and not finished.failed:
+        return f"all {total} rollouts were late (runner.step_timeout_s) and were cancelled"
+    if not finished.done:
+        cause = first_error(finished.failed)
+        return f"no rollout succeeded ({len(finished.failed)} failed, {len(finished.late)} late)" + (
+            f"; first error: {cause}" if cause else ""
+        )
+    if not batch.result.transitions:
+        reasons = Counter(batch.untrained.values()).most_common(1)
+        return "the rollouts gave no LLM calls to train on" + (f" ({reasons[0][0]})" if reasons else "")
+    if batch.report.skipped_no_variance or batch.report.skipped_singleton:
+        return "every task group was skipped: equal rewards within each group give no learning signal"
+    return "no LLM call could be trained (see the reasons above)"

@@ -32,9 +32,31 @@ class Outcome:
     error: str | None = None
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of ``exc``'s chain (``raise ... from``, or raised while handling another):
+    the error that started it, not the framework's wrapper."""
+    seen = {id(exc)}
+    while True:
+        inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        if inner is None or id(inner) in seen:
+            return exc
+        seen.add(id(inner))
+        exc = inner
+
+
+def error_summary(exc: BaseException) -> str:
+    """One line naming the root cause: ``Type: first line of its message`` (notes left out)."""
+    cause = root_cause(exc)
+    message = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {message[0]}" if message else type(cause).__name__
+
+
 def failure_text(exc: BaseException) -> str:
-    """The exception with its traceback, as stored on the failed attempt."""
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-_MAX_ERROR_CHARS:]
+    """What is stored on the failed attempt: the root cause on the first line (:func:`error_summary`),
+    then the exception with its traceback (its end kept when long)."""
+    summary = error_summary(exc)[:500]
+    trace_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f"{summary}\n\n{trace_text[-(_MAX_ERROR_CHARS - len(summary) - 2) :]}"
 
 
 def call_agent(agent: Callable[..., Any], task_input: Any, llm: LLM) -> tuple[Any, BaseException | None]:
@@ -72,7 +94,7 @@ def interpret(
     if exc is None:
         return Outcome(RolloutStatus.SUCCEEDED)
     emit_error(exc, tracer_provider=tracer_provider)
-    text = failure_text(exc) if exc.__traceback__ is not None else f"{type(exc).__name__}: {exc}"
+    text = failure_text(exc) if exc.__traceback__ is not None else error_summary(exc)
     return Outcome(RolloutStatus.FAILED, error=text)
 
 
