@@ -24,9 +24,10 @@ def _drain(stream: object, sink: list[str], last_output: list[float]) -> None:
 
 
 def train_cli(
-    config: Path, *args: str, timeout: float = 300, stall_s: float = STALL_S
+    config: Path, *args: str, timeout: float = 300, stall_s: float = STALL_S, returncode: int = 0
 ) -> subprocess.CompletedProcess[str]:
-    """``agl train CONFIG ARGS...`` to completion; fails the test with the output's tail if it exits non-zero.
+    """``agl train CONFIG ARGS...`` to completion; fails the test with the output's tail if it exits with
+    another status than ``returncode``.
 
     A hang detector rather than a time limit: the run is killed, and the test fails, when it prints
     nothing for ``max(timeout, stall_s)`` seconds (a run that keeps printing progress on a busy machine
@@ -69,7 +70,7 @@ def train_cli(
             stream.close()
     done = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out), "".join(err))
     assert not why, why + "\n" + done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
