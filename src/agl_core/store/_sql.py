@@ -17,7 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ._otlp import SpanRow, extract_rows, records_to_request, resource_attributes, row_to_span
-from .base import NotFoundError, RolloutRequest, StoreError
+from .base import NotFoundError, RolloutRequest, StoreError, StoreUnavailableError
 
 __all__ = ["SqlStore"]
 
@@ -161,6 +161,15 @@ class SqlStore(Generic[_C]):
     def _begin(self, conn: _C) -> None:
         raise NotImplementedError
 
+    def _alive(self, conn: _C) -> bool:
+        """Whether ``conn`` can still be used (a server connection may have been cut)."""
+        return True
+
+    def _unavailable(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the database cannot serve now (connection lost, disk full) rather than
+        that the request was wrong: such failures are retryable."""
+        return False
+
     def _commit(self, conn: _C) -> None:
         conn.execute("COMMIT")
 
@@ -180,23 +189,50 @@ class SqlStore(Generic[_C]):
     def _exec(self, conn: _C, sql: str, args: Sequence[Any] = ()) -> Cursor:
         return conn.execute(self._sql(sql), args)
 
+    def _retryable(self, exc: BaseException, what: str) -> StoreUnavailableError:
+        return StoreUnavailableError(f"the database could not {what}: {type(exc).__name__}: {exc}".strip())
+
     @contextlib.contextmanager
     def _write(self) -> Iterator[_C]:
         with self._write_lock:
             if self._closed:
                 raise StoreError("the store is closed")
-            self._begin(self._writer)
+            try:
+                if not self._alive(self._writer):  # cut (server restarted): reconnect, then go on
+                    with contextlib.suppress(Exception):
+                        self._writer.close()
+                    self._writer = self._connect()
+                self._begin(self._writer)
+            except Exception as exc:
+                if self._unavailable(exc):
+                    raise self._retryable(exc, "start a write") from exc
+                raise
             try:
                 yield self._writer
-            except BaseException:
-                self._rollback(self._writer)
+                self._commit(self._writer)
+            except BaseException as exc:
+                with contextlib.suppress(Exception):  # a cut connection cannot roll back; nothing was kept
+                    self._rollback(self._writer)
+                if isinstance(exc, Exception) and self._unavailable(exc):
+                    raise self._retryable(exc, "write") from exc
                 raise
-            self._commit(self._writer)
 
     def _reader(self) -> _C:
         conn: _C | None = getattr(self._local, "conn", None)
+        if conn is not None and not self._alive(conn):
+            with self._readers_lock:
+                if conn in self._readers:
+                    self._readers.remove(conn)
+            with contextlib.suppress(Exception):
+                conn.close()
+            conn = None
         if conn is None:
-            conn = self._connect()
+            try:
+                conn = self._connect()
+            except Exception as exc:
+                if self._unavailable(exc):
+                    raise self._retryable(exc, "be reached") from exc
+                raise
             self._local.conn = conn
             with self._readers_lock:
                 self._readers.append(conn)
@@ -205,7 +241,14 @@ class SqlStore(Generic[_C]):
     def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
         if self._closed:
             raise StoreError("the store is closed")
-        return self._exec(self._reader(), sql, args).fetchall()
+        try:
+            return self._exec(self._reader(), sql, args).fetchall()
+        except StoreError:
+            raise
+        except Exception as exc:
+            if self._unavailable(exc):
+                raise self._retryable(exc, "read") from exc
+            raise
 
     def close(self) -> None:
         with self._write_lock:
@@ -475,7 +518,14 @@ class SqlStore(Generic[_C]):
             return self._load_rollouts(conn, list(rollout_ids))
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        found = self._load_rollouts(self._reader(), list(rollout_ids))
+        try:
+            found = self._load_rollouts(self._reader(), list(rollout_ids))
+        except StoreError:
+            raise
+        except Exception as exc:
+            if self._unavailable(exc):
+                raise self._retryable(exc, "read") from exc
+            raise
         missing = set(rollout_ids) - {r.rollout_id for r in found}
         if missing:
             raise NotFoundError(f"no rollout(s) {sorted(missing)[:5]!r}")

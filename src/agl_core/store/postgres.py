@@ -82,6 +82,17 @@ class PostgresStore(SqlStore[_Conn]):
     def _begin(self, conn: _Conn) -> None:
         conn.raw.execute("BEGIN")
 
+    def _alive(self, conn: _Conn) -> bool:
+        return not (conn.raw.closed or conn.raw.broken)
+
+    def _unavailable(self, exc: BaseException) -> bool:
+        import psycopg
+
+        # connection lost, server shutting down or starting, too many connections, disk full (53100)
+        return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or (
+            isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith(("08", "53", "57P"))
+        )
+
     def _purge(self, conn: _Conn) -> None:
         # Dead rows stay in the table files until VACUUM marks their space free for reuse; their bytes
         # (and PostgreSQL's own WAL segments) may remain on disk until overwritten (docs/security.md).

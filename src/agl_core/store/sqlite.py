@@ -46,6 +46,12 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
 
     _purge_on_close = True
 
+    def _unavailable(self, exc: BaseException) -> bool:
+        # disk full, I/O error, locked past the busy timeout: the write may succeed when retried
+        return isinstance(exc, sqlite3.OperationalError) and any(
+            words in str(exc).lower() for words in ("disk is full", "disk i/o", "locked", "unable to open")
+        )
+
     def _purge(self, conn: sqlite3.Connection) -> None:
         # copy the WAL into the database and truncate it, so no deleted row survives in the WAL file
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
