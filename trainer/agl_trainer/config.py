@@ -457,7 +457,7 @@ def config_keys(model: type[pydantic.BaseModel] | None = None, prefix: str = "")
 
 def _closest_dotted_key(name: str) -> list[str]:
     """The dotted key whose last part is nearest ``name`` (a key put in the wrong section)."""
-    by_last = {}
+    by_last: dict[str, str] = {}
     for key in config_keys():
         by_last.setdefault(key.rsplit(".", 1)[-1], key)
     return [by_last[m] for m in difflib.get_close_matches(name, list(by_last), n=1)]
