@@ -116,3 +116,46 @@ def test_store_refuses_a_public_address_without_a_token(tmp_path):
     assert done.returncode == 2
     assert "--token" in done.stderr and "AGL_STORE_TOKEN" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "s.sqlite").exists()
+
+
+def _fn(**function: object) -> dict[str, object]:
+    return {"type": "function", "function": {"name": "lookup", **function}}
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        "lookup",  # not a list
+        ["lookup"],  # a tool that is not an object
+        [{"type": "retrieval", "function": {"name": "lookup"}}],  # not a function tool
+        [{"type": "function", "function": {}}],  # no name
+        [_fn(name="look up!")],  # characters OpenAI refuses
+        [_fn(name="x" * 65)],  # over 64 characters
+        [_fn(parameters="{}")],  # parameters not an object
+        [_fn(parameters={"type": "dict"})],  # not a JSON Schema type
+        [_fn(parameters={"type": "object", "properties": ["q"]})],  # properties not a mapping
+        [_fn(parameters={"type": "object", "required": "q"})],  # required not a list
+        [_fn(), _fn()],  # the same name twice
+    ],
+)
+def test_invalid_tool_schemas_are_refused_before_the_backend(tools):
+    backend = ScriptedBackend(["never"])
+    with GatewayServer(backend) as gateway:
+        r = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": tools},
+        )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and "tools" in r.json()["error"]["message"]
+    assert backend.calls == 0
+
+
+def test_a_valid_tool_schema_is_served():
+    backend = ScriptedBackend(["fine"])
+    tool = _fn(description="find", parameters={"type": "object", "properties": {"q": {"type": "string"}}})
+    with GatewayServer(backend) as gateway:
+        r = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]},
+        )
+    assert r.status_code == 200 and backend.calls == 1

@@ -21,9 +21,41 @@ class RequestError(ValueError):
         self.param = param
 
 
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
 class _Function(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="allow")
-    name: str = pydantic.Field(min_length=1, max_length=64)
+    # what OpenAI accepts: letters, digits, underscores and dashes, at most 64
+    name: str = pydantic.Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @pydantic.field_validator("parameters")
+    @classmethod
+    def _schema_shape(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The outer shape of a JSON Schema: its ``type``, ``properties`` and ``required`` (what the
+        backend renders into the prompt); deeper validation is the model's business."""
+        if schema is None:
+            return None
+        kind = schema.get("type")
+        kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+        if not all(isinstance(k, str) and k in _JSON_TYPES for k in kinds) or (
+            isinstance(kind, list) and not kind
+        ):
+            raise ValueError(f"parameters.type must be one of {sorted(_JSON_TYPES)} (or a list of them)")
+        properties = schema.get("properties")
+        if properties is not None and not (
+            isinstance(properties, dict) and all(isinstance(v, dict | bool) for v in properties.values())
+        ):
+            raise ValueError("parameters.properties must map each argument name to a JSON Schema object")
+        required = schema.get("required")
+        if required is not None and not (
+            isinstance(required, list) and all(isinstance(r, str) for r in required)
+        ):
+            raise ValueError("parameters.required must be a list of argument names")
+        return schema
 
 
 class _Tool(pydantic.BaseModel):
@@ -121,6 +153,12 @@ def parse_chat(raw: bytes) -> tuple[ChatIn, ChatRequest]:
     body = ChatIn.model_validate_json(raw)
     messages = [m.flat() for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    names = [t["function"]["name"] for t in tools or ()]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise RequestError(
+            f"tools: each function name must be unique; repeated: {', '.join(repeated)}", "tools"
+        )
     choice = body.tool_choice
     if isinstance(choice, dict):
         name = (
