@@ -2,11 +2,13 @@
 
 AgentChat has no callback API. What it does have is its own telemetry: every agent invocation runs
 inside ``trace_invoke_agent_span`` and every tool call inside ``trace_tool_span`` (autogen-core's GenAI
-span helpers). Those are the hook points used here: agl wraps them where AgentChat calls them, so an agl
-span (with the rollout identity, through agl's tracer provider) encloses AutoGen's own span, which is
-left as it was. Two places have no such helper and are wrapped directly: a team's ``run_stream`` (the
-team as an agent step) and the OpenAI-compatible model client's ``create`` / ``create_stream`` (the LLM
-calls). ``uninstrument()`` puts every original back.
+span helpers). Those are the hook points used here: agl wraps them where AgentChat calls them, so the
+step is recorded as agl's span (with the rollout identity, through agl's tracer provider); AutoGen's own
+span of the same step, and the agent runtime's publish / process / create spans, record nothing while
+agl instruments (each step appears once in the span tree; ``uninstrument()`` turns them back on). Two
+places have no such helper and are wrapped directly: a team's ``run_stream`` (the team as an agent step)
+and the OpenAI-compatible model client's ``create`` / ``create_stream`` (the LLM calls).
+``uninstrument()`` puts every original back.
 
 The model client does not expose the completion id, and AgentChat gives no way to add a header to its
 requests, so its LLM spans are joined to gateway spans by order within the rollout, checked against the
@@ -49,6 +51,25 @@ _CALL_SITE_MODULES = (
     "autogen_agentchat.teams._group_chat._chat_agent_container",
     "autogen_core.tools._base",
 )
+
+
+class _Silent:
+    """A tracer whose spans record nothing and change nothing: each is a non-recording view of the span
+    current where it starts, so what runs inside still nests under agl's span. AutoGen's own spans go
+    through it while agl instruments, so each agent turn and tool call appears once (as agl's span), and
+    the runtime's publish / process / create spans not at all."""
+
+    def start_span(self, name: str, *args: Any, context: Any = None, **kwargs: Any) -> trace.Span:
+        return trace.NonRecordingSpan(trace.get_current_span(context).get_span_context())
+
+    @contextlib.contextmanager
+    def start_as_current_span(
+        self, name: str, *args: Any, context: Any = None, **kwargs: Any
+    ) -> Iterator[trace.Span]:
+        yield self.start_span(name, context=context)
+
+
+_SILENT = _Silent()
 
 
 def _bound(method: Any, instance: Any) -> Any:
@@ -135,7 +156,10 @@ class _Tracing:
                 lambda: attributes(name, kwargs),
                 agent=name if is_agent else None,
             ):
-                with original(*args, **kwargs) as inner:
+                # AutoGen's own span of the same step would be a second copy of agl's: silenced
+                with original(
+                    *args, **{**kwargs, "tracer": _SILENT if self.active else kwargs.get("tracer")}
+                ) as inner:
                     yield inner
 
         return helper
@@ -161,6 +185,30 @@ class _Tracing:
                 name, kw.get("tool_call_id"), _current_agent.get()
             ),
         )
+
+    def silence(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """One of autogen-core's span helpers, recording nothing while agl instruments."""
+
+        @functools.wraps(original)
+        def helper(*args: Any, **kwargs: Any) -> Any:
+            return original(*args, **{**kwargs, "tracer": _SILENT if self.active else kwargs.get("tracer")})
+
+        return helper
+
+    def wrap_trace_block(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The agent runtime's message spans (publish, send, process, create): silent while agl
+        instruments; they carry no step of the agent, only the runtime's plumbing."""
+
+        @contextlib.contextmanager
+        @functools.wraps(original)
+        def trace_block(helper: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            if not self.active:
+                with original(helper, *args, **kwargs) as span:
+                    yield span
+                return
+            yield _SILENT.start_span("autogen runtime")
+
+        return trace_block
 
     # --- teams ---------------------------------------------------------------------------------------
     def wrap_run_stream(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -250,7 +298,12 @@ def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool
     # AgentChat has no callback API: agl replaces the bindings listed in the module docstring, and
     # uninstrument() puts the originals back.
     from autogen_agentchat.teams import BaseGroupChat
-    from autogen_core._telemetry import trace_invoke_agent_span, trace_tool_span
+    from autogen_core._telemetry import (
+        TraceHelper,
+        trace_create_agent_span,
+        trace_invoke_agent_span,
+        trace_tool_span,
+    )
 
     tracing = _Tracing(get_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
     patches = Patches()
@@ -262,8 +315,14 @@ def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool
             wrapper = wrap(helper)
             for module, attribute in _helper_call_sites(helper):
                 patches.replace(module, attribute, wrapper)
+        silenced = tracing.silence(trace_create_agent_span)  # an agent's construction is not a step
+        for module, attribute in _helper_call_sites(trace_create_agent_span):
+            patches.replace(module, attribute, silenced)
         patches.replace(
             BaseGroupChat, "run_stream", tracing.wrap_run_stream(BaseGroupChat.__dict__["run_stream"])
+        )
+        patches.replace(
+            TraceHelper, "trace_block", tracing.wrap_trace_block(TraceHelper.__dict__["trace_block"])
         )
         try:
             from autogen_ext.models.openai import BaseOpenAIChatCompletionClient as Client
