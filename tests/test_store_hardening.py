@@ -269,3 +269,27 @@ def test_parse_workers_exit_with_the_store(tmp_path, how):
             proc.wait()
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+def test_a_legacy_non_finite_value_fails_its_rollout_instead_of_looping(tmp_path):
+    """A rollout stored before non-finite numbers were refused: dequeue answers 409 once and marks it
+    failed (no runner holds a claim it never received); the next dequeue does not pick it again."""
+    from agl_core.records import RolloutStatus
+    from agl_core.store import SqliteStore
+    from agl_core.testing import Collector
+
+    store = SqliteStore(tmp_path / "legacy.sqlite")
+    try:
+        (queued,) = store.enqueue_rollouts([{"task_id": "t", "input": {"x": 1}}])
+        with store._write() as conn:  # what an older store let in
+            conn.execute(
+                "UPDATE rollouts SET input = ? WHERE rollout_id = ?", ['{"x": NaN}', queued.rollout_id]
+            )
+        with Collector(store) as server:
+            first = _api(server.url, "/api/rollouts/dequeue", '{"worker_id": "w"}')
+            assert first.status_code == 409 and "marked failed" in first.json()["error"]["message"]
+            again = _api(server.url, "/api/rollouts/dequeue", '{"worker_id": "w"}')
+            assert again.status_code == 204
+        assert store.get_rollouts([queued.rollout_id])[0].status == RolloutStatus.FAILED
+    finally:
+        store.close()

@@ -325,9 +325,18 @@ def create_store_app(
         if claimed is None:
             return Response(status_code=204)
         rollout, attempt = claimed
-        return JSONResponse(
-            {"rollout": _wire.rollout_to_json(rollout), "attempt": _wire.attempt_to_json(attempt)}
-        )
+        try:
+            return JSONResponse(
+                {"rollout": _wire.rollout_to_json(rollout), "attempt": _wire.attempt_to_json(attempt)}
+            )
+        except (TypeError, ValueError) as exc:
+            # A value stored before the store refused it (NaN, say) cannot be sent: the claim is undone
+            # by failing the attempt, so no runner holds it and no later dequeue picks it again.
+            reason = f"the stored rollout cannot be sent as JSON ({exc}); it was marked failed"
+            await run_in_threadpool(
+                lambda: store.complete_attempt(attempt.attempt_id, RolloutStatus.FAILED, error=reason)
+            )
+            return _error(409, f"rollout {rollout.rollout_id}: {reason}", "conflict")
 
     async def query_rollouts(request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
