@@ -62,7 +62,7 @@ def test_overrides_are_typed_and_validated(folder):
     "text, message",
     [
         (GOOD + "trian: {steps: 1}\n", "unknown key 'trian' (did you mean 'train'?)"),
-        (GOOD.replace("steps: 3", "stpes: 3"), "unknown key 'train.stpes' (did you mean 'steps'?)"),
+        (GOOD.replace("steps: 3", "stpes: 3"), "unknown key 'train.stpes' (did you mean 'train.steps'?)"),
         (GOOD + "model: {lora: {rank: 4}}\n", "unknown key 'model.lora.rank'"),
         (GOOD.replace("steps: 3", "steps: -1"), "'train.steps': Input should be greater than or equal to 1"),
         (GOOD.replace("agent: agent:solve", "agent: just_a_module"), "'agent'"),
@@ -73,7 +73,7 @@ def test_overrides_are_typed_and_validated(folder):
         ("agent: [unclosed\n", "not valid YAML"),
         (
             GOOD + "algorithm: {rewards: {tool_errors: -1}}\n",
-            "unknown key 'algorithm.rewards.tool_errors' (did you mean 'tool_error'?)",
+            "unknown key 'algorithm.rewards.tool_errors' (did you mean 'algorithm.rewards.tool_error'?)",
         ),
         (
             GOOD + "algorithm: {rewards: {timeout: .nan}}\n",
@@ -267,7 +267,8 @@ def test_gpu_backends_accept_hub_names_and_keep_them(folder):
         ),
         (
             VLLM.replace("{backend: vllm}", "{backend: vllm, vllm: {launch: {tensor_paralel_size: 2}}}"),
-            "unknown key 'serving.vllm.launch.tensor_paralel_size' (did you mean 'tensor_parallel_size'?)",
+            "unknown key 'serving.vllm.launch.tensor_paralel_size'"
+            " (did you mean 'serving.vllm.launch.tensor_parallel_size'?)",
         ),
         (
             GOOD + "serving: {backend: vllm}\n",

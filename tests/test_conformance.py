@@ -534,4 +534,4 @@ def test_agl_inspect_prints_the_tree_the_transitions_and_why_a_call_made_none(
     assert "problems\n  span " in out
 
     assert main(["inspect", "ro-nothing", "--store", stack.client.url]) == 1
-    assert "has no spans of rollout 'ro-nothing'" in capsys.readouterr().err
+    assert "has no rollout 'ro-nothing' and no spans of it" in capsys.readouterr().err

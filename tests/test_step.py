@@ -216,10 +216,15 @@ def test_a_step_trains_on_the_groups_with_differing_rewards_and_redraws_for_the_
     assert set(batch.untrained.values()) == {NO_LLM_CALL}
 
     lines = step_lines(outcome, 4, show_agents=False, inspect_hint=" --store s.sqlite")
-    assert lines[0].startswith("step 1/4  rollouts=10  transitions=8 (trained 4)  mean_reward=0.500")
+    assert lines[0].startswith(
+        "step 1/4  rollouts=10  transitions=8 (trained 4, 2 groups skipped)  mean_reward=0.500"
+    )
     assert "loss=+0.2500 grad_norm=1.500" in lines[0] and "policy=v1" in lines[0]
     assert "  redrew 2 tasks in 1 round(s) for groups with differing rewards: 2 of 4 groups train" in lines
-    assert "  2/4 task groups had equal rewards (no signal), skipped" in lines
+    assert (
+        "  2/4 task groups skipped: tied rewards (every rollout of the task scored the same,"
+        " no learning signal)" in lines
+    )
     (hint,) = [line for line in lines if "gave no training data" in line]
     assert hint.startswith("  2 rollouts gave no training data (see: agl inspect ")
     assert hint.endswith(" --store s.sqlite):")

@@ -31,7 +31,7 @@ from .reporting import Display, Scalars, held_out_line, plot_reward_curve, step_
 from .results import UNNAMED_AGENT, EvalResult, StepMetrics
 from .rollouts import RolloutQueue, score_tasks
 from .services import Services, start_runners, start_services, start_store
-from .step import TrainStep
+from .step import TIED_GROUPS, TrainStep
 
 __all__ = ["UNNAMED_AGENT", "EvalResult", "RunExistsError", "RunResult", "StepMetrics", "train"]
 
@@ -366,9 +366,13 @@ def train(
             f"done: metrics in {log.metrics_path}"
             + ("" if config.store.url else f", spans in {out / config.store.path}")
         )
-        if not trained_any and steps >= start_step:
+        failures = [w for w in warnings_seen if w != TIED_GROUPS]
+        if not trained_any and steps >= start_step and not failures:
+            # the agent works but every group tied: no signal yet, which is not a failure of the run
+            display.line(f"warning: no step trained: {TIED_GROUPS}; no checkpoint was written")
+        elif not trained_any and steps >= start_step:
             raise NothingTrainedError(
-                f"no step trained: {warnings_seen[0]}; no checkpoint was written. Inspect a rollout with"
+                f"no step trained: {failures[0]}; no checkpoint was written. Inspect a rollout with"
                 f" 'agl inspect ROLLOUT_ID{where}' (ids in {log.metrics_path})"
             )
         return RunResult(log.history, before, after, log.plot, last_saved)

@@ -122,8 +122,8 @@ class RolloutQueue:
         failed = [r for r in rollouts if r.status.finished and r.status != RolloutStatus.SUCCEEDED]
         for r in failed[:3]:
             # the runner stores the root cause on the error's first line, the traceback after it
-            cause = (r.attempts[-1].error or "").strip().splitlines()[:1] if r.attempts else []
-            self.progress.line(f"  rollout {r.rollout_id} {r.status.value}: {cause[0] if cause else ''}")
+            cause = error_line(r.attempts[-1].error if r.attempts else None)
+            self.progress.line(f"  rollout {r.rollout_id} {r.status.value}: {cause}")
         if len(failed) > 3:
             self.progress.line(f"  ... and {len(failed) - 3} more failed rollouts (agl inspect ROLLOUT_ID)")
         if late:
@@ -226,3 +226,12 @@ def score_tasks(
     client.mark_consumed(finished.finished_ids)
     result = EvalResult(step, mean, se, len(scores), len(finished.failed) + len(finished.late), scores)
     return Scored(result, [r for rows in scored.values() for r in rows], spans)
+
+
+def error_line(error: str | None) -> str:
+    """The one line that names a stored error: the first (the runner puts the root cause there), or the
+    last when the text is a bare traceback (stored by another writer)."""
+    lines = [line.strip() for line in (error or "").strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[-1] if lines[0].startswith("Traceback") else lines[0]

@@ -20,7 +20,7 @@ from agl_core.transitions import TransitionResult, explain_untrained, spans_to_t
 from .algo import Advantaged, GroupReport, compute_advantages
 from .config import TrainerConfig
 from .results import UNNAMED_AGENT, StepMetrics
-from .rollouts import RolloutQueue, RolloutRound, rollout_rewards
+from .rollouts import RolloutQueue, RolloutRound, error_line, rollout_rewards
 
 __all__ = ["Batch", "Learner", "StepOutcome", "TrainStep", "UpdateStats", "agent_counts", "build_batch"]
 
@@ -218,13 +218,17 @@ class TrainStep:
         return StepOutcome(metrics, batch, extra_rounds)
 
 
+#: Why a step trained nothing when its rollouts worked but every group tied (not a failure of the run).
+TIED_GROUPS = "every task group was skipped: equal rewards within each group give no learning signal"
+
+
 def first_error(rollouts: Sequence[Rollout]) -> str:
     """The first line of the first stored error among ``rollouts`` (the runner puts the root cause
     there), with its rollout id; empty when none has one."""
     for r in rollouts:
-        error = (r.attempts[-1].error or "").strip() if r.attempts else ""
-        if error:
-            return f"{error.splitlines()[0]} (rollout {r.rollout_id})"
+        cause = error_line(r.attempts[-1].error if r.attempts else None)
+        if cause:
+            return f"{cause} (rollout {r.rollout_id})"
     return ""
 
 
@@ -245,5 +249,5 @@ def nothing_trained_reason(finished: RolloutRound, batch: Batch) -> str:
         reasons = Counter(batch.untrained.values()).most_common(1)
         return "the rollouts gave no LLM calls to train on" + (f" ({reasons[0][0]})" if reasons else "")
     if batch.report.skipped_no_variance or batch.report.skipped_singleton:
-        return "every task group was skipped: equal rewards within each group give no learning signal"
+        return TIED_GROUPS
     return "no LLM call could be trained (see the reasons above)"
