@@ -7,7 +7,7 @@ database (``seq`` then orders spans per server commit, not globally).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._otlp import SpanRow
@@ -33,13 +33,33 @@ def _no_nul(value: Any) -> Any:
 
 
 class _Conn:
-    """A psycopg connection with sqlite3's ``execute`` / ``executemany`` shape and ``?`` placeholders."""
+    """A psycopg connection with sqlite3's ``execute`` / ``executemany`` shape and ``?`` placeholders.
 
-    def __init__(self, raw: psycopg.Connection[TupleRow]) -> None:
-        self.raw = raw
+    A connection the server cut while it sat idle (PostgreSQL restarted) is only found dead when next
+    used. When that use is a ``BEGIN`` or a read outside a transaction, which nothing depends on, it is
+    made again once on a new connection (from ``connect``) instead of failing while the server is back.
+    """
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[TupleRow]]) -> None:
+        import psycopg
+        from psycopg.pq import TransactionStatus
+
+        self._connect = connect
+        self._lost: type[Exception] = psycopg.OperationalError
+        self._idle = TransactionStatus.IDLE
+        self.raw = connect()
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> psycopg.Cursor[TupleRow]:
-        return self.raw.execute(sql.replace("?", "%s"), [_no_nul(a) for a in args])
+        query, params = sql.replace("?", "%s"), [_no_nul(a) for a in args]
+        idle = self.raw.info.transaction_status == self._idle
+        try:
+            return self.raw.execute(query, params)
+        except self._lost:
+            if not (idle and self.raw.broken and sql.lstrip().upper().startswith(("BEGIN", "SELECT"))):
+                raise
+        self.raw.close()
+        self.raw = self._connect()  # fails (-> 503) if the server is still down
+        return self.raw.execute(query, params)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         with self.raw.cursor() as cur:
@@ -71,16 +91,19 @@ class PostgresStore(SqlStore[_Conn]):
             self._writer.raw.execute(_SCHEMA)
 
     def _connect(self) -> _Conn:
+        return _Conn(self._connect_raw)
+
+    def _connect_raw(self) -> psycopg.Connection[TupleRow]:
         import psycopg
 
         raw = psycopg.connect(self.dsn, autocommit=True)
         if self.schema:
             raw.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
             raw.execute(f'SET search_path TO "{self.schema}"')
-        return _Conn(raw)
+        return raw
 
     def _begin(self, conn: _Conn) -> None:
-        conn.raw.execute("BEGIN")
+        conn.execute("BEGIN")
 
     def _alive(self, conn: _Conn) -> bool:
         return not (conn.raw.closed or conn.raw.broken)
