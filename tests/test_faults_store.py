@@ -8,7 +8,8 @@ afterwards. Faults: the store SIGKILLed mid-ingest (SQLite, PostgreSQL), a priva
 survives, ingest and the coordination API answer only success or the retryable 503 / ``UNAVAILABLE``
 (never a 500), and both work again without a restart.
 
-The narrower raw-HTTP versions of these faults are in test_faults.py and test_store_ingest.py.
+A narrower raw-HTTP SIGKILL test on SQLite is in test_store_ingest.py; a killed parse worker in
+test_store_hardening.py.
 """
 
 from __future__ import annotations
