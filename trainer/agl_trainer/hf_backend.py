@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -47,6 +48,16 @@ from agl_core.plugins import ServedBackend
 __all__ = ["HFBackend", "LogitsProcessor", "serve_with_transformers"]
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _cache_key() -> str:
+    """The name transformers gives the KV cache, as a ``forward()`` argument and an output field:
+    ``cache`` from transformers 5.24 on (where ``past_key_values`` warns that it is deprecated),
+    ``past_key_values`` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 #: ``processor(prompt_ids, response_ids_so_far, logits) -> logits`` reshapes the distribution a token is
 #: sampled from (a grammar, a test script). Recorded logprobs stay those of the raw model.
@@ -416,7 +427,7 @@ class HFBackend:
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                 use_cache=True,
             )
-            past = out.past_key_values
+            past = out[_cache_key()]
             logits = out.logits[:, -1].float()
             rows = [_Row(self, job, c) for job in jobs for c in range(job.request.n)]
             owner = [i for i, job in enumerate(jobs) for _ in range(job.request.n)]
@@ -445,10 +456,10 @@ class HFBackend:
                     input_ids=step_ids,
                     attention_mask=mask,
                     position_ids=positions[:, None],
-                    past_key_values=past,
                     use_cache=True,
+                    **{_cache_key(): past},
                 )
-                past = out.past_key_values
+                past = out[_cache_key()]
                 logits = out.logits[:, -1].float()
                 positions = positions + 1
         finally:
