@@ -13,6 +13,13 @@ here), and a lean load generator (raw HTTP/1.1 on asyncio, one keep-alive connec
   published design's gateway) in front of the same upstream when it is installed beside agl:
   ``python -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'`` (or --litellm PATH).
 
+* Protocols: the same call through the gateway's other front doors, the OpenAI Responses API
+  (``/v1/responses``) and Anthropic Messages (``/v1/messages``), beside Chat Completions in the same run
+  and against the same upstream (the gateway turns each into one chat call to it). Rounds alternate the
+  three protocols so that noise on a shared machine falls on all of them; medians of the rounds are
+  compared. Targets: added p50 within 1.2x of Chat Completions', and calls/s (32 clients) at least
+  1/1.2 of Chat Completions'.
+
 Headline: the p50 latency the gateway adds to a non-streamed call with one client; target < 1 ms.
 
     python bench/gateway.py [--requests 2000] [--litellm .venv-litellm/bin/litellm]
@@ -35,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 TARGET_ADDED_P50_MS = 1.0
+#: Responses / Messages against Chat Completions: added p50 at most this many times chat's, throughput at
+#: least chat's divided by it.
+TARGET_PROTOCOL_RATIO = 1.2
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,18 +210,27 @@ def _serve_gateway(port: int, upstream: str | None) -> None:
 # -- the load generator ----------------------------------------------------------------------------------
 
 
-def _request(port: int, stream: bool) -> bytes:
-    body = json.dumps(
-        {
-            "model": "policy",
-            "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 8,
-            **({"stream": True} if stream else {}),
-        }
-    ).encode()
+#: The same one-message call in each protocol the gateway serves: ``(path, body)``.
+PROTOCOLS: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": (
+        "/v1/chat/completions",
+        {"model": "policy", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
+    ),
+    "responses": ("/v1/responses", {"model": "policy", "input": "Say hello.", "max_output_tokens": 8}),
+    "messages": (
+        "/v1/messages",
+        {"model": "policy", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
+    ),
+}
+
+
+def _request(port: int, stream: bool, protocol: str = "chat") -> bytes:
+    path, fields = PROTOCOLS[protocol]
+    body = json.dumps({**fields, **({"stream": True} if stream else {})}).encode()
     return (
-        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\ncontent-type: application/json\r\n"
-        f"authorization: Bearer {API_KEY}\r\ncontent-length: {len(body)}\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nhost: {HOST}:{port}\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {API_KEY}\r\nx-api-key: {API_KEY}\r\nanthropic-version: 2023-06-01\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 
@@ -237,9 +256,11 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
     return status
 
 
-async def _load(port: int, stream: bool, clients: int, total: int) -> tuple[list[float], float]:
+async def _load(
+    port: int, stream: bool, clients: int, total: int, protocol: str = "chat"
+) -> tuple[list[float], float]:
     """Latencies (seconds) of ``total`` calls made by ``clients`` closed-loop clients, and the wall time."""
-    raw = _request(port, stream)
+    raw = _request(port, stream, protocol)
     latencies: list[float] = []
     remaining = total
 
@@ -263,12 +284,48 @@ async def _load(port: int, stream: bool, clients: int, total: int) -> tuple[list
     return latencies, time.perf_counter() - start
 
 
-def _measure(port: int, stream: bool, clients: int, total: int) -> tuple[float, float, float]:
+def _measure(
+    port: int, stream: bool, clients: int, total: int, protocol: str = "chat"
+) -> tuple[float, float, float]:
     """(p50 ms, p99 ms, calls/s), after a warm-up."""
-    asyncio.run(_load(port, stream, clients, min(200, total)))
-    latencies, wall = asyncio.run(_load(port, stream, clients, total))
+    asyncio.run(_load(port, stream, clients, min(200, total), protocol))
+    latencies, wall = asyncio.run(_load(port, stream, clients, total, protocol))
     q = statistics.quantiles(latencies, n=100)
     return q[49] * 1e3, q[98] * 1e3, len(latencies) / wall
+
+
+def _compare_protocols(direct_port: int, gateway_port: int, total: int, rounds: int) -> bool:
+    """Print each protocol's added p50 (1 client) and calls/s (32 clients), streamed and not, as medians
+    of ``rounds`` alternating rounds, with the ratios to Chat Completions; whether every target is met."""
+    added: dict[tuple[str, bool], list[float]] = {}
+    rate: dict[tuple[str, bool], list[float]] = {}
+    for _ in range(rounds):
+        for stream in (False, True):
+            direct = _measure(direct_port, stream, 1, total)[0]
+            for protocol in PROTOCOLS:
+                added.setdefault((protocol, stream), []).append(
+                    _measure(gateway_port, stream, 1, total, protocol)[0] - direct
+                )
+                rate.setdefault((protocol, stream), []).append(
+                    _measure(gateway_port, stream, 32, total * 2, protocol)[2]
+                )
+    print(
+        f"\nprotocols through the gateway (vllm backend), medians of {rounds} alternating rounds:\n"
+        f"{'protocol':<12}{'mode':<8}{'added p50 ms':>14}{'x chat':>8}{'calls/s (32)':>14}{'x chat':>8}"
+    )
+    ok = True
+    for stream in (False, True):
+        mode = "stream" if stream else "whole"
+        chat_added = statistics.median(added[("chat", stream)])
+        chat_rate = statistics.median(rate[("chat", stream)])
+        for protocol in PROTOCOLS:
+            a = statistics.median(added[(protocol, stream)])
+            r = statistics.median(rate[(protocol, stream)])
+            a_ratio, r_ratio = a / chat_added, r / chat_rate
+            print(f"{protocol:<12}{mode:<8}{a:>14.3f}{a_ratio:>8.2f}{r:>14.0f}{r_ratio:>8.2f}")
+            if protocol != "chat":
+                ok &= a_ratio <= TARGET_PROTOCOL_RATIO and r_ratio >= 1 / TARGET_PROTOCOL_RATIO
+    return ok
 
 
 # -- processes ---------------------------------------------------------------------------------------------
@@ -330,6 +387,12 @@ def main() -> int:
         "--litellm",
         default=str(ROOT / ".venv-litellm" / "bin" / "litellm"),
         help="LiteLLM proxy executable to compare with (skipped when missing)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternating rounds of the protocol comparison (default: %(default)s)",
     )
     parser.add_argument("--role", choices=["upstream", "gateway"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -416,6 +479,9 @@ def main() -> int:
             )
         else:
             print(f"LiteLLM proxy not found at {args.litellm}: no comparison (see --litellm)")
+        protocols_ok = _compare_protocols(
+            ports["upstream"], ports["gateway"], max(200, args.requests // 2), args.rounds
+        )
     finally:
         for process in processes:
             process.terminate()
@@ -430,7 +496,11 @@ def main() -> int:
         f"gateway: {headline:.3f} ms p50 added per call (non-streamed, 1 client),"
         f" target < {TARGET_ADDED_P50_MS:g} ms: {'ok' if ok else 'MISSED'}"
     )
-    return 0 if ok else 1
+    print(
+        f"protocols: Responses and Messages added p50 within {TARGET_PROTOCOL_RATIO:g}x of Chat Completions'"
+        f" and calls/s at least 1/{TARGET_PROTOCOL_RATIO:g} of it: {'ok' if protocols_ok else 'MISSED'}"
+    )
+    return 0 if ok and protocols_ok else 1
 
 
 if __name__ == "__main__":

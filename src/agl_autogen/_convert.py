@@ -108,7 +108,11 @@ def llm_start_attributes(
 
 def llm_end_attributes(result: Any, *, capture_content: bool) -> dict[str, Any]:
     """Usage, finish reason and (optionally) the output message of a ``CreateResult``."""
-    attrs: dict[str, Any] = usage_attributes(*read_usage(getattr(result, "usage", None)))
+    prompt, completion = read_usage(getattr(result, "usage", None))
+    # AutoGen's model clients write 0 for a count the server did not send them (a stream without usage;
+    # the Anthropic client reads the prompt's count from message_start only). No call recorded by the
+    # gateway has 0 tokens on either side, so 0 is no count, not a count to check the join against.
+    attrs: dict[str, Any] = usage_attributes(prompt or None, completion or None)
     finish = getattr(result, "finish_reason", None)
     if isinstance(finish, str):
         attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = [finish]

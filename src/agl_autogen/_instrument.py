@@ -7,11 +7,12 @@ step is recorded as agl's span (with the rollout identity, through agl's tracer 
 span of the same step, and the agent runtime's publish / process / create spans, record nothing while
 agl instruments (each step appears once in the span tree; ``uninstrument()`` turns them back on). Two
 places have no such helper and are wrapped directly: a team's ``run_stream`` (the team as an agent step)
-and the OpenAI-compatible model client's ``create`` / ``create_stream`` (the LLM calls).
+and the model clients' ``create`` / ``create_stream`` (the LLM calls of the OpenAI-compatible client and
+of the Anthropic one).
 ``uninstrument()`` puts every original back.
 
-The model client does not expose the completion id, and AgentChat gives no way to add a header to its
-requests, so its LLM spans are joined to gateway spans by order within the rollout, checked against the
+The model clients do not expose the completion id, and AgentChat gives no way to add a header to their
+requests, so their LLM spans are joined to gateway spans by order within the rollout, checked against the
 token counts the client reports (see :mod:`agl_core.transitions`).
 """
 
@@ -294,6 +295,25 @@ def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
     return sites
 
 
+#: The model clients whose ``create`` / ``create_stream`` are traced: ``(module, class)``, each where its
+#: autogen-ext extra (``openai``, ``anthropic``) is installed.
+_MODEL_CLIENTS = (
+    ("autogen_ext.models.openai", "BaseOpenAIChatCompletionClient"),
+    ("autogen_ext.models.anthropic", "BaseAnthropicChatCompletionClient"),
+)
+
+
+def _model_clients() -> list[type[Any]]:
+    found = []
+    for module_name, class_name in _MODEL_CLIENTS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # that extra is not installed: no such model client to trace
+            continue
+        found.append(getattr(module, class_name))
+    return found
+
+
 def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool) -> _Installed:
     # AgentChat has no callback API: agl replaces the bindings listed in the module docstring, and
     # uninstrument() puts the originals back.
@@ -324,11 +344,7 @@ def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool
         patches.replace(
             TraceHelper, "trace_block", tracing.wrap_trace_block(TraceHelper.__dict__["trace_block"])
         )
-        try:
-            from autogen_ext.models.openai import BaseOpenAIChatCompletionClient as Client
-        except ImportError:  # autogen-ext[openai] not installed: no OpenAI model client to trace
-            pass
-        else:
+        for Client in _model_clients():
             patches.replace(Client, "create", tracing.wrap_create(Client.__dict__["create"]))
             patches.replace(
                 Client, "create_stream", tracing.wrap_create_stream(Client.__dict__["create_stream"])
@@ -354,8 +370,8 @@ def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_c
     Agent turns (alone or in a round-robin, selector or swarm team) become ``invoke_agent`` spans named
     after the agent, a team's run an ``invoke_agent`` span named after the team (the selector's model
     calls belong to it), tool calls ``execute_tool`` spans with the call id and error status, and the
-    OpenAI-compatible model client's calls ``chat`` spans with usage and, with ``capture_content=True``,
-    the messages. Calling it again while instrumented changes nothing.
+    calls of the OpenAI-compatible and Anthropic model clients ``chat`` spans with usage and, with
+    ``capture_content=True``, the messages. Calling it again while instrumented changes nothing.
     """
     _instrumentor.instrument(lambda: _install(tracer_provider, capture_content))
 

@@ -52,6 +52,9 @@ PROMPT_DRIFT = "agl.llm.prompt_drift"
 RENDERED_PROMPT_TOKEN_IDS = "agl.llm.rendered_prompt_token_ids"
 #: Kind of backend that served a gateway call: ``"hf"``, ``"vllm"`` or ``"openai"``.
 GATEWAY_BACKEND = "agl.gateway.backend"
+#: The wire protocol of a gateway call: ``"chat"`` (Chat Completions), ``"completions"``, ``"responses"``
+#: (the OpenAI Responses API) or ``"messages"`` (Anthropic Messages).
+GATEWAY_PROTOCOL = "agl.gateway.protocol"
 #: Tool-call check of a call whose request offered tools: True when the response tried to call a tool and
 #: at least one call is malformed (see the reasons below), False when every call was well formed; absent
 #: when the request offered no tools.
@@ -89,6 +92,9 @@ GEN_AI_AGENT_ID = "gen_ai.agent.id"
 GEN_AI_AGENT_DESCRIPTION = "gen_ai.agent.description"
 GEN_AI_TOOL_NAME = "gen_ai.tool.name"
 GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
+#: JSON-encoded arguments of a tool call (opt-in content in the GenAI conventions); agl writes it only on
+#: the tool spans of ``agl_core.tool_call(..., arguments=...)``.
+GEN_AI_TOOL_CALL_ARGUMENTS = "gen_ai.tool.call.arguments"
 #: JSON-encoded input / output messages (opt-in content capture in the GenAI conventions).
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
@@ -143,5 +149,8 @@ ERROR_TYPE_ROLLOUT_TIMEOUT = "RolloutTimeout"
 # --- HTTP ------------------------------------------------------------------------------------------
 HEADER_ROLLOUT_ID = "x-agl-rollout-id"
 HEADER_ATTEMPT_ID = "x-agl-attempt-id"
+#: Names the agent making a gateway call (also: an ``.../agents/{name}/v1`` base URL); the gateway span then
+#: carries it as ``gen_ai.agent.name``.
+HEADER_AGENT_NAME = "x-agl-agent-name"
 #: W3C trace context: makes the gateway span a child of the framework span that made the call.
 HEADER_TRACEPARENT = "traceparent"

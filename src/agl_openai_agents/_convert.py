@@ -20,6 +20,8 @@ __all__ = [
     "error_description",
     "is_bookkeeping",
     "match_tool_call",
+    "response_message",
+    "response_tool_calls",
     "span_name",
     "start_attributes",
     "start_info",
@@ -148,7 +150,7 @@ def end_attributes(data: Any, *, capture_content: bool = False) -> dict[str, Any
                 attrs[semconv.GEN_AI_RESPONSE_MODEL] = response.model
             attrs.update(_usage(getattr(response, "usage", None)))
             if capture_content and getattr(response, "output", None) is not None:
-                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json([_dump(item) for item in response.output])
+                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json([response_message(response.output)])
         attrs.update(_usage(getattr(data, "usage", None)))
         if capture_content and getattr(data, "input", None) is not None:
             attrs[semconv.GEN_AI_INPUT_MESSAGES] = _json(data.input)
@@ -162,9 +164,36 @@ def end_attributes(data: Any, *, capture_content: bool = False) -> dict[str, Any
     return attrs
 
 
-def _dump(item: Any) -> Any:
-    dump = getattr(item, "model_dump", None)
-    return dump() if callable(dump) else item
+def _field(value: Any, key: str) -> Any:
+    return value.get(key) if isinstance(value, Mapping) else getattr(value, key, None)
+
+
+def response_message(output: Sequence[Any] | None) -> dict[str, Any]:
+    """A Responses API output (its ``message`` and ``function_call`` items, objects or dicts) as one
+    OpenAI-chat assistant message: the text of its ``output_text`` parts and its function calls as
+    ``tool_calls`` under their ``call_id``. Other items (reasoning, built-in tool calls) are left out."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for item in output or ():
+        kind = _field(item, "type")
+        if kind == "message":
+            for part in _field(item, "content") or ():
+                text = _field(part, "text")
+                if _field(part, "type") == "output_text" and isinstance(text, str):
+                    texts.append(text)
+        elif kind == "function_call":
+            function = {"name": _field(item, "name"), "arguments": _field(item, "arguments")}
+            calls.append({"id": _field(item, "call_id"), "type": "function", "function": function})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def response_tool_calls(response: Any) -> list[ToolCall]:
+    """The function calls in a Responses API response's output."""
+    output = getattr(response, "output", None)
+    return tool_calls([response_message(output)]) if output else []
 
 
 def tool_calls(output: Sequence[Mapping[str, Any]] | None) -> list[ToolCall]:

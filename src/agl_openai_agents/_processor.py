@@ -31,16 +31,31 @@ __all__ = ["AglTracingProcessor", "instrument", "is_instrumented", "uninstrument
 logger = logging.getLogger(__name__)
 
 
-def _headers_override() -> ContextVar[dict[str, str] | None] | None:
-    # The SDK's chat-completions model merges this context variable into the headers of each request it
-    # sends (its own hook for per-call headers, also used by its LiteLLM / any-llm models). Putting the
-    # W3C traceparent of the generation span there makes the gateway span a child of it: an exact join.
-    # When a future SDK drops it, calls are still joined, by order within the rollout.
+_Headers = ContextVar[dict[str, str] | None]
+
+
+def _headers_overrides() -> dict[str, _Headers]:
+    """The SDK's context variables of extra request headers, by the type of LLM span its model opens."""
+    # The SDK's chat-completions model merges HEADERS_OVERRIDE into the headers of each request it sends
+    # (its own hook for per-call headers, also used by its LiteLLM / any-llm models); its Responses model
+    # does the same with a private variable of its module. Putting the W3C traceparent of the generation /
+    # response span there makes the gateway span a child of it: an exact join, also when the SDK leaves
+    # the response id out of its span (trace_include_sensitive_data off). When a future SDK drops them,
+    # calls are still joined: by response id, else by order within the rollout.
+    found: dict[str, _Headers] = {}
     try:
         from agents.models.chatcmpl_helpers import HEADERS_OVERRIDE
+
+        found["generation"] = HEADERS_OVERRIDE
     except ImportError:
-        return None
-    return HEADERS_OVERRIDE
+        pass
+    try:
+        from agents.models.openai_responses import _HEADERS_OVERRIDE
+
+        found["response"] = _HEADERS_OVERRIDE
+    except ImportError:
+        pass
+    return found
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +67,7 @@ class _Open(OpenSpan):
     #: with the SDK spans folded into this one).
     tool_calls: list[_convert.ToolCall] = dataclasses.field(default_factory=list)
     headers_token: Token[dict[str, str] | None] | None = None
+    headers: _Headers | None = None
 
 
 class AglTracingProcessor(TracingProcessor):
@@ -72,7 +88,7 @@ class AglTracingProcessor(TracingProcessor):
         self.capture_content = capture_content
         self._tracer = get_tracer(tracer_provider)
         self._open: OpenSpans[str, _Open] = OpenSpans()
-        self._headers = _headers_override()
+        self._headers = _headers_overrides()
         self.hook_errors = HookErrors("OpenAI Agents SDK")
         #: ``uninstrument()`` turns the processor off when it cannot take it out of the SDK.
         self.enabled = True
@@ -139,13 +155,15 @@ class AglTracingProcessor(TracingProcessor):
             opened = self._start(
                 span.span_id, parent_key, name, attrs, agent, SpanKind.CLIENT if llm else SpanKind.INTERNAL
             )
-            if llm and self._headers is not None:
+            headers = self._headers.get(data.type) if llm else None
+            if headers is not None:
                 context = opened.span.get_span_context()
                 traceparent = (
                     f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
                 )
-                opened.headers_token = self._headers.set(
-                    {**(self._headers.get() or {}), semconv.HEADER_TRACEPARENT: traceparent}
+                opened.headers = headers
+                opened.headers_token = headers.set(
+                    {**(headers.get() or {}), semconv.HEADER_TRACEPARENT: traceparent}
                 )
         except Exception:
             self.hook_errors.report("on_span_start")
@@ -156,16 +174,18 @@ class AglTracingProcessor(TracingProcessor):
             parent = self._open.get(span.parent_id or span.trace_id)
             if opened is None:
                 return
-            if opened.headers_token is not None and self._headers is not None:
+            if opened.headers_token is not None and opened.headers is not None:
                 # ValueError: ended in another context than it started in; nothing of ours is left there
                 with contextlib.suppress(ValueError):
-                    self._headers.reset(opened.headers_token)
+                    opened.headers.reset(opened.headers_token)
             data = span.span_data
             kind = data.type
             otel_span = opened.span
             attrs = _convert.end_attributes(data, capture_content=self.capture_content)
             if kind == "generation" and parent is not None:
                 parent.tool_calls.extend(_convert.tool_calls(data.output))
+            elif kind == "response" and parent is not None:
+                parent.tool_calls.extend(_convert.response_tool_calls(getattr(data, "response", None)))
             elif kind == "function" and parent is not None:
                 call_id = _convert.match_tool_call(data.name, data.input, parent.tool_calls)
                 if call_id:

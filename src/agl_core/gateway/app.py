@@ -1,8 +1,10 @@
 """OpenAI-compatible gateway that records exact token ids for every LLM call.
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both also streamed as server-sent
-events), ``GET /v1/models``, ``GET /metrics`` (Prometheus text), ``GET /health``, and
-``GET|POST /agl/v1/policy`` (the policy version served; publishing a new one to backends that can load it).
+events), ``POST /v1/responses`` (the OpenAI Responses API, see :mod:`.responses`), ``POST /v1/messages``
+(Anthropic Messages, see :mod:`.anthropic`), ``GET /v1/models``,
+``GET /metrics`` (Prometheus text), ``GET /health``, and ``GET|POST /agl/v1/policy`` (the policy version
+served; publishing a new one to backends that can load it).
 
 Rollout attribution, without changing agent code, by either
 * a rollout-scoped base URL: ``{gateway}/rollouts/{rollout_id}/attempts/{attempt_id}/v1`` (the runner hands
@@ -19,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -35,13 +37,14 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .. import semconv
 from ..tracing import RolloutContext, get_tracer, rollout_attributes
-from ._schema import RequestError, parse_chat, parse_completion
+from ._door import ChatDoor, CompletionDoor, DoorError, FrontDoor, openai_error, whole_delta
+from ._schema import RequestError
+from .anthropic import CountTokensDoor, MessagesDoor
 from .backend import (
     Backend,
     BackendError,
     BackendUnavailableError,
     ChatRequest,
-    ChoiceDelta,
     Completion,
     ContextTooLongError,
     Event,
@@ -50,8 +53,9 @@ from .backend import (
 )
 from .metrics import GatewayMetrics
 from .render import TemplateRenderer
+from .responses import ResponseLog, ResponsesDoor
 from .tools import malformed_tool_calls
-from .urls import API_PREFIXES, rollout_base_url
+from .urls import API_PREFIXES, agent_name_of, rollout_base_url
 
 __all__ = ["create_gateway_app", "rollout_base_url"]
 
@@ -62,12 +66,15 @@ _propagator = TraceContextTextMapPropagator()
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def _openai_error(
-    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status
-    )
+_openai_error = openai_error
+
+
+def _rollout_of(request: Request) -> RolloutContext | None:
+    """The rollout (and attempt) a request is attributed to: by its URL, else by its headers."""
+    headers = request.headers
+    rollout_id = request.path_params.get("rollout_id") or headers.get(semconv.HEADER_ROLLOUT_ID)
+    attempt_id = request.path_params.get("attempt_id") or headers.get(semconv.HEADER_ATTEMPT_ID)
+    return RolloutContext(rollout_id, attempt_id) if rollout_id else None
 
 
 class _TooLarge(Exception):
@@ -120,58 +127,27 @@ def _error_of(exc: BackendError) -> tuple[int, str, str, str | None]:
     return 502, f"the model backend failed: {exc}", "server_error", "backend_error"
 
 
-def _chat_logprobs(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    return {"content": list(entries)}
-
-
-def _text_logprobs(entries: Sequence[Mapping[str, Any]], offset: int = 0) -> dict[str, Any]:
-    tokens = [e["token"] for e in entries]
-    offsets, at = [], offset
-    for tok in tokens:
-        offsets.append(at)
-        at += len(tok)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def logprob_entries(result: Completion, top: int) -> list[dict[str, Any]]:
-    """OpenAI ``logprobs.content`` entries of a completion's response tokens."""
-    if result.response_logprobs is None:
-        return []
-    tokens = result.response_tokens or tuple("" for _ in result.response_ids)
-    tops = result.top_logprobs or ()
-    out = []
-    # One token per logprob (the Completion contract), so strict: a backend breaking it fails loudly.
-    for i, (tok, lp) in enumerate(zip(tokens, result.response_logprobs, strict=True)):
-        alternatives = tops[i][:top] if top and i < len(tops) else ()
-        out.append(
-            {
-                "token": tok,
-                "logprob": lp,
-                "bytes": list(tok.encode()),
-                "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alternatives
-                ],
-            }
-        )
-    return out
-
-
 class _Call:
     """One request through the gateway: its identity, the spans it records, the drift check."""
 
-    def __init__(self, app: _Gateway, request: Request, chat: ChatRequest, model: str, endpoint: str) -> None:
+    def __init__(
+        self,
+        app: _Gateway,
+        request: Request,
+        chat: ChatRequest,
+        model: str,
+        door: FrontDoor,
+        rollout: RolloutContext | None,
+        agent_name: str | None,
+    ) -> None:
         self.app = app
         self.chat = chat
         self.model = model
-        self.endpoint = endpoint
+        self.door = door
+        self.endpoint = door.endpoint
         self.t0 = time.time_ns()
         self.first_event_ns: int | None = None
-        self.id = f"chatcmpl-{uuid.uuid4().hex}" if chat.is_chat else f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{door.id_prefix}{uuid.uuid4().hex}"
         self.created = self.t0 // 1_000_000_000
         headers = request.headers
         self.parent = (
@@ -181,9 +157,9 @@ class _Call:
             if "traceparent" in headers
             else None
         )
-        rollout_id = request.path_params.get("rollout_id") or headers.get(semconv.HEADER_ROLLOUT_ID)
-        attempt_id = request.path_params.get("attempt_id") or headers.get(semconv.HEADER_ATTEMPT_ID)
-        self.rollout = RolloutContext(rollout_id, attempt_id) if rollout_id else None
+        self.rollout = rollout
+        #: The calling agent its URL (``.../agents/{name}/v1``) or the agent-name header names, if any.
+        self.agent_name = agent_name
         self.completions: list[Completion] = []
         # The drift check renders the prompt on a worker thread while the backend generates.
         self.expected: asyncio.Task[list[int] | None] | None = None
@@ -210,9 +186,8 @@ class _Call:
         attrs.update(
             {
                 semconv.SOURCE: semconv.SOURCE_GATEWAY,
-                semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT
-                if chat.is_chat
-                else semconv.OP_TEXT_COMPLETION,
+                semconv.GEN_AI_OPERATION_NAME: self.door.operation,
+                semconv.GATEWAY_PROTOCOL: self.door.endpoint,
                 semconv.GEN_AI_PROVIDER_NAME: "agl",
                 semconv.GEN_AI_REQUEST_MODEL: self.model,
                 semconv.GEN_AI_REQUEST_TEMPERATURE: chat.temperature,
@@ -223,6 +198,8 @@ class _Call:
                 semconv.STREAM: chat.stream,
             }
         )
+        if self.agent_name:
+            attrs[semconv.GEN_AI_AGENT_NAME] = self.agent_name
         messages = chat.messages if chat.is_chat else [{"role": "user", "content": chat.prompt}]
         attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(list(messages), ensure_ascii=False)
         if chat.max_tokens:
@@ -239,7 +216,7 @@ class _Call:
 
     def _span(self, attrs: dict[str, Any]) -> trace.Span:
         return self.app.tracer.start_span(
-            f"{'chat' if self.chat.is_chat else 'text_completion'} {self.model}",
+            f"{self.door.operation} {self.model}",
             context=self.parent,
             kind=SpanKind.SERVER,
             attributes=attrs,
@@ -341,11 +318,22 @@ class _Gateway:
 
     # -- endpoints ------------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, "chat", parse_chat)
+    def door(self, make: Callable[[], FrontDoor]) -> Callable[[Request], Awaitable[Response]]:
+        """The endpoint serving the protocol of the doors ``make`` builds (one per request)."""
 
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "completions", parse_completion)
+        async def endpoint(request: Request) -> Response:
+            door = make()
+            try:
+                agent = agent_name_of(
+                    request.path_params.get("agent_name"), request.headers.get(semconv.HEADER_AGENT_NAME)
+                )
+            except ValueError as exc:
+                return self._done(door.endpoint, door.error(400, str(exc), "invalid_request_error"))
+            rollout = _rollout_of(request)
+            door.bind(rollout)
+            return await self._serve(request, door, rollout, agent)
+
+        return endpoint
 
     async def models(self, request: Request) -> Response:
         data = [
@@ -410,50 +398,44 @@ class _Gateway:
     # -- the generation path --------------------------------------------------------------------------
 
     async def _serve(
-        self, request: Request, endpoint: str, parse: Callable[[bytes], tuple[Any, ChatRequest]]
+        self, request: Request, door: FrontDoor, rollout: RolloutContext | None, agent: str | None
     ) -> Response:
-        metrics = self.metrics
+        metrics, endpoint = self.metrics, door.endpoint
         try:
             raw = await _read_body(request)
         except _TooLarge as exc:
-            return self._done(endpoint, _openai_error(413, str(exc), "invalid_request_error"))
+            return self._done(endpoint, door.error(413, str(exc), "invalid_request_error"))
         try:
-            body, chat = parse(raw)
+            model, chat = door.parse(raw)
         except pydantic.ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            if err["type"] == "json_invalid":
-                message = f"the body is not valid JSON: {err['msg']}"
-            else:
-                message = f"invalid request: {param}: {err['msg']}"
-            return self._done(endpoint, _openai_error(400, message, "invalid_request_error", param))
+            return self._done(endpoint, door.invalid(exc))
         except RequestError as exc:
             return self._done(
-                endpoint, _openai_error(400, f"invalid request: {exc}", "invalid_request_error", exc.param)
+                endpoint, door.error(400, f"invalid request: {exc}", "invalid_request_error", exc.param)
             )
-        if body.model not in self.backend.model_names:
+        except DoorError as exc:
+            return self._done(endpoint, door.error(exc.status, str(exc), exc.kind, exc.param))
+        if model not in self.backend.model_names:
             return self._done(
                 endpoint,
-                _openai_error(
+                door.error(
                     404,
-                    f"model {body.model!r} does not exist here; "
-                    f"available: {', '.join(self.backend.model_names)}",
+                    f"model {model!r} does not exist here; available: {', '.join(self.backend.model_names)}",
                     "invalid_request_error",
                     "model",
                     "model_not_found",
                 ),
             )
-        call = _Call(self, request, chat, body.model, endpoint)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        call = _Call(self, request, chat, model, door, rollout, agent)
         metrics.inflight += 1
-        events = self.backend.generate(body.model, chat)
+        events = self.backend.generate(model, chat)
         try:
             if chat.stream:
                 # The first event is awaited here, so a request the backend refuses still gets a proper
                 # status.
                 first = await events.__anext__()
                 call.saw_event()
-                return _SSEResponse(_EventStream(self, call, events, first, include_usage))
+                return _SSEResponse(_EventStream(self, call, events, first))
             async for event in events:
                 call.saw_event()
                 if isinstance(event, Completion):
@@ -465,9 +447,10 @@ class _Gateway:
             metrics.inflight -= 1
             status, message, kind, span_error = _error_of(exc)
             await call.record((span_error or "backend_error", str(exc)))
-            param = "messages" if isinstance(exc, ContextTooLongError) else None
-            code = "context_length_exceeded" if isinstance(exc, ContextTooLongError) else None
-            return self._done(endpoint, _openai_error(status, message, kind, param, code))
+            too_long = isinstance(exc, ContextTooLongError)
+            param = door.prompt_param if too_long else None
+            code = "context_length_exceeded" if too_long else None
+            return self._done(endpoint, door.error(status, message, kind, param, code))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await _aclose(events)
@@ -476,141 +459,28 @@ class _Gateway:
         metrics.inflight -= 1
         await call.record()
         call.completions.sort(key=lambda c: c.index)
-        return self._done(endpoint, JSONResponse(_Format.of(call).response(call)))
+        body = door.response(call)
+        if call.completions:
+            door.recorded(call)
+        return self._done(endpoint, JSONResponse(body))
 
     def _done(self, endpoint: str, response: Response) -> Response:
         self.metrics.request_done(endpoint, response.status_code)
         return response
 
 
-class _Format:
-    """The OpenAI wire shapes of one endpoint: whole responses and stream chunks."""
-
-    @staticmethod
-    def of(call: _Call) -> _Format:
-        return _CHAT if call.chat.is_chat else _TEXT
-
-    object_name = "chat.completion"
-    chunk_name = "chat.completion.chunk"
-
-    def usage(self, call: _Call) -> dict[str, int]:
-        prompt = len(call.completions[0].prompt_ids) if call.completions else 0
-        completion = sum(len(c.response_ids) for c in call.completions)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def envelope(self, call: _Call, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": call.id,
-            "object": name,
-            "created": call.created,
-            "model": call.model,
-            "choices": choices,
-        }
-
-    def response(self, call: _Call) -> dict[str, Any]:
-        out = self.envelope(call, self.object_name, [self.choice(call, c) for c in call.completions])
-        out["usage"] = self.usage(call)
-        return out
-
-    def choice(self, call: _Call, result: Completion) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        if result.tool_calls:
-            message["tool_calls"] = [dict(c) for c in result.tool_calls]
-        logprobs = (
-            _chat_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
-        )
-        return {
-            "index": result.index,
-            "message": message,
-            "finish_reason": result.finish_reason,
-            "logprobs": logprobs,
-        }
-
-    def opening(self, call: _Call, index: int) -> dict[str, Any] | None:
-        return {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-
-    def delta(self, call: _Call, event: ChoiceDelta) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if event.text:
-            delta["content"] = event.text
-        if event.tool_calls:
-            delta["tool_calls"] = [dict(c) for c in event.tool_calls]
-        logprobs = (
-            _chat_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs))
-            if call.chat.logprobs and event.logprobs
-            else None
-        )
-        return {"index": event.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-
-    def closing(self, call: _Call, result: Completion) -> dict[str, Any]:
-        return {"index": result.index, "delta": {}, "logprobs": None, "finish_reason": result.finish_reason}
-
-
-class _TextFormat(_Format):
-    object_name = chunk_name = "text_completion"
-
-    def choice(self, call: _Call, result: Completion) -> dict[str, Any]:
-        logprobs = (
-            _text_logprobs(logprob_entries(result, call.chat.top_logprobs)) if call.chat.logprobs else None
-        )
-        return {
-            "index": result.index,
-            "text": result.text or "",
-            "logprobs": logprobs,
-            "finish_reason": result.finish_reason,
-        }
-
-    def opening(self, call: _Call, index: int) -> dict[str, Any] | None:
-        return None
-
-    def delta(self, call: _Call, event: ChoiceDelta) -> dict[str, Any]:
-        logprobs = (
-            _text_logprobs(_trim_top(event.logprobs, call.chat.top_logprobs))
-            if call.chat.logprobs and event.logprobs
-            else None
-        )
-        return {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
-
-    def closing(self, call: _Call, result: Completion) -> dict[str, Any]:
-        return {"index": result.index, "text": "", "logprobs": None, "finish_reason": result.finish_reason}
-
-
-_CHAT = _Format()
-_TEXT = _TextFormat()
-
-
-def _trim_top(entries: Sequence[Mapping[str, Any]], top: int) -> list[Mapping[str, Any]]:
-    if all(len(e.get("top_logprobs", ())) <= top for e in entries):
-        return list(entries)
-    return [{**e, "top_logprobs": list(e["top_logprobs"])[:top]} for e in entries]
-
-
 class _EventStream:
-    """Server-sent events for one streamed call; records the call's spans when the stream ends."""
+    """Server-sent events for one streamed call, shaped by its door; records the call's spans when the
+    stream ends."""
 
-    def __init__(
-        self, gateway: _Gateway, call: _Call, events: AsyncIterator[Event], first: Event, include_usage: bool
-    ) -> None:
+    def __init__(self, gateway: _Gateway, call: _Call, events: AsyncIterator[Event], first: Event) -> None:
         self.gateway = gateway
         self.call = call
         self.events = events
         self.first = first
-        self.include_usage = include_usage
-        self.format = _Format.of(call)
         self.status: int | None = None
         self.error: tuple[str, str] | None = None
         self.finished = False
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
-        out = self.format.envelope(self.call, self.format.chunk_name, choices)
-        if self.include_usage:
-            out["usage"] = None
-        return b"data: " + json.dumps(out, ensure_ascii=False).encode() + b"\n\n"
 
     async def _all_events(self) -> AsyncIterator[Event]:
         yield self.first
@@ -619,38 +489,40 @@ class _EventStream:
             yield event
 
     async def sse(self) -> AsyncIterator[bytes]:
-        call, fmt = self.call, self.format
+        call, door = self.call, self.call.door
         try:
-            for index in range(call.chat.n):
-                opening = fmt.opening(call, index)
-                if opening is not None:
-                    yield self._chunk([opening])
+            for chunk in door.stream_start(call):
+                yield chunk
             streamed: set[int] = set()
             async for event in self._all_events():
                 if isinstance(event, Completion):
                     call.completions.append(event)
                     if event.index not in streamed and (event.text or event.tool_calls):
                         # a backend that does not stream pieces: the whole choice goes as one delta
-                        yield self._chunk([fmt.delta(call, _whole_delta(event, call.chat))])
-                    yield self._chunk([fmt.closing(call, event)])
+                        for chunk in door.stream_delta(call, whole_delta(event, call.chat)):
+                            yield chunk
+                    for chunk in door.stream_choice_end(call, event):
+                        yield chunk
                 elif event.text or event.tool_calls:
                     streamed.add(event.index)
-                    yield self._chunk([fmt.delta(call, event)])
+                    for chunk in door.stream_delta(call, event):
+                        yield chunk
             # Recorded before the stream's end reaches the client: whoever reads the spans after the call
             # returned (a runner flushing at the end of a rollout) finds them.
             self.status = 200
             await self.finish()
-            if self.include_usage:
-                usage = fmt.envelope(call, fmt.chunk_name, [])
-                usage["usage"] = fmt.usage(call)
-                yield b"data: " + json.dumps(usage).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            call.completions.sort(key=lambda c: c.index)
+            closing = door.stream_end(call)
+            if call.completions:
+                door.recorded(call)
+            for chunk in closing:
+                yield chunk
         except BackendError as exc:
             status, message, kind, span_error = _error_of(exc)
             self.status, self.error = status, (span_error or "backend_error", str(exc))
-            # Headers are gone already: the error travels as an event, as OpenAI-compatible servers do.
-            payload = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-            yield b"data: " + json.dumps(payload).encode() + b"\n\n"
+            # Headers are gone already: the error travels as an event.
+            for chunk in door.stream_error(call, status, message, kind):
+                yield chunk
         finally:
             await self.finish()
 
@@ -672,12 +544,6 @@ class _EventStream:
                 metrics.inflight -= 1
                 metrics.request_done(self.call.endpoint, self.status)
                 await self.call.record(self.error)
-
-
-def _whole_delta(result: Completion, chat: ChatRequest) -> ChoiceDelta:
-    calls = tuple({"index": i, **call} for i, call in enumerate(result.tool_calls))
-    entries = tuple(logprob_entries(result, chat.top_logprobs)) if chat.logprobs else ()
-    return ChoiceDelta(result.index, result.text or "", tool_calls=calls, logprobs=entries)
 
 
 class _SSEResponse(StreamingResponse):
@@ -740,6 +606,15 @@ async def _aclose(events: AsyncIterator[Event]) -> None:
         await close()
 
 
+#: The protocols the gateway serves under each API prefix: ``(path, door factory)``.
+_DOORS: tuple[tuple[str, Callable[[], FrontDoor]], ...] = (
+    ("/v1/chat/completions", ChatDoor),
+    ("/v1/completions", CompletionDoor),
+    ("/v1/messages", MessagesDoor),
+    ("/v1/messages/count_tokens", CountTokensDoor),
+)
+
+
 def create_gateway_app(
     backend: Backend,
     *,
@@ -762,9 +637,12 @@ def create_gateway_app(
         Route("/health", gateway.health, methods=["GET"]),
         Route("/agl/v1/policy", gateway.policy, methods=["GET", "POST"]),
     ]
+    # The Responses API's previous_response_id refers to earlier calls: their record is the gateway's.
+    responses = ResponseLog()
+    doors = (*_DOORS, ("/v1/responses", lambda: ResponsesDoor(responses)))
     for prefix in API_PREFIXES:
-        routes.append(Route(prefix + "/v1/chat/completions", gateway.chat_completions, methods=["POST"]))
-        routes.append(Route(prefix + "/v1/completions", gateway.completions, methods=["POST"]))
+        for path, door in doors:
+            routes.append(Route(prefix + path, gateway.door(door), methods=["POST"]))
         routes.append(Route(prefix + "/v1/models", gateway.models, methods=["GET"]))
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed})
     app.state.metrics = gateway.metrics
