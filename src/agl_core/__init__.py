@@ -3,6 +3,7 @@
 ``import agl_core`` stays light: it never imports torch or an agent framework.
 """
 
+from ._user_spans import Tool, ToolCall, agent_span, current_tool_call, tool, tool_call
 from .records import Attempt, Resource, Rollout, RolloutStatus, Span, Task, Transition
 from .runner import LLM, RolloutTimeout
 from .tracing import (
@@ -26,10 +27,16 @@ __all__ = [
     "RolloutTimeout",
     "Span",
     "Task",
+    "Tool",
+    "ToolCall",
     "Transition",
+    "agent_span",
     "current_rollout",
+    "current_tool_call",
     "emit_error",
     "emit_reward",
     "rollout_scope",
     "setup_tracing",
+    "tool",
+    "tool_call",
 ]

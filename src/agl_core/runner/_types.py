@@ -28,6 +28,8 @@ class LLM:
     ``split`` is the rollout's ``metadata["split"]`` when it has one: the trainer marks training rollouts
     ``"train"`` and validation rollouts ``"val"``, so an agent can sample during training and decode
     greedily when it is being scored (``temperature=0 if llm.split == "val" else 0.7``).
+
+    An agent made of several agents without a framework names each one's calls with :meth:`for_agent`.
     """
 
     base_url: str
@@ -40,6 +42,28 @@ class LLM:
     def evaluating(self) -> bool:
         """True for validation rollouts (``split == "val"``)."""
         return self.split == "val"
+
+    def for_agent(self, name: str) -> LLM:
+        """A copy whose ``base_url`` also names the calling agent:
+        ``{gateway}/rollouts/{rid}/attempts/{aid}/agents/{name}/v1``. The gateway records every call made
+        through it with ``gen_ai.agent.name = name``, which is what agent selection (``algorithm.agents``)
+        and ``agl inspect`` read. Called on a copy that names an agent already, it names ``name`` instead.
+
+        ``name``: non-empty, at most 128 characters, no ``/``, ``\\``, control characters or surrounding
+        whitespace; other characters are percent-encoded. :class:`ValueError` otherwise, or when
+        ``base_url`` is not a gateway base URL (ending in ``/v1``).
+        """
+        from ..gateway.urls import agent_base_url  # not at import: worker processes start without it
+
+        return dataclasses.replace(self, base_url=agent_base_url(self.base_url, name))
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """``base_url`` without its trailing ``/v1``: the ``base_url`` of the Anthropic SDK, which appends
+        ``/v1/messages`` itself (``anthropic.Anthropic(base_url=llm.anthropic_base_url, ...)``)."""
+        from ..gateway.urls import without_api_version
+
+        return without_api_version(self.base_url)
 
 
 @dataclasses.dataclass(frozen=True)
