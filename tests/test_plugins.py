@@ -16,12 +16,14 @@ HINT = "pip install 'agl[trainer]'"
 CONFIG = "agent: agent:solve\ntasks: tasks.jsonl\ntrain: {steps: 3}\n"
 
 
-def test_the_trainer_registers_train_eval_and_the_hf_backend():
+def test_the_trainer_registers_train_eval_dev_and_the_hf_backend():
     from agl_trainer.cli import TRAIN_COMMAND
+    from agl_trainer.dev import DEV_COMMAND
 
     commands = {c.name: c for c in plugins.command_plugins()}
-    assert {"train", "eval"} <= set(commands)
+    assert {"train", "eval", "dev"} <= set(commands)
     assert commands["train"] is TRAIN_COMMAND and commands["train"].extra == "trainer"
+    assert commands["dev"] is DEV_COMMAND and commands["dev"].extra == "trainer"
     assert "hf" in plugins.gateway_backend_names()
     assert callable(plugins.load_gateway_backend("hf"))
 

@@ -7,7 +7,8 @@
 ``agl inspect ID``    a rollout's span tree, its transitions, and why any LLM call made none
 
 Other packages add commands through the ``agl.commands`` entry-point group (:mod:`agl_core.plugins`);
-agl's trainer adds ``agl train CONFIG`` and ``agl eval CONFIG`` that way (they need the ``trainer`` extra).
+agl's trainer adds ``agl train CONFIG``, ``agl eval CONFIG`` and ``agl dev CONFIG`` that way (they need the
+``trainer`` extra).
 """
 
 from __future__ import annotations

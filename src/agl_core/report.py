@@ -10,7 +10,7 @@ from .records import Rollout, Span
 from .spantree import AGENT, GATEWAY, LLM, TOOL, SpanTree, kind_of, own_agent_name, source_of, tool_name
 from .transitions import spans_to_transitions
 
-__all__ = ["format_rollout"]
+__all__ = ["count_llm_calls", "format_rollout"]
 
 
 def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem_of: dict[str, str]) -> str:
@@ -57,6 +57,11 @@ def _outcome_lines(rollout: Rollout) -> list[str]:
     return lines
 
 
+def count_llm_calls(spans: Sequence[Span]) -> int:
+    """How many LLM calls went through the gateway among ``spans`` (its spans that carry token ids)."""
+    return sum(1 for s in spans if kind_of(s) == GATEWAY and semconv.PROMPT_TOKEN_IDS in s.attributes)
+
+
 def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout | None = None) -> str:
     """The report of ``rollout_id`` from its spans (as the store returns them); with its ``rollout``
     record, how it ended (status, error, stored traceback) comes first."""
@@ -71,7 +76,7 @@ def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout |
     problem_of = {
         p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id
     }
-    llm_calls = sum(1 for s in spans if kind_of(s) == GATEWAY and semconv.PROMPT_TOKEN_IDS in s.attributes)
+    llm_calls = count_llm_calls(spans)
     lines = head + [
         f"rollout {rollout_id}: {len(spans)} spans, {llm_calls} LLM calls through the gateway, "
         f"{len(result.transitions)} transitions",

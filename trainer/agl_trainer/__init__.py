@@ -1,8 +1,19 @@
 """agl's trainer service: YAML config, training loop, LightningRL updates, model serving on CPU."""
 
+from .api import FitResult, Trainer
 from .config import ConfigError, TrainerConfig, load_config
+from .results import DevResult, DevRollout
 
-__all__ = ["ConfigError", "TrainerConfig", "load_config", "train"]
+__all__ = [
+    "ConfigError",
+    "DevResult",
+    "DevRollout",
+    "FitResult",
+    "Trainer",
+    "TrainerConfig",
+    "load_config",
+    "train",
+]
 
 
 def train(config: TrainerConfig, **kwargs):  # type: ignore[no-untyped-def]

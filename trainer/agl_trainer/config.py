@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -12,7 +14,15 @@ import yaml
 
 from agl_core.credit import RewardWeights
 
-__all__ = ["VERL_RESERVED_KEYS", "ConfigError", "TrainerConfig", "check_verl_section", "load_config"]
+__all__ = [
+    "REQUIRED_KEYS",
+    "VERL_RESERVED_KEYS",
+    "ConfigError",
+    "TrainerConfig",
+    "check_verl_section",
+    "config_from_dict",
+    "load_config",
+]
 
 
 class ConfigError(ValueError):
@@ -339,11 +349,13 @@ def check_verl_section(section: dict[str, Any]) -> None:
 
 
 class TrainerConfig(_Strict):
-    #: The agent, as ``module:function``; modules are looked up next to the config file first.
-    agent: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    #: The agent, as ``module:function``; modules are looked up next to the config file first. Required in
+    #: a config file; from Python, ``Trainer.fit`` and ``Trainer.dev`` may take the agent function instead.
+    agent: str | None = pydantic.Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     #: The task dataset, relative to the config file: a JSONL or Parquet file of training tasks, or
-    #: ``{train: ..., val: ...}`` / ``{train: ..., val_fraction: 0.2}`` with a validation split.
-    tasks: TasksConfig
+    #: ``{train: ..., val: ...}`` / ``{train: ..., val_fraction: 0.2}`` with a validation split. Required in
+    #: a config file; from Python, ``Trainer.fit`` and ``Trainer.dev`` may take the tasks instead.
+    tasks: TasksConfig | None = None
     #: Where the store file, metrics and checkpoints go, relative to the working directory.
     output_dir: Path = Path("runs/agl")
     model: ModelConfig = ModelConfig()
@@ -503,10 +515,21 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw)
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
+#: The keys a config file must set; from Python, ``Trainer`` may take the agent and the tasks instead.
+REQUIRED_KEYS = ("agent", "tasks")
+
+
+def load_config(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    required: Collection[str] = REQUIRED_KEYS,
+) -> TrainerConfig:
     """Read, override (``key.sub=value``, YAML-typed values) and validate a trainer config file.
 
-    Raises :class:`ConfigError` naming the file and each bad key; nothing is started before this passes.
+    Relative paths in it are relative to the file's folder. ``required``: the top-level keys the file
+    must set. Raises :class:`ConfigError` naming the file and each bad key; nothing is started before
+    this passes.
     """
     path = Path(path)
     if not path.is_file():
@@ -517,42 +540,93 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return _validate(
+        data,
+        overrides,
+        source=str(path),
+        base_dir=path.resolve().parent,
+        base_dir_from="the config file's location",
+        required=required,
+    )
+
+
+def config_from_dict(
+    data: Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    *,
+    base_dir: str | Path | None = None,
+    required: Collection[str] = REQUIRED_KEYS,
+    source: str = "config",
+) -> TrainerConfig:
+    """Validate a config given as a mapping, the way :func:`load_config` validates the file's contents.
+
+    Relative paths in it (task files, a model directory) are relative to ``base_dir`` (default: the
+    working directory). ``data`` is not modified. Raises :class:`ConfigError` naming ``source`` and each
+    bad key.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: a config must be a mapping of keys, got {type(data).__name__}")
+    root = Path.cwd() if base_dir is None else Path(base_dir)
+    return _validate(
+        copy.deepcopy(dict(data)),
+        overrides,
+        source=source,
+        base_dir=root.resolve(),
+        base_dir_from="the base_dir argument, the working directory by default",
+        required=required,
+    )
+
+
+def _validate(
+    data: dict[str, Any],
+    overrides: Sequence[str],
+    *,
+    source: str,
+    base_dir: Path,
+    base_dir_from: str,
+    required: Collection[str],
+) -> TrainerConfig:
+    """``data`` (modified by ``overrides``) as a :class:`TrainerConfig` with its paths resolved."""
     if "base_dir" in data:
-        raise ConfigError(f"{path}: unknown key 'base_dir' (it is set from the config file's location)")
+        raise ConfigError(f"{source}: unknown key 'base_dir' (it is set from {base_dir_from})")
     for override in overrides:
         _apply_override(data, override)
-    base_dir = path.resolve().parent
+    missing: list[Any] = [{"type": "missing", "loc": (key,)} for key in required if data.get(key) is None]
     try:
         config = TrainerConfig.model_validate({**data, "base_dir": base_dir})
     except pydantic.ValidationError as exc:
-        raise ConfigError(_describe(exc.errors(), str(path))) from None
+        raise ConfigError(_describe([*missing, *exc.errors()], source)) from None
+    if missing:
+        raise ConfigError(_describe(missing, source))
     resolved: dict[str, Any] = {}
     for key in ("train", "val"):
-        value = getattr(config.tasks, key)
+        value = None if config.tasks is None else getattr(config.tasks, key)
         if value is None:
             continue
         file = value if value.is_absolute() else base_dir / value
         where = f"tasks.{key}" if isinstance(data.get("tasks"), dict) else "tasks"
         if not file.is_file():
-            raise ConfigError(f"{path}: '{where}': file {file} does not exist")
+            raise ConfigError(f"{source}: '{where}': file {file} does not exist")
         if file.suffix.lower() not in (".jsonl", ".parquet"):
-            raise ConfigError(f"{path}: '{where}': {file.name} must be a .jsonl or .parquet file")
+            raise ConfigError(f"{source}: '{where}': {file.name} must be a .jsonl or .parquet file")
         resolved[key] = file
-    update: dict[str, Any] = {"tasks": config.tasks.model_copy(update=resolved)}
-    source = config.model.source
-    if source not in ("smollm2", "tiny"):
-        model_dir = Path(source) if Path(source).is_absolute() else base_dir / source
+    update: dict[str, Any] = {}
+    if config.tasks is not None:
+        update["tasks"] = config.tasks.model_copy(update=resolved)
+    source_name = config.model.source
+    if source_name not in ("smollm2", "tiny"):
+        model_dir = Path(source_name) if Path(source_name).is_absolute() else base_dir / source_name
         if (model_dir / "config.json").is_file():
             update["model"] = config.model.model_copy(update={"source": str(model_dir)})
-        elif not (_HUB_NAME.match(source) and _loads_from_hub(config)):
+        elif not (_HUB_NAME.match(source_name) and _loads_from_hub(config)):
             hub = (
                 "; a Hub name (org/model) is accepted with serving.backend vllm or update.backend verl"
-                if _HUB_NAME.match(source)
+                if _HUB_NAME.match(source_name)
                 else ""
             )
             raise ConfigError(
-                f"{path}: 'model.source': {source!r} is neither 'smollm2', 'tiny' nor a model directory "
-                f"with a config.json (looked in {model_dir}){hub}"
+                f"{source}: 'model.source': {source_name!r} is neither 'smollm2', 'tiny' nor a model"
+                f" directory with a config.json (looked in {model_dir}){hub}"
             )
     return config.model_copy(update=update)
 

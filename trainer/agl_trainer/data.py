@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,15 @@ from agl_core.records import Task
 
 from .config import TasksConfig
 
-__all__ = ["DatasetError", "TaskSampler", "load_splits", "load_tasks"]
+__all__ = [
+    "DatasetError",
+    "TaskSampler",
+    "find_task_file",
+    "load_splits",
+    "load_tasks",
+    "split_tasks",
+    "tasks_from_records",
+]
 
 
 class DatasetError(ValueError):
@@ -74,6 +82,15 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def find_task_file(path: str | Path, base_dir: Path) -> Path:
+    """``path`` relative to the working directory when a file is there, else relative to ``base_dir`` (a
+    config's folder, as the config names its own task files) when one is there; else ``path`` as given."""
+    path = Path(path)
+    if not path.is_file() and not path.is_absolute() and (base_dir / path).is_file():
+        return base_dir / path
+    return path
+
+
 def load_tasks(path: str | Path) -> list[Task]:
     """Tasks from a ``.jsonl`` file (one JSON object per line) or a ``.parquet`` file (one per row)."""
     path = Path(path)
@@ -91,33 +108,81 @@ def load_tasks(path: str | Path) -> list[Task]:
     return tasks
 
 
-def load_splits(config: TasksConfig) -> tuple[list[Task], list[Task]]:
-    """The training and validation tasks the config names (validation empty when it names none)."""
-    train = load_tasks(config.train)
-    if config.val is not None:
-        val = load_tasks(config.val)
+def tasks_from_records(items: Sequence[Mapping[str, Any] | Task], where: str = "tasks") -> list[Task]:
+    """Tasks given in memory: each a JSON-able dict (its ``id``, when present, is the task id, as in a
+    file) or a :class:`~agl_core.records.Task`. ``where`` names the list in errors (``train[3]: ...``).
+
+    Raises :class:`DatasetError` for an empty list, an item that is neither, an input that cannot travel
+    through the store as JSON, or a repeated task id.
+    """
+    if not items:
+        raise DatasetError(f"{where}: no tasks (the list is empty)")
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for number, item in enumerate(items):
+        at = f"{where}[{number}]"
+        if isinstance(item, Task):
+            if item.task_id in seen:
+                raise DatasetError(f"{at}: duplicate task id {item.task_id!r}; task ids must be unique")
+            seen.add(item.task_id)
+            task = item
+        else:
+            task = _task(item, at, number + 1, seen)
+        try:
+            json.dumps(task.input, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(
+                f"{at}: the task cannot be sent to the agent as JSON ({exc}); use only dicts, lists, strings,"
+                " finite numbers, booleans and None"
+            ) from None
+        tasks.append(task)
+    return tasks
+
+
+def split_tasks(
+    train: list[Task],
+    val: list[Task] | None,
+    *,
+    val_fraction: float | None = None,
+    split_seed: int = 0,
+    names: tuple[str, str] = ("train", "val"),
+) -> tuple[list[Task], list[Task]]:
+    """The training and validation tasks: ``val`` when given (no id may be in both), else the
+    ``val_fraction`` of ``train`` held out (chosen once by ``split_seed``), else none. ``names`` name the
+    two sources in errors (their files, say)."""
+    if val is not None:
         overlap = {t.task_id for t in train} & {t.task_id for t in val}
         if overlap:
             sample = ", ".join(sorted(overlap)[:3])
             raise DatasetError(
-                f"{len(overlap)} task id(s) are in both {config.train} and {config.val} (e.g. {sample}); "
+                f"{len(overlap)} task id(s) are in both {names[0]} and {names[1]} (e.g. {sample}); "
                 "validation tasks must be held out"
             )
         return train, val
-    if config.val_fraction is not None:
-        n_val = max(1, round(len(train) * config.val_fraction))
+    if val_fraction is not None:
+        n_val = max(1, round(len(train) * val_fraction))
         if n_val >= len(train):
             raise DatasetError(
-                f"{config.train}: val_fraction {config.val_fraction} of {len(train)} tasks leaves none to"
-                " train on"
+                f"{names[0]}: val_fraction {val_fraction} of {len(train)} tasks leaves none to train on"
             )
         order = list(range(len(train)))
-        random.Random(config.split_seed).shuffle(order)
+        random.Random(split_seed).shuffle(order)
         held = set(order[:n_val])
         return [t for i, t in enumerate(train) if i not in held], [
             t for i, t in enumerate(train) if i in held
         ]
     return train, []
+
+
+def load_splits(config: TasksConfig) -> tuple[list[Task], list[Task]]:
+    """The training and validation tasks the config names (validation empty when it names none)."""
+    return split_tasks(
+        load_tasks(config.train),
+        load_tasks(config.val) if config.val is not None else None,
+        val_fraction=config.val_fraction,
+        split_seed=config.split_seed,
+        names=(str(config.train), str(config.val)),
+    )
 
 
 class TaskSampler:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from agl_core.records import Span, Task
 
 from .config import ConfigError, TrainerConfig, load_config
-from .data import DatasetError, load_splits, load_tasks
+from .data import DatasetError, find_task_file, load_splits, load_tasks
 from .reporting import held_out_line, paired_difference
 from .results import EvalResult, mean_se
 from .rollouts import RolloutQueue, ScoredRollout, score_tasks
@@ -163,7 +163,7 @@ def _choose_tasks(
     if limit is not None and limit < 1:
         raise EvalError(f"limit must be at least 1, got {limit}")
     if tasks is None:
-        chosen = load_splits(config.tasks)[1]
+        chosen = load_splits(config.tasks)[1] if config.tasks is not None else []
         if not chosen:
             raise EvalError(
                 "the config has no validation split (tasks.val or tasks.val_fraction); pass a task file"
@@ -171,33 +171,10 @@ def _choose_tasks(
             )
         limit = limit or config.validation.max_tasks
     elif isinstance(tasks, (str, Path)):
-        path = Path(tasks)
-        if not path.is_file() and not path.is_absolute() and (config.base_dir / path).is_file():
-            path = config.base_dir / path  # as the config names its own task files
-        chosen = load_tasks(path)
+        chosen = load_tasks(find_task_file(tasks, config.base_dir))
     else:
         chosen = list(tasks)
     return chosen[:limit] if limit else chosen
-
-
-def _load_served_model(config: TrainerConfig, echo: Callable[[str], None]) -> tuple[Any, Any]:
-    """The base model to serve (``None`` when vLLM serves it) and its tokenizer."""
-    from .model import load_policy, load_tokenizer, torch_device
-
-    if config.serving.backend != "hf":
-        return None, load_tokenizer(config.model.source)
-    import warnings
-
-    import torch
-
-    torch.set_num_threads(config.train.threads)
-    # peft asks transformers a deprecated question when it wraps a model; not actionable for a user.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
-    model = model.to(torch_device(config.update.device))
-    model.eval()
-    echo(f"model: {config.model.source} on {next(model.parameters()).device}")
-    return model, tokenizer
 
 
 def _serve_checkpoint(services: Services, checkpoint: Checkpoint) -> None:
@@ -248,7 +225,7 @@ def evaluate(
     """
     from agl_core.runner import load_agent, resolve_mode
 
-    from .services import start_runners, start_services, start_store
+    from .services import load_served_model, start_runners, start_services, start_store
 
     if samples is not None and samples < 1:
         raise EvalError(f"samples must be at least 1, got {samples}")
@@ -272,6 +249,8 @@ def evaluate(
             )
         policies.append((base.describe() if base else f"{config.model.source} (base model)", base))
     policies.append((target.describe() if target else f"{config.model.source} (base model)", target))
+    if config.agent is None:
+        raise EvalError("the config names no agent: set 'agent: module:function' in it")
     agent = load_agent(config.agent, search_paths=(config.base_dir,))
     resolve_mode(agent, config.runner.mode)  # a bad agent or mode fails before anything starts
     per_task = samples or config.validation.rollouts_per_task
@@ -283,7 +262,7 @@ def evaluate(
                 Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agl-eval-"))) / "store.sqlite"
             )
         connection = start_store(config, stack, file=Path(store), echo=echo)
-        model, tokenizer = _load_served_model(config, echo)
+        model, tokenizer = load_served_model(config, echo=echo)
         services = start_services(config, stack, connection, model=model, tokenizer=tokenizer, echo=echo)
         queue = RolloutQueue(
             services.client,

@@ -30,10 +30,20 @@ from .policy import TrainablePolicy, load_trainable_policy, make_learner
 from .reporting import Display, Scalars, held_out_line, plot_reward_curve, step_lines
 from .results import UNNAMED_AGENT, EvalResult, StepMetrics
 from .rollouts import RolloutQueue, score_tasks
-from .services import Services, start_runners, start_services, start_store
+from .services import AgentFn, Services, remote_agent, start_runners, start_services, start_store
 from .step import TIED_GROUPS, TrainStep
 
-__all__ = ["UNNAMED_AGENT", "EvalResult", "RunExistsError", "RunResult", "StepMetrics", "train"]
+__all__ = [
+    "UNNAMED_AGENT",
+    "EvalResult",
+    "RunExistsError",
+    "RunResult",
+    "StepMetrics",
+    "agent_name",
+    "job_agent",
+    "job_tasks",
+    "train",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,12 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "reward_curve.png"
 INFLIGHT_FILE = "inflight.json"
 CHECKPOINTS_DIR = "checkpoints"
+
+
+def agent_name(agent: AgentFn) -> str:
+    """``module:qualified.name`` of an agent function, for titles and messages."""
+    qualname = getattr(agent, "__qualname__", type(agent).__qualname__)
+    return f"{getattr(agent, '__module__', None) or '?'}:{qualname}"
 
 
 class RunExistsError(ValueError):
@@ -66,8 +82,9 @@ class _RunLog:
     """What a run leaves in ``output_dir`` as it goes: ``metrics.jsonl``, the reward curve, TensorBoard
     scalars, and the lines on the display."""
 
-    def __init__(self, config: TrainerConfig, display: Display, stack: ExitStack) -> None:
+    def __init__(self, config: TrainerConfig, display: Display, stack: ExitStack, *, title: str) -> None:
         self.config = config
+        self.title = title
         self.display = display
         self.metrics_path = config.output_dir / METRICS_FILE
         self.plot_path = config.output_dir / PLOT_FILE
@@ -109,7 +126,7 @@ class _RunLog:
                 self.plot_path,
                 self.train_curve,
                 self.val_curve,
-                title=f"{self.config.agent} ({self.config.algorithm.name})",
+                title=f"{self.title} ({self.config.algorithm.name})",
             )
 
     def replay(self, step: int) -> None:
@@ -246,29 +263,62 @@ class NothingTrainedError(RuntimeError):
     """A run ended without one step that trained (every rollout failed, or none gave training data)."""
 
 
+def job_agent(config: TrainerConfig, agent: AgentFn | None) -> AgentFn:
+    """The agent a job runs: ``agent`` when given, else the config's ``module:function`` imported. Raises
+    ``ValueError`` when there is neither, the import fails, or the runner's mode cannot run it (process
+    mode and a function a worker process cannot import, say), before anything starts."""
+    if agent is None:
+        if config.agent is None:
+            raise ValueError(
+                "no agent: set 'agent: module:function' in the config, or pass the agent function"
+            )
+        agent = load_agent(config.agent, search_paths=(config.base_dir,))
+    resolve_mode(agent, config.runner.mode)
+    if not config.runner.workers:
+        remote_agent(config)  # runners started elsewhere need the agent's name
+    return agent
+
+
+def job_tasks(
+    config: TrainerConfig, tasks: tuple[list[Task], list[Task]] | None
+) -> tuple[list[Task], list[Task]]:
+    """The training and validation tasks of a job: ``tasks`` when given, else the config's task files."""
+    if tasks is not None:
+        return tasks
+    if config.tasks is None:
+        raise ValueError("no tasks: set 'tasks' in the config (a task file), or pass the tasks")
+    return load_splits(config.tasks)
+
+
 def train(
     config: TrainerConfig,
     *,
     echo: Callable[[str], None] = print,
     resume: bool = False,
     overwrite: bool = False,
+    agent: AgentFn | None = None,
+    tasks: tuple[list[Task], list[Task]] | None = None,
 ) -> RunResult:
     """Run the training job ``config`` describes; see the module docstring.
 
     ``resume`` continues the run in ``output_dir`` from its newest checkpoint (no step repeated or
     skipped); ``overwrite`` replaces a run that is there. Without either, an existing run is an error.
-    Everything started is stopped on return, also on error.
+    ``agent`` (a function, run by the runner in this process) and ``tasks`` (training and validation
+    tasks) replace the config's ``agent`` and ``tasks``. A bad agent, mode or task file is reported before
+    anything starts; everything started is stopped on return, also on error.
     """
+    agent_fn = job_agent(config, agent)
+    train_tasks, val_tasks = job_tasks(config, tasks)
+    if resume and config.update.backend == "verl":
+        raise ValueError(
+            "--resume is not supported with update.backend verl (its weights live in verl's workers)"
+        )
     import warnings
 
     import torch
 
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    if resume and config.update.backend == "verl":
-        raise ValueError(
-            "--resume is not supported with update.backend verl (its weights live in verl's workers)"
-        )
     checkpoint = _prepare_output(
         out, resume=resume, overwrite=overwrite, store_file=None if config.store.url else config.store.path
     )
@@ -276,9 +326,6 @@ def train(
     # peft asks transformers a deprecated question on every wrap; not actionable for a user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     torch.manual_seed(config.train.seed)
-    agent = load_agent(config.agent, search_paths=(config.base_dir,))
-    resolve_mode(agent, config.runner.mode)  # a bad agent or mode fails before anything starts
-    train_tasks, val_tasks = load_splits(config.tasks)
     sampler = TaskSampler(train_tasks, seed=config.train.seed)
     steps = config.train.steps
     validating = bool(val_tasks) and (
@@ -286,7 +333,7 @@ def train(
     )
 
     with ExitStack() as stack, Display(config.logging.progress, steps, echo=echo) as display:
-        log = _RunLog(config, display, stack)
+        log = _RunLog(config, display, stack, title=config.agent or agent_name(agent_fn))
         display.line(
             f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
             + (
@@ -317,7 +364,7 @@ def train(
                 f"resumed from {checkpoint} at step {start_step} (policy v{services.serving.policy_version})"
             )
             queue.cancel_inflight()  # before any worker can pick up the killed step's rollouts
-        start_runners(config, services, agent, stack, echo=display.line)
+        start_runners(config, services, agent_fn, stack, echo=display.line)
         if checkpoint is None and validating and config.validation.before:
             before = _validate(config, queue, 0, val_tasks)
             log.record_eval(before, "before training")

@@ -1,5 +1,5 @@
 """What a training run shows and leaves behind: the live display, the per-step lines, the held-out
-before/after summary, the reward curve, TensorBoard scalars."""
+before/after summary, the reward curve, TensorBoard scalars; and the report of a dev run."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import EvalResult, StepMetrics, mean_se
+from .results import DevResult, EvalResult, StepMetrics, mean_se
 from .step import StepOutcome
 
 __all__ = [
     "Display",
     "Scalars",
+    "dev_lines",
     "format_step",
     "held_out_line",
     "mean_se",
@@ -282,3 +283,31 @@ def held_out_line(before: EvalResult, after: EvalResult) -> str:
         f"held-out reward: before {before.describe()} -> after {after.describe()}; "
         f"change {diff:+.3f} ± {diff_se:.3f} (paired SE over {n} tasks)"
     )
+
+
+def dev_lines(result: DevResult) -> list[str]:
+    """The report of a dev run: a line per rollout (id, task, status, reward, LLM calls, transitions and
+    how many would train), each reason it or some of its calls would not train below it, then a summary
+    and the ``agl inspect`` command for the first rollout that does not train fully."""
+    lines = []
+    for r in result.rollouts:
+        reward = "-" if r.reward is None else f"{r.reward:.3f}"
+        lines.append(
+            f"rollout {r.rollout_id} (task {r.task_id}): {r.status.value}  reward={reward}"
+            f"  llm_calls={r.llm_calls}  transitions={r.transitions}  trained={r.trained}"
+        )
+        lines.extend(f"  not trained: {reason}" for reason in r.reasons)
+    trained = sum(r.trained for r in result.rollouts)
+    lines.append(
+        f"{result.trainable} of {len(result.rollouts)} rollouts would train ({trained} transition"
+        f"{'' if trained == 1 else 's'}); no update was made"
+    )
+    shown = next((r for r in result.rollouts if r.reasons), result.rollouts[0] if result.rollouts else None)
+    if shown is not None and result.store is not None:
+        lines.append(f"span tree and transitions: agl inspect {shown.rollout_id} --store {result.store}")
+    elif shown is not None:
+        lines.append(
+            "the rollouts were in a temporary store; to keep them for agl inspect, pass --store FILE"
+            " (store=FILE from Python)"
+        )
+    return lines

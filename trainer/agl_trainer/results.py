@@ -1,4 +1,5 @@
-"""What a job measures: a training step's metrics, a held-out score, and the mean ± standard error behind it.
+"""What a job measures: a training step's metrics, a held-out score, and the mean ± standard error behind it;
+what ``agl dev`` found out about each of its rollouts.
 
 Plain frozen records and arithmetic; no torch, no I/O.
 """
@@ -9,7 +10,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["UNNAMED_AGENT", "EvalResult", "StepMetrics", "mean_se"]
+from agl_core.records import RolloutStatus
+
+__all__ = ["UNNAMED_AGENT", "DevResult", "DevRollout", "EvalResult", "StepMetrics", "mean_se"]
 
 #: The name ``StepMetrics.agents`` gives to LLM calls no agent claimed.
 UNNAMED_AGENT = "(unnamed)"
@@ -76,3 +79,45 @@ class EvalResult:
     def describe(self) -> str:
         failed = f", {self.rollouts_failed} rollouts failed" if self.rollouts_failed else ""
         return f"{self.mean:.3f} ± {self.se:.3f} (SE, n={self.n} tasks{failed})"
+
+
+@dataclasses.dataclass(frozen=True)
+class DevRollout:
+    """One rollout of a dev run (``agl dev``, ``Trainer.dev``): how it ended and what training would make
+    of it, without training."""
+
+    rollout_id: str
+    task_id: str
+    #: How it ended; a rollout still running at ``runner.step_timeout_s`` is cancelled.
+    status: RolloutStatus
+    #: Its episode reward; ``None`` when it recorded none (or did not succeed).
+    reward: float | None
+    #: LLM calls of its last attempt that went through the gateway.
+    llm_calls: int
+    #: Transitions made from its spans: one per LLM call joined to the gateway's token ids.
+    transitions: int
+    #: Of those, the ones an update would train on (agents selected by ``algorithm.agents``, tokens there).
+    trained: int
+    #: Why the rollout, or some of its LLM calls, would not train (the reasons ``agl train`` and
+    #: ``agl inspect`` give); empty when every call trains.
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def trains(self) -> bool:
+        """Whether the rollout gives the update anything (a group also needs rewards that differ)."""
+        return self.trained > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DevResult:
+    """A dev run's rollouts, in the order they were asked for, and where they are kept."""
+
+    rollouts: tuple[DevRollout, ...]
+    #: Where the rollouts and their spans are kept, for ``agl inspect ROLLOUT_ID --store STORE``: a SQLite
+    #: file or ``store.url``; ``None`` when they were in a temporary store, deleted at the end.
+    store: str | None
+
+    @property
+    def trainable(self) -> int:
+        """How many rollouts would give the update transitions."""
+        return sum(r.trains for r in self.rollouts)

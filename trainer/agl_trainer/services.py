@@ -30,6 +30,8 @@ __all__ = [
     "AgentFn",
     "Services",
     "StoreConnection",
+    "load_served_model",
+    "remote_agent",
     "start_runners",
     "start_services",
     "start_store",
@@ -139,6 +141,42 @@ def start_services(
     return Services(store, serving, gateway, provider, config.model.served_name)
 
 
+def load_served_model(config: TrainerConfig, *, echo: Callable[[str], None]) -> tuple[Any, Any]:
+    """The base model to serve without training it (``None`` when vLLM serves it) and its tokenizer;
+    ``echo`` gets a line saying where the model was put. Imports torch when serving with ``hf``."""
+    from .model import load_policy, load_tokenizer, torch_device
+
+    if config.serving.backend != "hf":
+        return None, load_tokenizer(config.model.source)
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(config.train.threads)
+    # peft asks transformers a deprecated question when it wraps a model; not actionable for a user.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
+    model = model.to(torch_device(config.update.device))
+    model.eval()
+    echo(f"model: {config.model.source} on {next(model.parameters()).device}")
+    return model, tokenizer
+
+
+def remote_agent(config: TrainerConfig) -> str:
+    """The ``module:function`` that runners started elsewhere import (``runner.workers: 0``).
+
+    Raises ``ValueError`` when the config names none (the agent was given as a function object).
+    """
+    if config.agent is None:
+        raise ValueError(
+            "runner.workers: 0 leaves the rollouts to runners started elsewhere with 'agl run"
+            " MODULE:FUNCTION', which import the agent by name, and this job was given the agent as a"
+            " function; set runner.workers to 1 or more to run it here, or name it in the config"
+            " ('agent: module:function')"
+        )
+    return config.agent
+
+
 def start_runners(
     config: TrainerConfig,
     services: Services,
@@ -157,7 +195,7 @@ def start_runners(
     services.publish()
     if not config.runner.workers:
         command = run_command(
-            config.agent,
+            remote_agent(config),
             services.store.url,
             workers=1,
             mode=config.runner.mode,

@@ -22,7 +22,17 @@ from .config import TrainerConfig
 from .results import UNNAMED_AGENT, StepMetrics
 from .rollouts import RolloutQueue, RolloutRound, error_line, rollout_rewards
 
-__all__ = ["Batch", "Learner", "StepOutcome", "TrainStep", "UpdateStats", "agent_counts", "build_batch"]
+__all__ = [
+    "Batch",
+    "Learner",
+    "StepOutcome",
+    "TrainStep",
+    "UpdateStats",
+    "agent_counts",
+    "build_batch",
+    "episodes",
+    "trainable_transitions",
+]
 
 
 class UpdateStats(Protocol):
@@ -87,6 +97,11 @@ def agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) -> 
     return counts
 
 
+def trainable_transitions(credit: CreditResult) -> list[Transition]:
+    """The credited transitions an update can train on: those with prompt and response token ids."""
+    return [t for t in credit.transitions if t.prompt_ids and t.response_ids]
+
+
 def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[Span]) -> Batch:
     """The episodes ``used`` (with their ``spans``) as training data: transitions, credit, advantages."""
     algorithm = config.algorithm
@@ -99,7 +114,7 @@ def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[
         weights=algorithm.reward_weights(),
         agents=algorithm.agents,
     )
-    transitions = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
+    transitions = trainable_transitions(credit)
     group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
     samples, report = compute_advantages(transitions, group_of, algorithm.name, scores=credit.scores)
     return Batch(
@@ -112,6 +127,30 @@ def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[
     )
 
 
+def episodes(
+    config: TrainerConfig, finished: RolloutRound, spans_of: Callable[[list[str]], Sequence[Span]]
+) -> tuple[list[Rollout], list[Span]]:
+    """The finished rollouts a step trains on, and the spans of their last attempts (``spans_of(ids)``
+    gives the spans of those rollouts): the succeeded ones, and the timed-out ones when
+    ``algorithm.rewards.timeout_episode_reward`` gives them an episode reward."""
+    rewards_config = config.algorithm.rewards
+    # a timed-out rollout has no episode reward; it is trained only when the config gives it one
+    used = finished.done + [
+        r
+        for r in finished.failed
+        if r.status == RolloutStatus.TIMED_OUT and rewards_config.timeout_episode_reward is not None
+    ]
+    # a retried rollout keeps the spans of its earlier attempts (even late LLM calls of a timed-out
+    # one); only its last attempt is the episode being trained
+    last_attempts = {r.attempts[-1].attempt_id for r in used if r.attempts}
+    spans = [
+        s
+        for s in spans_of([r.rollout_id for r in used])
+        if s.attempt_id is None or s.attempt_id in last_attempts
+    ]
+    return used, spans
+
+
 class TrainStep:
     """Runs training steps: rollouts through ``queue``, the batch, ``learner.update`` on it."""
 
@@ -121,23 +160,7 @@ class TrainStep:
         self.learner = learner
 
     def _episodes(self, finished: RolloutRound) -> tuple[list[Rollout], list[Span]]:
-        """The finished rollouts to train on, and the spans of their last attempts."""
-        rewards_config = self.config.algorithm.rewards
-        # a timed-out rollout has no episode reward; it is trained only when the config gives it one
-        used = finished.done + [
-            r
-            for r in finished.failed
-            if r.status == RolloutStatus.TIMED_OUT and rewards_config.timeout_episode_reward is not None
-        ]
-        # a retried rollout keeps the spans of its earlier attempts (even late LLM calls of a timed-out
-        # one); only its last attempt is the episode being trained
-        last_attempts = {r.attempts[-1].attempt_id for r in used if r.attempts}
-        spans = [
-            s
-            for s in self.queue.client.all_spans([r.rollout_id for r in used])
-            if s.attempt_id is None or s.attempt_id in last_attempts
-        ]
-        return used, spans
+        return episodes(self.config, finished, self.queue.client.all_spans)
 
     def run(
         self, step: int, tasks: list[Task], draw: Callable[[int], list[Task]] | None = None

@@ -3,13 +3,16 @@ described in the :mod:`agl_core.runner` docstring)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import io
 import pickle
 import shlex
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,14 +60,98 @@ def resolve_mode(agent: Callable[..., Any], mode: str = "auto") -> str:
             "'process', where each worker process runs it in an event loop of its own"
         )
     if mode == "process":
-        try:
-            pickle.dumps(agent)
-        except Exception as exc:
+        problem = _spawn_problem(agent)
+        if problem is not None:
+            other = "async" if is_async else "thread"
             raise ValueError(
                 f"mode 'process' imports the agent by name in each worker process, but {_agent_name(agent)} "
-                f"cannot be found that way ({exc}); define it at the top level of a module"
-            ) from None
+                f"cannot be found that way ({problem}); define it at the top level of an importable module,"
+                f" or run it in mode '{other}' (in this process)"
+            )
     return mode
+
+
+def _spawn_problem(agent: Callable[..., Any]) -> str | None:
+    """Why a spawned worker process could not rebuild ``agent``, or ``None`` when it can.
+
+    The agent travels pickled: every function and class it refers to is looked up by module and
+    qualified name in the new process. That fails for what pickle refuses (a function defined inside
+    another, a lambda), for a module a new process cannot import, and for ``__main__`` when it is no file
+    (a notebook, ``python -c``, stdin) or binds the name only under ``if __name__ == "__main__":``.
+    """
+    found: list[Any] = []
+
+    class _Lookups(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, (types.FunctionType, type)):
+                found.append(obj)
+            return NotImplemented
+
+    try:
+        _Lookups(io.BytesIO()).dump(agent)
+    except Exception as exc:
+        return str(exc)
+    for obj in found:
+        module_name = getattr(obj, "__module__", None)
+        name = str(getattr(obj, "__qualname__", "")).split(".")[0]
+        if module_name == "__main__":
+            problem = _main_problem(name)
+            if problem is not None:
+                return problem
+        elif module_name and getattr(sys.modules.get(module_name), "__spec__", None) is None:
+            return f"its module {module_name!r} was not imported from a file"
+    return None
+
+
+def _main_problem(name: str) -> str | None:
+    """Why ``name`` in ``__main__`` is missing in a spawned process, which runs the main module's file
+    again without its ``if __name__ == "__main__":`` blocks (as :mod:`multiprocessing` does)."""
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    path = getattr(main, "__file__", None)
+    if spec_name is not None and spec_name.endswith("__main__"):
+        return (
+            f"{name!r} is defined in the package entry point {spec_name}, which worker processes do not run"
+        )
+    if not path or not Path(path).is_file():
+        return f"{name!r} is defined in an interactive session (a notebook, python -c or stdin)"
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None  # cannot tell: let the worker process try
+    if name not in _bound_when_imported(tree.body):
+        return f"{name!r} is bound only under 'if __name__ == \"__main__\":' in {path}"
+    return None
+
+
+def _bound_when_imported(body: list[ast.stmt]) -> set[str]:
+    """Names a module body binds when imported (skipping its ``if __name__ == "__main__":`` blocks)."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If) and _is_main_guard(node.test):
+            names |= _bound_when_imported(node.orelse)
+        else:
+            for block in ("body", "orelse", "finalbody"):
+                names |= _bound_when_imported(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                names |= _bound_when_imported(handler.body)
+    return names
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and any(
+        isinstance(x, ast.Constant) and x.value == "__main__" for x in sides
+    )
 
 
 def load_agent(spec: str, *, search_paths: Sequence[Path] = ()) -> AgentFn:
