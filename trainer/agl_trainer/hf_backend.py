@@ -59,6 +59,7 @@ def _cache_key() -> str:
 
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
+
 #: ``processor(prompt_ids, response_ids_so_far, logits) -> logits`` reshapes the distribution a token is
 #: sampled from (a grammar, a test script). Recorded logprobs stay those of the raw model.
 LogitsProcessor = Callable[[Sequence[int], Sequence[int], torch.Tensor], torch.Tensor]
