@@ -340,8 +340,68 @@ _chat = st.fixed_dictionaries(
         "logprobs": json_values,
     },
 )
+_items = st.lists(
+    st.dictionaries(
+        st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output", "id"]),
+        st.one_of(
+            st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "user"]),
+            json_values,
+        ),
+        max_size=5,
+    ),
+    max_size=4,
+)
+_responses = st.fixed_dictionaries(
+    {"model": st.one_of(st.just("scripted"), json_values), "input": st.one_of(st.text(max_size=20), _items)},
+    optional={
+        "instructions": json_values,
+        "tools": json_values,
+        "tool_choice": json_values,
+        "max_output_tokens": _ints,
+        "previous_response_id": st.one_of(st.just("resp_0"), json_values),
+        "text": json_values,
+        "stream": st.one_of(st.booleans(), json_values),
+        "include": json_values,
+    },
+)
+_blocks = st.lists(
+    st.dictionaries(
+        st.sampled_from(["type", "text", "id", "name", "input", "tool_use_id", "content", "is_error"]),
+        st.one_of(st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking"]), json_values),
+        max_size=5,
+    ),
+    max_size=3,
+)
+_anthropic = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.just("scripted"), json_values),
+        "max_tokens": st.one_of(st.integers(-1, 64), json_values),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "assistant", "system"]),
+                    "content": st.one_of(st.text(), _blocks),
+                }
+            ),
+            max_size=3,
+        ),
+    },
+    optional={
+        "system": json_values,
+        "tools": json_values,
+        "tool_choice": json_values,
+        "stop_sequences": json_values,
+        "temperature": st.one_of(st.floats(allow_nan=True), json_values),
+        "stream": st.one_of(st.booleans(), json_values),
+    },
+)
 _GATEWAY_PATHS = [
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/rollouts/ro-fuzz/attempts/at-1/agents/planner/v1/responses"),
+    ("POST", "/rollouts/ro-fuzz/agents/%2e%2e/v1/messages"),
     ("POST", "/v1/completions"),
     ("GET", "/v1/models"),
     ("POST", "/agl/v1/policy"),
@@ -356,14 +416,22 @@ _GATEWAY_PATHS = [
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[str]:
-    with GatewayServer(ScriptedBackend(["fine"]), admin_token="fuzz-token") as served:
+    # a reply for every call: valid requests get through the Responses and Messages doors as well
+    with GatewayServer(ScriptedBackend(lambda messages, tools: "fine"), admin_token="fuzz-token") as served:
         yield served.url
 
 
-@FUZZ
+# three times the examples: fourteen routes and three request shapes share them
+@settings(FUZZ, max_examples=EXAMPLES * 3)
 @given(
     endpoint=st.sampled_from(_GATEWAY_PATHS),
-    body=st.one_of(_chat.map(_json_bytes), json_values.map(_json_bytes), st.binary(max_size=200)),
+    body=st.one_of(
+        _chat.map(_json_bytes),
+        _responses.map(_json_bytes),
+        _anthropic.map(_json_bytes),
+        json_values.map(_json_bytes),
+        st.binary(max_size=200),
+    ),
     content_type=_content_types,
     # what a client can send in a header: printable latin-1 (h11 refuses control characters itself)
     authorization=st.one_of(
@@ -377,8 +445,10 @@ def _fuzz_gateway(gateway, endpoint, body, content_type, authorization):
     if authorization is not None:
         headers["authorization"] = authorization.encode("latin-1")
     response = httpx.request(method, gateway + path, content=body, headers=headers, timeout=60)
-    # 501: this backend cannot load policies (documented); 5xx otherwise is a defect
-    assert response.status_code < 500 or (path == "/agl/v1/policy" and response.status_code == 501), (
+    # 501: this backend cannot load policies, and no backend counts Anthropic tokens (both documented);
+    # any other 5xx is a defect
+    documented_501 = path == "/agl/v1/policy" or path.endswith("/count_tokens")
+    assert response.status_code < 500 or (documented_501 and response.status_code == 501), (
         f"{method} {path} -> {response.status_code}: {response.text[:300]}"
     )
 
