@@ -14,6 +14,7 @@ items end equal to the non-streamed ones.
 from __future__ import annotations
 
 import collections
+import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -231,6 +232,16 @@ class ResponsesDoor(FrontDoor):
         self._sequence += 1
         return sse(payload, kind)
 
+    def _event_json(self, kind: str, fields: str) -> bytes:
+        """An event whose fields are JSON already (``"key":value,...``, values escaped by the caller).
+
+        The hot events (a text delta per token, the response snapshots) are built this way: formatting a
+        string costs a fraction of encoding a dict, and a streamed response sends a dozen events more
+        than a streamed chat completion."""
+        data = f'{{"type":"{kind}",{fields},"sequence_number":{self._sequence}}}'
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data.encode() + b"\n\n"
+
     def _announce(self, item: dict[str, Any]) -> bytes:
         self._items.append(item)
         shown = {**item, "content": []} if item["type"] == "message" else dict(item)
@@ -257,13 +268,13 @@ class ResponsesDoor(FrontDoor):
         out = self._open_message()
         assert self._message is not None
         self._streamed_text.append(text)
+        # item ids are the gateway's own (msg_ + hex): nothing in them needs escaping
         out.append(
-            self._event(
+            self._event_json(
                 "response.output_text.delta",
-                **self._at(self._message),
-                content_index=0,
-                delta=text,
-                logprobs=list(logprobs),
+                f'"item_id":"{self._message["id"]}","output_index":{self._items.index(self._message)},'
+                f'"content_index":0,"delta":{json.dumps(text, ensure_ascii=False)},'
+                f'"logprobs":{json.dumps(list(logprobs), ensure_ascii=False) if logprobs else "[]"}',
             )
         )
         return out
@@ -285,10 +296,10 @@ class ResponsesDoor(FrontDoor):
         return out
 
     def stream_start(self, call: CallView) -> list[bytes]:
-        snapshot = self._response(call, "in_progress", [])
+        snapshot = json.dumps(self._response(call, "in_progress", []), ensure_ascii=False)
         return [
-            self._event("response.created", response=snapshot),
-            self._event("response.in_progress", response=snapshot),
+            self._event_json("response.created", f'"response":{snapshot}'),
+            self._event_json("response.in_progress", f'"response":{snapshot}'),
         ]
 
     def stream_delta(self, call: CallView, delta: ChoiceDelta) -> list[bytes]:
