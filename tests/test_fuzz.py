@@ -97,6 +97,7 @@ _STORE_ENDPOINTS: list[tuple[str, str, list[str]]] = [
         "/api/spans/query",
         ["rollout_ids", "attempt_id", "trace_id", "after_seq", "limit", "start_after_ns"],
     ),
+    ("POST", "/api/rewards", ["rewards"]),
     ("PUT", "/api/resources/{id}", ["value"]),
     ("GET", "/api/resources/{id}", []),
     ("GET", "/api/stats", []),

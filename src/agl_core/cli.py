@@ -5,6 +5,8 @@
 ``agl gateway serve`` run the OpenAI-compatible LLM gateway in front of a model backend
 ``agl run M:F``       runners: run the agent function on the rollouts queued in a store, until SIGTERM
 ``agl inspect ID``    a rollout's span tree, its transitions, and why any LLM call made none
+``agl import PATH``   import OTLP trace files (the Collector's file exporter) into a store, as rollouts
+``agl reward ID V``   attach a reward to a rollout (or one of its traces or spans) after the fact
 
 Other packages add commands through the ``agl.commands`` entry-point group (:mod:`agl_core.plugins`);
 agl's trainer adds ``agl train CONFIG``, ``agl eval CONFIG`` and ``agl dev CONFIG`` that way (they need the
@@ -38,7 +40,7 @@ def _port(text: str) -> int:
     return value
 
 
-_BUILT_IN_COMMANDS = frozenset({"store", "gateway", "run", "inspect"})
+_BUILT_IN_COMMANDS = frozenset({"store", "gateway", "run", "inspect", "reward", "import"})
 
 
 def _checked_arguments(command: plugins.CliCommand) -> plugins.CliCommand:
@@ -148,6 +150,25 @@ def _parser() -> argparse.ArgumentParser:
         help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
     )
     inspect.add_argument("--token", default=None)
+    from .importer._cli import add_import_arguments
+
+    add_import_arguments(
+        commands.add_parser(
+            "import",
+            help="import OTLP trace files into a store, grouped into rollouts",
+            description="Import trace files as the OpenTelemetry Collector's file exporter writes them (OTLP"
+            " JSON lines or protobuf, gzip or not) into a store, one rollout per agl.rollout.id, session or"
+            " trace. Exit status: 0 all imported, 1 some lines skipped (the rest imported), 2 stopped.",
+        )
+    )
+    _add_reward_arguments(
+        commands.add_parser(
+            "reward",
+            help="attach a reward to a rollout, one of its traces or one of its spans, after the fact",
+            description="Attach a reward to a finished rollout (or to one of its traces or spans) as an"
+            " agl.reward span; credit reads it exactly as a reward emitted during the rollout.",
+        )
+    )
 
     for command in plugins.command_plugins(reserved=_BUILT_IN_COMMANDS):
         command = _checked_arguments(command)
@@ -279,6 +300,105 @@ def _store_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rollout_id", metavar="ROLLOUT_ID", help="the rollout the reward is for")
+    parser.add_argument("value", metavar="VALUE", help="the reward, a finite number")
+    parser.add_argument(
+        "--name",
+        default="episode",
+        help="'episode' (the rollout's episode reward; the latest by time wins) or the name of an"
+        " intermediate reward of one LLM call (default: %(default)s)",
+    )
+    parser.add_argument("--source", default="cli", help="who gave the reward (default: %(default)s)")
+    parser.add_argument(
+        "--id",
+        dest="reward_id",
+        default=None,
+        metavar="REWARD_ID",
+        help="the reward's id: posting the same reward under it again stores nothing new (default: a new id,"
+        " printed)",
+    )
+    parser.add_argument(
+        "--trace", default=None, metavar="TRACE_ID", help="attach it to this trace of the rollout"
+    )
+    parser.add_argument(
+        "--span",
+        default=None,
+        metavar="SPAN_ID",
+        help="attach it to this span of the rollout (an LLM call, a tool call, ...)",
+    )
+    parser.add_argument(
+        "--time",
+        default=None,
+        metavar="ISO8601",
+        help="when the reward was given, e.g. 2025-01-31T12:00:00Z (default: now)",
+    )
+    parser.add_argument(
+        "--store",
+        default=None,
+        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+    )
+    parser.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
+
+
+def _reward(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .rewards import Reward, format_time, new_reward_id, parse_time
+    from .store import SqliteStore, StoreClient, StoreError
+
+    try:
+        value = float(args.value)
+    except ValueError:
+        print(f"agl reward: VALUE {args.value!r} is not a number", file=sys.stderr)
+        return 2
+    try:
+        reward = Reward(
+            reward_id=args.reward_id if args.reward_id is not None else new_reward_id(),
+            value=value,
+            name=args.name,
+            source=args.source,
+            time_ns=parse_time(args.time) if args.time is not None else None,
+            rollout_id=args.rollout_id,
+            trace_id=args.trace,
+            span_id=args.span,
+        )
+    except ValueError as exc:
+        option = str(exc).split(":", 1)[0]
+        flag = {"reward_id": "--id", "trace_id": "--trace", "span_id": "--span", "value": "VALUE"}
+        flag.update({"name": "--name", "source": "--source", "time": "--time"})
+        print(f"agl reward: {flag.get(option, option)}:{str(exc).split(':', 1)[-1]}", file=sys.stderr)
+        return 2
+    target = args.store or settings.store_url()
+    try:
+        if target.startswith(("http://", "https://")):
+            with StoreClient(target, token=args.token) as client:
+                (stored,) = client.add_rewards([reward])
+        else:
+            if not Path(target).is_file():
+                print(
+                    f"agl reward: {target} is neither a store URL (http://...) nor an existing SQLite file",
+                    file=sys.stderr,
+                )
+                return 2
+            store = SqliteStore(target)
+            try:
+                (stored,) = store.add_rewards([reward])
+            finally:
+                store.close()
+    except StoreError as exc:
+        print(f"agl reward: {exc}", file=sys.stderr)
+        return 1
+    what = "attached" if stored.created else "already stored, unchanged:"
+    print(
+        f"{what} reward {stored.reward_id} ({stored.name} = {stored.value:g}, source {reward.source!r}) to"
+        f" {reward.describe_target()}: span {stored.span_id} in trace {stored.trace_id}"
+        + (f" under span {stored.parent_span_id}" if stored.parent_span_id else "")
+        + f", at {format_time(stored.time_ns)}"
+    )
+    return 0
+
+
 def _run_plugin(command: plugins.CliCommand, args: argparse.Namespace) -> int:
     try:
         return command.run(args)
@@ -321,6 +441,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .runner._cli import run_agents
 
         return run_agents(args)
+    if args.command == "reward":
+        return _reward(args)
+    if args.command == "import":
+        from .importer._cli import run_import
+
+        return run_import(args)
     if args.command == "inspect":
         from .report import format_rollout
         from .store import StoreError

@@ -29,7 +29,9 @@ Which call a span is attached to (:func:`reward_events`):
   the span is nested in; else, among the calls that ended before the span started, the one that ended
   last within the span's nearest enclosing step (the nearest ancestor span, such as an agent turn or a
   graph node, under which any such call ran); else the last call of the rollout that ended before it;
-  else (the span came before any call ended) the rollout's first call;
+  else (the span came before any call ended) the rollout's first call. A reward span is placed in time no
+  later than the end of its parent span: a reward attached to a span after the fact
+  (:mod:`agl_core.rewards`) counts as given when that span ended;
 * a timeout goes to the last call of the attempt it was recorded in (the last call of the rollout when
   that attempt made none).
 
@@ -245,7 +247,11 @@ class _Rollout:
             inside = next((c for c in self.calls if ancestor.span_id in c.span_ids), None)
             if inside is not None:
                 return inside
-        before = [c for c in self.calls if c.end_ns <= span.start_ns]
+        moment = span.start_ns
+        if ancestors and span.name == semconv.SPAN_REWARD:
+            # a reward attached after its parent span ended (a late reward) counts as given at its end
+            moment = min(moment, ancestors[0].end_ns)
+        before = [c for c in self.calls if c.end_ns <= moment]
         if not before:
             return self.calls[0]
         for ancestor in ancestors:

@@ -28,6 +28,11 @@ SOURCE_OPENINFERENCE = "openinference"
 REWARD_VALUE = "agl.reward.value"
 #: Optional label of a reward (``"episode"`` by default); lets one rollout carry several named rewards.
 REWARD_NAME = "agl.reward.name"
+#: Who gave a reward attached after the fact (``agl reward --source``, ``POST /api/rewards``): a free label
+#: such as ``"user"``, ``"tests"`` or ``"grader"``; absent on rewards emitted during the rollout.
+REWARD_SOURCE = "agl.reward.source"
+#: The caller's id of a reward attached after the fact; the store keeps one reward per id.
+REWARD_ID = "agl.reward.id"
 
 # --- agl: exact tokens recorded by the gateway -----------------------------------------------------
 PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"
@@ -92,6 +97,9 @@ GEN_AI_AGENT_ID = "gen_ai.agent.id"
 GEN_AI_AGENT_DESCRIPTION = "gen_ai.agent.description"
 GEN_AI_TOOL_NAME = "gen_ai.tool.name"
 GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
+#: Identifies the conversation (thread, session) a call belongs to; ``agl import`` makes one rollout of the
+#: traces that share it.
+GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
 #: JSON-encoded arguments of a tool call (opt-in content in the GenAI conventions); agl writes it only on
 #: the tool spans of ``agl_core.tool_call(..., arguments=...)``.
 GEN_AI_TOOL_CALL_ARGUMENTS = "gen_ai.tool.call.arguments"
@@ -136,6 +144,9 @@ LLM_TOKEN_COUNT_COMPLETION = "llm.token_count.completion"
 OI_AGENT_NAME = "agent.name"
 OI_GRAPH_NODE_ID = "graph.node.id"
 OI_TOOL_NAME = "tool.name"
+#: The session a span belongs to (OpenInference; Langfuse reads the same key); ``agl import`` makes one
+#: rollout of the traces that share it.
+SESSION_ID = "session.id"
 #: JSON object of the run's metadata (OpenInference LangChain: carries ``langgraph_node``).
 OI_METADATA = "metadata"
 

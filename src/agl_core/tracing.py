@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
+from datetime import datetime
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -22,6 +23,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Status, StatusCode
 
 from . import semconv, settings
+from .rewards import Reward, RewardSink, StoredReward, make_reward
 
 __all__ = [
     "RolloutContext",
@@ -42,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 _ROLLOUT_KEY = otel_context.create_key("agl.rollout")
 _INSTRUMENTATION_NAME = "agl"
-_warned_outside_rollout = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +162,17 @@ def join_rollout(rollout: RolloutContext, parent: trace.SpanContext | None = Non
         otel_context.detach(token)
 
 
-def _warn_outside_rollout(what: str) -> None:
+_warned_outside_rollout = False
+
+
+def _warn_outside_rollout() -> None:
     global _warned_outside_rollout
     if not _warned_outside_rollout:
         _warned_outside_rollout = True
-        logger.warning("agl: %s called outside a rollout; it is recorded without a rollout id", what)
+        logger.warning(
+            "agl: emit_reward was called outside a rollout, so the reward belongs to no rollout; pass"
+            " rollout_id=... (or trace_id= / span_id=) to attach it to a finished rollout in the store"
+        )
 
 
 def emit_reward(
@@ -174,28 +181,76 @@ def emit_reward(
     name: str = "episode",
     attributes: Mapping[str, Any] | None = None,
     tracer_provider: trace.TracerProvider | None = None,
-) -> None:
-    """Record a reward for the current rollout as an ``agl.reward`` span.
+    rollout_id: str | None = None,
+    trace_id: str | None = None,
+    span_id: str | None = None,
+    reward_id: str | None = None,
+    source: str | None = None,
+    time: datetime | float | None = None,
+    store: str | RewardSink | None = None,
+    token: str | None = None,
+) -> StoredReward | None:
+    """Record a reward for the current rollout as an ``agl.reward`` span, or attach one to a finished
+    rollout, trace or span in the store.
 
-    The last ``episode`` reward of a rollout is its episode reward. A reward with any other ``name``
-    (``emit_reward(0.3, name="step")``) is an intermediate reward of one LLM call, added to that call's
-    reward after credit assignment (:mod:`agl_core.credit`; trainer config ``algorithm.rewards.explicit``).
-    The call is the one the reward was emitted during, else, of the calls that ended before it, the one
-    that ended last within the nearest enclosing step (agent turn, graph node, tool) that ran any of
-    them, else the last one of the rollout; a reward emitted before any call ended goes to the first
-    call. Emit it right after the call it judges, in the same step. ``value`` must be a finite number.
+    The last ``episode`` reward of a rollout (by time) is its episode reward. A reward with any other
+    ``name`` (``emit_reward(0.3, name="step")``) is an intermediate reward of one LLM call, added to that
+    call's reward after credit assignment (:mod:`agl_core.credit`; trainer config
+    ``algorithm.rewards.explicit``). The call is the one the reward was emitted during, else, of the calls
+    that ended before it, the one that ended last within the nearest enclosing step (agent turn, graph
+    node, tool) that ran any of them, else the last one of the rollout; a reward emitted before any call
+    ended goes to the first call. Emit it right after the call it judges, in the same step. ``value`` must
+    be a finite number.
+
+    With a target (``rollout_id``, ``trace_id``, or ``span_id`` with the span's ``trace_id`` or
+    ``rollout_id``), the reward is sent to the store instead, at any time and from any process
+    (:mod:`agl_core.rewards`): ``store`` is a store URL (default ``AGL_STORE_URL``, with ``token`` or
+    ``AGL_STORE_TOKEN``), a ``StoreClient`` or a store backend. ``reward_id`` makes retrying safe (the
+    same reward under the same id is stored once; default: a new id), ``source`` says who gave it and
+    ``time`` when (an aware ``datetime`` or Unix seconds; default: when stored). Returns what was stored.
+    Without a target it records the reward for the current rollout and returns ``None``; outside a
+    rollout it logs a warning once (saying to pass ``rollout_id=``) and the span has no rollout id.
     """
+    if rollout_id is not None or trace_id is not None or span_id is not None:
+        if attributes:
+            raise ValueError("emit_reward: attributes are recorded only on rewards emitted during a rollout")
+        return _send_reward(
+            make_reward(
+                value,
+                rollout_id=rollout_id,
+                trace_id=trace_id,
+                span_id=span_id,
+                name=name,
+                source=source,
+                reward_id=reward_id,
+                time=time,
+            ),
+            store,
+            token,
+        )
     reward = float(value)
     if reward != reward or reward in (float("inf"), float("-inf")):
         raise ValueError(f"emit_reward: reward must be a finite number, got {value!r}")
-    if current_rollout() is None:
-        _warn_outside_rollout("emit_reward")
+    if not context_rollout_attributes():
+        # An agent run outside agl (in production, in a notebook) keeps running: instrumentation never
+        # breaks it. The span is still recorded, without a rollout id.
+        _warn_outside_rollout()
     attrs: dict[str, Any] = rollout_attributes()  # identity first: the store finds it fastest there
     attrs.update(attributes or {})
     attrs[semconv.REWARD_VALUE] = reward
     attrs[semconv.REWARD_NAME] = name
     with get_tracer(tracer_provider).start_as_current_span(semconv.SPAN_REWARD, attributes=attrs):
         pass
+    return None
+
+
+def _send_reward(reward: Reward, store: str | RewardSink | None, token: str | None) -> StoredReward:
+    if store is not None and not isinstance(store, str):
+        return store.add_rewards([reward])[0]
+    from .store.client import StoreClient  # httpx: imported only where a reward is sent
+
+    with StoreClient(store, token=token) as client:
+        return client.add_rewards([reward])[0]
 
 
 def emit_error(

@@ -27,6 +27,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from .. import semconv
 from ..records import Span
+from ._otlp_json import build_request
 
 __all__ = [
     "OtlpDecodeError",
@@ -140,6 +141,9 @@ def decode_json(body: bytes) -> ExportTraceServiceRequest:
                 _hex_ids_to_base64(span, where)
                 for n, link in enumerate(_objects(span, ("links",), f"{where}.")):
                     _hex_ids_to_base64(link, f"{where}.links[{n}]")
+    fast = build_request(data)
+    if fast is not None:
+        return fast
     try:
         return json_format.ParseDict(data, ExportTraceServiceRequest(), ignore_unknown_fields=True)
     except (

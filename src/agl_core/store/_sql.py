@@ -15,8 +15,12 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+from .. import semconv
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
+from ..rewards import EPISODE, Reward, StoredReward
+from ..transitions import episode_rewards
 from ._otlp import SpanRow, extract_rows, records_to_request, resource_attributes, row_to_span
+from ._rewards import LEDGER_COLUMNS, RewardPlacer, ledger_row
 from .base import NotFoundError, RolloutRequest, StoreError, StoreUnavailableError
 
 __all__ = ["SqlStore"]
@@ -87,6 +91,16 @@ CREATE TABLE IF NOT EXISTS resources (
     value TEXT NOT NULL,
     created_at {real} NOT NULL,
     PRIMARY KEY (name, version)
+);
+CREATE TABLE IF NOT EXISTS reward_ids (
+    reward_id TEXT PRIMARY KEY,
+    request TEXT NOT NULL,
+    rollout_id TEXT,
+    trace_id {blob} NOT NULL,
+    span_id {blob} NOT NULL,
+    parent_span_id {blob},
+    time_ns {bigint} NOT NULL,
+    created_at {real} NOT NULL
 );
 """
 
@@ -372,6 +386,37 @@ class SqlStore(Generic[_C]):
             )
             return self._load_rollouts(conn, ids)
 
+    def add_observed_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
+        """Record finished rollouts that ran outside the queue (``succeeded``, no attempt); ids already
+        stored are left as they are. Returns the requested rollouts as stored."""
+        now = time.time()
+        rows = {}
+        for req in requests:
+            rollout_id = req.get("rollout_id")
+            if not rollout_id:
+                raise StoreError("an observed rollout needs its rollout_id")
+            rows[rollout_id] = (
+                rollout_id,
+                str(req.get("task_id") or rollout_id),
+                _json(req.get("input")),
+                req.get("group_id"),
+                RolloutStatus.SUCCEEDED.value,
+                now,
+                _json(dict(req.get("metadata") or {})),
+                1,
+            )
+        if not rows:
+            return []
+        with self._write() as conn:
+            conn.executemany(
+                self._sql(
+                    "INSERT INTO rollouts (rollout_id, task_id, input, group_id, status, created_at,"
+                    " metadata, max_attempts) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING"
+                ),
+                list(rows.values()),
+            )
+            return self._load_rollouts(conn, list(rows))
+
     def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
         """Claim the oldest queued rollout and start an attempt holding a lease of ``lease_s`` seconds;
         a runner keeps the lease with :meth:`heartbeat`, or the attempt is reclaimed as timed out."""
@@ -576,6 +621,59 @@ class SqlStore(Generic[_C]):
         ]
         return sorted(rollouts, key=lambda r: order[r.rollout_id])
 
+    # --- late rewards --------------------------------------------------------------------------------
+    def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
+        """Attach rewards to rollouts, traces or spans after the fact (:mod:`agl_core.rewards`), in one
+        transaction: all are stored, or none. A reward id stored before with the same reward is answered
+        as stored (``created=False``); with a different one, :class:`StoreError` (409) names the id. An
+        unknown target raises :class:`NotFoundError`. A rollout's recorded reward becomes its latest
+        episode reward by time."""
+        if not rewards:
+            return []
+        now_ns = time.time_ns()
+        with self._write() as conn:
+            placer = RewardPlacer(lambda sql, args: self._exec(conn, sql, args).fetchall(), now_ns)
+            out: list[StoredReward] = []
+            spans: list[Span] = []
+            for reward in rewards:
+                stored, span = placer.place(reward)
+                out.append(stored)
+                if span is not None:
+                    spans.append(span)
+            if not spans:
+                return out
+            batch = extract_rows(records_to_request(spans))
+            if batch.rejected:
+                raise StoreError(f"invalid reward span: {batch.error_message}")
+            conn.executemany(
+                self._sql(
+                    "INSERT INTO span_scopes (scope_key, resource, scope) VALUES (?,?,?)"
+                    " ON CONFLICT DO NOTHING"
+                ),
+                [(k, r, sc) for k, (r, sc) in batch.scopes.items()],
+            )
+            self._insert_spans(conn, batch.rows)
+            created = {s.reward_id: s for s in out if s.created}
+            conn.executemany(
+                self._sql(f"INSERT INTO reward_ids ({LEDGER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)"),
+                [ledger_row(s, now_ns / 1e9) for s in created.values()],
+            )
+            episodes = {s.rollout_id for s in created.values() if s.name == EPISODE and s.rollout_id}
+            for rollout_id in sorted(episodes):
+                rows = self._exec(
+                    conn,
+                    "SELECT seq, body FROM spans WHERE rollout_id = ? AND name = ?",
+                    [rollout_id, semconv.SPAN_REWARD],
+                ).fetchall()
+                latest = episode_rewards(row_to_span(seq, bytes(body), {}) for seq, body in rows)
+                if rollout_id in latest:
+                    self._exec(
+                        conn,
+                        "UPDATE rollouts SET reward = ? WHERE rollout_id = ?",
+                        [latest[rollout_id], rollout_id],
+                    )
+        return out
+
     # --- resources -----------------------------------------------------------------------------------
     def put_resource(self, name: str, value: Any) -> Resource:
         with self._write() as conn:
@@ -621,6 +719,12 @@ class SqlStore(Generic[_C]):
                     "DELETE FROM spans WHERE rollout_id IN"
                     " (SELECT rollout_id FROM rollouts WHERE consumed = 1)",
                 ).rowcount
+            if deleted:  # a late reward's id goes with its span
+                self._exec(
+                    conn,
+                    "DELETE FROM reward_ids WHERE NOT EXISTS (SELECT 1 FROM spans s"
+                    " WHERE s.trace_id = reward_ids.trace_id AND s.span_id = reward_ids.span_id)",
+                )
         if deleted:
             with self._write_lock:
                 if not self._closed:

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
+from ..rewards import Reward, StoredReward
 
 __all__ = ["NotFoundError", "RolloutRequest", "Store", "StoreError", "StoreUnavailableError"]
 
@@ -56,6 +57,11 @@ class Store(Protocol):
 
     def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]: ...
 
+    def add_observed_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
+        """Record rollouts that ran outside the queue (imported traces), already finished: stored as
+        ``succeeded`` with no attempt. Every request needs a ``rollout_id``; one that exists already is
+        left as it is, so recording the same rollouts again changes nothing. Returns them as stored."""
+
     def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
         """Claim the oldest queued rollout and start a new attempt of it, or ``None`` if none is queued."""
 
@@ -73,6 +79,12 @@ class Store(Protocol):
         """Finish an attempt. A failed attempt with tries left puts its rollout back in the queue."""
 
     def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]: ...
+
+    def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
+        """Attach rewards to rollouts, traces or spans after the fact, as ``agl.reward`` spans
+        (:mod:`agl_core.rewards`); all or none. Idempotent by reward id: the same reward again changes
+        nothing (``created=False``), a different one under a stored id raises :class:`StoreError`; an
+        unknown rollout, trace or span raises :class:`NotFoundError`."""
 
     def reclaim_expired(self, now: float | None = None) -> int: ...
 

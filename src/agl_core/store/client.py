@@ -8,12 +8,14 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
 from typing import Any, Generic, TypeVar, cast
 
 import httpx
 
 from .. import settings
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
+from ..rewards import EPISODE, Reward, StoredReward, make_reward
 from . import _wire
 from .base import NotFoundError, RolloutRequest, StoreError, StoreUnavailableError
 
@@ -74,6 +76,10 @@ def _enqueue(requests: Iterable[RolloutRequest]) -> _Call[list[Rollout]]:
     return _Call("POST", "/api/rollouts", {"rollouts": [dict(r) for r in requests]}, _rollouts)
 
 
+def _observed(requests: Iterable[RolloutRequest]) -> _Call[list[Rollout]]:
+    return _Call("POST", "/api/rollouts/observed", {"rollouts": [dict(r) for r in requests]}, _rollouts)
+
+
 def _dequeue(worker_id: str, lease_s: float) -> _Call[tuple[Rollout, Attempt] | None]:
     return _Call(
         "POST",
@@ -127,6 +133,15 @@ def _put_resource(name: str, value: Any) -> _Call[Resource]:
 
 def _get_resource(name: str) -> _Call[Resource]:
     return _Call("GET", f"/api/resources/{name}", None, lambda d: _wire.resource_from_json(d["resource"]))
+
+
+def _rewards(rewards: Sequence[Reward]) -> _Call[list[StoredReward]]:
+    return _Call(
+        "POST",
+        "/api/rewards",
+        {"rewards": [r.to_json() for r in rewards]},
+        lambda d: [StoredReward.from_json(r) for r in d["rewards"]],
+    )
 
 
 def _answer(call: _Call[_T], response: httpx.Response) -> _T:
@@ -197,6 +212,10 @@ class StoreClient:
     def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
         return [r for part in _chunks(list(requests)) for r in self._run(_enqueue(part))]
 
+    def add_observed_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
+        """Record finished rollouts that ran outside the queue (see ``Store.add_observed_rollouts``)."""
+        return [r for part in _chunks(list(requests)) for r in self._run(_observed(part))]
+
     def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
         return self._run(_dequeue(worker_id, lease_s))
 
@@ -236,6 +255,37 @@ class StoreClient:
             return self._run(_get_resource(name))
         except NotFoundError:
             return None
+
+    def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
+        """Attach rewards after the fact (``POST /api/rewards``; see ``Store.add_rewards``). Longer lists
+        are sent in pages, each stored whole or not at all."""
+        return [r for part in _chunks(list(rewards)) for r in self._run(_rewards(part))]
+
+    def add_reward(
+        self,
+        value: float,
+        *,
+        rollout_id: str | None = None,
+        trace_id: str | None = None,
+        span_id: str | None = None,
+        name: str = EPISODE,
+        source: str | None = None,
+        reward_id: str | None = None,
+        time: datetime | float | None = None,
+    ) -> StoredReward:
+        """Attach one reward to a rollout, trace or span (:func:`agl_core.rewards.make_reward`). Pass a
+        ``reward_id`` to make retrying safe: the same reward under the same id is stored once."""
+        reward = make_reward(
+            value,
+            rollout_id=rollout_id,
+            trace_id=trace_id,
+            span_id=span_id,
+            name=name,
+            source=source,
+            reward_id=reward_id,
+            time=time,
+        )
+        return self.add_rewards([reward])[0]
 
     def stats(self) -> dict[str, int]:
         return self._run(_Call("GET", "/api/stats", None, _stats))
@@ -282,6 +332,9 @@ class AsyncStoreClient:
     async def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
         return [r for part in _chunks(list(requests)) for r in await self._run(_enqueue(part))]
 
+    async def add_observed_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
+        return [r for part in _chunks(list(requests)) for r in await self._run(_observed(part))]
+
     async def dequeue_rollout(
         self, worker_id: str, *, lease_s: float = 60.0
     ) -> tuple[Rollout, Attempt] | None:
@@ -324,6 +377,33 @@ class AsyncStoreClient:
             return await self._run(_get_resource(name))
         except NotFoundError:
             return None
+
+    async def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
+        return [r for part in _chunks(list(rewards)) for r in await self._run(_rewards(part))]
+
+    async def add_reward(
+        self,
+        value: float,
+        *,
+        rollout_id: str | None = None,
+        trace_id: str | None = None,
+        span_id: str | None = None,
+        name: str = EPISODE,
+        source: str | None = None,
+        reward_id: str | None = None,
+        time: datetime | float | None = None,
+    ) -> StoredReward:
+        reward = make_reward(
+            value,
+            rollout_id=rollout_id,
+            trace_id=trace_id,
+            span_id=span_id,
+            name=name,
+            source=source,
+            reward_id=reward_id,
+            time=time,
+        )
+        return (await self.add_rewards([reward]))[0]
 
     async def stats(self) -> dict[str, int]:
         return await self._run(_Call("GET", "/api/stats", None, _stats))

@@ -11,12 +11,20 @@ Endpoints (JSON unless noted):
 ``POST /api/rollouts/query``                   ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/cancel``                  ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/consumed``                ``{"rollout_ids": [...]}`` -> ``{"marked": n}``
+``POST /api/rollouts/observed``                record finished rollouts that ran outside the queue
+                                               (``{"rollouts": [{rollout_id, ...}]}``, as enqueue; ids
+                                               already stored are kept) -> ``{"rollouts": [...]}``
 ``POST /api/attempts/{attempt_id}/heartbeat``  ``{"lease_s"?}`` -> ``{"attempt"}`` (its status says if it
                                                should stop: cancelled or timed out)
 ``POST /api/attempts/{attempt_id}/complete``   ``{"status", "reward"?, "error"?}`` -> ``{"rollout"}``
 ``POST /api/spans/query``                      ``{"rollout_ids"?, "attempt_id"?, "trace_id"?,
                                                "start_after_ns"?, "start_before_ns"?,
                                                "after_seq"?, "limit"?}``
+``POST /api/rewards``                          attach rewards after the fact: ``{"rewards": [{reward_id,
+                                               value, name?, source?, time?, rollout_id? | trace_id? |
+                                               span_id? ...}]}`` -> ``{"rewards": [...]}`` (all or none;
+                                               409 for a reward id naming another reward, 404 for an
+                                               unknown target)
 ``PUT /api/resources/{name}``                  ``{"value"}`` -> ``{"resource"}`` (a new version)
 ``GET /api/resources/{name}``                  the latest version
 ``GET /api/stats``, ``GET /healthz``
@@ -30,6 +38,7 @@ write backlog is full, ``/v1/traces`` answers 503 with ``Retry-After``, which OT
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import math
@@ -46,12 +55,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .. import semconv
 from ..records import RolloutStatus
+from ..rewards import EPISODE, MAX_REWARD_ID, MAX_ROLLOUT_ID, MAX_SOURCE, Reward
 from . import _wire
 from ._ingest import IngestPipeline, Overloaded
 from ._otlp import OtlpDecodeError, encode_export_response
 from .base import NotFoundError, Store, StoreError, StoreUnavailableError
-from .redact import Redactor
+from .redact import MASK, Redactor
 
 __all__ = ["create_store_app", "MAX_BODY_BYTES"]
 
@@ -81,6 +92,17 @@ class _RolloutIn(_Strict):
 
 class _EnqueueIn(_Strict):
     rollouts: list[_RolloutIn] = pydantic.Field(min_length=1, max_length=MAX_IDS_PER_CALL)
+
+
+class _ObservedIn(_Strict):
+    rollouts: list[_RolloutIn] = pydantic.Field(min_length=1, max_length=MAX_IDS_PER_CALL)
+
+    @pydantic.field_validator("rollouts")
+    @classmethod
+    def _ids_given(cls, rollouts: list[_RolloutIn]) -> list[_RolloutIn]:
+        if any(r.rollout_id is None for r in rollouts):
+            raise ValueError("every observed rollout needs its rollout_id")
+        return rollouts
 
 
 class _DequeueIn(_Strict):
@@ -114,6 +136,23 @@ class _SpanQueryIn(_Strict):
 
 class _ResourceIn(_Strict):
     value: Any
+
+
+class _RewardIn(_Strict):
+    """Types and sizes only; :class:`~agl_core.rewards.Reward` checks the rest, naming the field."""
+
+    reward_id: str = pydantic.Field(max_length=MAX_REWARD_ID)
+    value: Any
+    name: str = pydantic.Field(default=EPISODE, max_length=128)
+    source: str | None = pydantic.Field(default=None, max_length=MAX_SOURCE)
+    time: str | None = pydantic.Field(default=None, max_length=64)
+    rollout_id: str | None = pydantic.Field(default=None, max_length=MAX_ROLLOUT_ID)
+    trace_id: str | None = pydantic.Field(default=None, max_length=32)
+    span_id: str | None = pydantic.Field(default=None, max_length=16)
+
+
+class _RewardsIn(_Strict):
+    rewards: list[_RewardIn] = pydantic.Field(min_length=1, max_length=MAX_IDS_PER_CALL)
 
 
 class _HttpError(Exception):
@@ -310,6 +349,15 @@ def create_store_app(
             return JSONResponse(body_json)
         return Response(encode_export_response(batch.rejected, batch.error_message), media_type=_PROTOBUF)
 
+    async def observed(request: Request) -> Response:
+        body = await _json_body(request, _ObservedIn)
+        requests = [r.model_dump() for r in body.rollouts]
+        for request_ in requests:
+            request_["input"] = redacted(request_["input"])
+            request_["metadata"] = redacted(request_["metadata"])
+        rollouts = await run_in_threadpool(store.add_observed_rollouts, requests)
+        return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
+
     async def enqueue(request: Request) -> Response:
         body = await _json_body(request, _EnqueueIn)
         requests = [r.model_dump() for r in body.rollouts]
@@ -394,6 +442,29 @@ def create_store_app(
         )
         return JSONResponse({"spans": [_wire.span_to_json(s) for s in spans]})
 
+    async def add_rewards(request: Request) -> Response:
+        body = await _json_body(request, _RewardsIn)
+        rewards = []
+        for n, item in enumerate(body.rewards):
+            try:
+                reward = Reward.from_json(item.model_dump())
+            except ValueError as exc:
+                raise _HttpError(400, f"invalid request body: rewards.{n}.{exc}") from None
+            if clean is not None:  # ids are never redacted; the name and source are
+                kept = clean.redact_json(
+                    {semconv.REWARD_NAME: reward.name, semconv.REWARD_SOURCE: reward.source}
+                )
+                if kept.get(semconv.REWARD_NAME) != reward.name:
+                    raise _HttpError(
+                        400,
+                        f"invalid request body: rewards.{n}.name: {reward.name!r} matches the store's"
+                        " redaction rules; name the reward without what they mask",
+                    )
+                reward = dataclasses.replace(reward, source=kept.get(semconv.REWARD_SOURCE, MASK))
+            rewards.append(reward)
+        stored = await run_in_threadpool(store.add_rewards, rewards)
+        return JSONResponse({"rewards": [s.to_json() for s in stored]})
+
     async def resource(request: Request) -> Response:
         name = path_id(request, "name")
         if request.method == "PUT":
@@ -421,9 +492,11 @@ def create_store_app(
             Route("/api/rollouts/query", api(query_rollouts), methods=["POST"]),
             Route("/api/rollouts/cancel", api(cancel), methods=["POST"]),
             Route("/api/rollouts/consumed", api(consumed), methods=["POST"]),
+            Route("/api/rollouts/observed", api(observed), methods=["POST"]),
             Route("/api/attempts/{attempt_id}/heartbeat", api(heartbeat), methods=["POST"]),
             Route("/api/attempts/{attempt_id}/complete", api(complete), methods=["POST"]),
             Route("/api/spans/query", api(query_spans), methods=["POST"]),
+            Route("/api/rewards", api(add_rewards), methods=["POST"]),
             Route("/api/resources/{name}", api(resource), methods=["GET", "PUT"]),
             Route("/api/stats", api(stats), methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),

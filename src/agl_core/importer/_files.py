@@ -1,0 +1,219 @@
+"""Reading trace files as the OpenTelemetry Collector's ``file`` exporter writes them.
+
+* ``otlp-json``: one OTLP/JSON ``TracesData`` / ``ExportTraceServiceRequest`` object per line (the
+  exporter's default); a file holding one pretty-printed object is read as one record too.
+* ``otlp-proto``: the exporter's ``format: proto``, each message preceded by its size as a 4-byte
+  big-endian integer; or a single bare protobuf message (the whole file).
+* either compressed with gzip (recognised by its magic bytes, whatever the file is called).
+
+``auto`` looks at the content: a ``{`` first (after blanks) is JSON; a protobuf message starts with the
+tag of its first field, ``0x0A``, where a length prefix of a message under 160 MiB cannot; anything else
+is read as length-prefixed. Nothing here decodes spans: records go to the store's own OTLP decoders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import itertools
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
+
+__all__ = ["FORMATS", "BadRecord", "Record", "TraceFile", "split_request"]
+
+FORMATS = ("auto", "otlp-json", "otlp-proto")
+_GZIP_MAGIC = b"\x1f\x8b"
+#: A length prefix above this is taken for corruption (no exporter writes one message this large).
+_MAX_RECORD_BYTES = 256 * 1024 * 1024
+#: A JSON file whose first line is not a whole object is tried as one document up to this size.
+_MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
+#: Spans per record when a large bare protobuf file is split (the store takes at most 100,000 per export).
+_SPLIT_SPANS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One export request's bytes; ``where`` locates it in its file (``line 12``, ``record 3 (byte
+    4096)``) for messages."""
+
+    body: bytes
+    json: bool
+    where: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BadRecord:
+    """A part of the file that could not be read as a record, and why; it is skipped."""
+
+    where: str
+    problem: str
+
+
+class TraceFile:
+    """One trace file, opened lazily; :meth:`records` yields its records in order."""
+
+    def __init__(self, path: Path, fmt: str = "auto") -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+        self.path = path
+        self.format = fmt
+        self.size = path.stat().st_size
+        self._raw: BinaryIO | None = None
+        #: what the file turned out to hold: ``otlp-json``, ``otlp-proto`` (length-prefixed or bare)
+        self.detected = ""
+
+    @property
+    def position(self) -> int:
+        """Bytes of the file (compressed, if it is) read so far."""
+        try:
+            return self._raw.tell() if self._raw is not None and not self._raw.closed else self.size
+        except (OSError, ValueError):
+            return self.size
+
+    def records(self) -> Iterator[Record | BadRecord]:
+        with open(self.path, "rb") as raw:
+            self._raw = raw
+            compressed = raw.read(2) == _GZIP_MAGIC
+            raw.seek(0)
+            stream: io.BufferedReader = (
+                io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), 1 << 20)
+                if compressed
+                else io.BufferedReader(raw, 1 << 20)
+            )
+            try:
+                yield from self._read(stream, compressed)
+            except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+                yield BadRecord(
+                    f"byte {raw.tell()}",
+                    f"the gzip data is truncated or corrupt ({exc}); the rest of the file is skipped",
+                )
+
+    def _read(self, stream: io.BufferedReader, compressed: bool) -> Iterator[Record | BadRecord]:
+        head = stream.peek(64)[:64].lstrip()
+        fmt = self.format
+        if fmt == "auto":
+            if not head:
+                self.detected = "empty"
+                return
+            fmt = "otlp-json" if head[:1] == b"{" else "otlp-proto"
+        if fmt == "otlp-json":
+            self.detected = "otlp-json" + (" (gzip)" if compressed else "")
+            yield from _json_records(stream)
+        elif stream.peek(1)[:1] == b"\x0a":
+            self.detected = "otlp-proto, one message" + (" (gzip)" if compressed else "")
+            yield from _bare_records(stream)
+        else:
+            self.detected = "otlp-proto, length-prefixed" + (" (gzip)" if compressed else "")
+            yield from _prefixed_records(stream)
+
+
+def _json_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]:
+    lines: Iterator[bytes] = iter(stream)
+    first = True
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        if first:
+            first = False
+            if not _is_object(text):
+                # a pretty-printed document, or a bad first line: look at what follows, within a bound
+                rest = stream.read(_MAX_DOCUMENT_BYTES + 1)
+                document = text + b"\n" + rest
+                if len(rest) <= _MAX_DOCUMENT_BYTES and _is_object(document):
+                    yield Record(document, True, f"line {number} (one JSON document)")
+                    return
+                rest += stream.readline()  # up to the end of the line the bounded read stopped in
+                lines = itertools.chain(io.BytesIO(rest), stream)
+                yield Record(text, True, f"line {number}")
+                for later, line in enumerate(lines, number + 1):
+                    if line.strip():
+                        yield Record(line.strip(), True, f"line {later}")
+                return
+        yield Record(text, True, f"line {number}")
+
+
+def _is_object(text: bytes) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _prefixed_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]:
+    offset = 0
+    index = 0
+    while True:
+        header = stream.read(4)
+        if not header:
+            return
+        where = f"record {index} (byte {offset})"
+        if len(header) < 4:
+            yield BadRecord(where, f"the file ends inside a length prefix ({len(header)} of 4 bytes)")
+            return
+        size = int.from_bytes(header, "big")
+        if size > _MAX_RECORD_BYTES:
+            yield BadRecord(
+                where,
+                f"a length prefix of {size} bytes: this is not a length-prefixed OTLP protobuf file, or it is"
+                " corrupt here; the rest of the file is skipped",
+            )
+            return
+        body = stream.read(size)
+        if len(body) < size:
+            yield BadRecord(
+                where, f"the file is truncated: the record announces {size} bytes, {len(body)} are left"
+            )
+            return
+        yield Record(body, False, where)
+        offset += 4 + size
+        index += 1
+
+
+def _bare_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]:
+    body = stream.read()
+    try:
+        request = ExportTraceServiceRequest.FromString(body)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        yield BadRecord("the file", f"not a valid OTLP protobuf message: {exc}")
+        return
+    if sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans) <= _SPLIT_SPANS:
+        yield Record(body, False, "the file")
+        return
+    for n, part in enumerate(split_request(request, _SPLIT_SPANS)):
+        yield Record(part.SerializeToString(), False, f"part {n} of the file")
+
+
+def split_request(
+    request: ExportTraceServiceRequest, max_spans: int, max_bytes: int = 8 << 20
+) -> Iterator[ExportTraceServiceRequest]:
+    """``request`` as requests of at most ``max_spans`` spans and about ``max_bytes`` bytes each (a span
+    larger than that goes alone), keeping every span's resource and scope."""
+    out = ExportTraceServiceRequest()
+    count = size = 0
+    for rs in request.resource_spans:
+        for ss in rs.scope_spans:
+            target = None
+            for span in ss.spans:
+                span_size = span.ByteSize()
+                if count and (count >= max_spans or size + span_size > max_bytes):
+                    yield out
+                    out, count, size, target = ExportTraceServiceRequest(), 0, 0, None
+                if target is None:
+                    holder: ResourceSpans = out.resource_spans.add(
+                        resource=rs.resource, schema_url=rs.schema_url
+                    )
+                    target = holder.scope_spans.add(scope=ss.scope, schema_url=ss.schema_url)
+                target.spans.append(span)
+                count += 1
+                size += span_size
+    if count:
+        yield out

@@ -1,0 +1,336 @@
+"""Importing trace files into a store: the scan, the writes, the rollout records, the summary."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from .. import semconv, settings
+from ..store import Store, StoreClient, StoreError, StoreUnavailableError, open_store
+from ..store._ingest import IngestPipeline, Overloaded
+from ..store._otlp import (
+    MAX_SPANS_PER_REQUEST,
+    OtlpDecodeError,
+    ParsedBatch,
+    SpanRow,
+    decode_json,
+    decode_protobuf,
+)
+from ..store.redact import Redactor
+from ._files import BadRecord, Record, TraceFile, split_request
+from ._grouping import Grouping
+
+__all__ = ["ImportSummary", "Progress", "import_traces"]
+
+#: ``progress(phase, file, bytes_done, bytes_total, spans)``: ``phase`` is ``"scan"`` (the first
+#: reading, for grouping) or ``"import"``; bytes count over all files, as stored (compressed).
+Progress = Callable[[str, str, int, int, int], None]
+#: Parse in worker processes when the files hold more than this many bytes together.
+_WORKERS_FROM_BYTES = 32 * 1024 * 1024
+#: Spans per OTLP/HTTP request sent to a running store.
+_HTTP_BATCH_SPANS = 5_000
+_SOURCE = "import"
+
+
+@dataclasses.dataclass
+class ImportSummary:
+    """What an import did. ``problems`` holds one ``FILE: WHERE: WHY`` line per skipped line or record
+    and per record of which the store refused some spans."""
+
+    files: int = 0
+    records: int = 0
+    #: spans read from the files and accepted by the store (new or already stored)
+    spans: int = 0
+    #: spans the store did not hold before (its span count before and after)
+    new_spans: int = 0
+    #: spans the store's checks refused (invalid ids or times), counted in ``problems`` too
+    refused_spans: int = 0
+    rollouts: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every line and span was imported, 1 when any was skipped (the rest was imported)."""
+        return 1 if self.problems else 0
+
+
+class _Rollouts:
+    """The rollouts the imported spans belong to, with their metadata (from the first file seen in)."""
+
+    def __init__(self) -> None:
+        self.metadata: dict[str, dict[str, Any]] = {}
+
+    def note(self, rollout_id: str, file: str, grouped_by: dict[str, Any]) -> None:
+        if rollout_id not in self.metadata:
+            self.metadata[rollout_id] = {"source": _SOURCE, "file": file, **grouped_by}
+
+    def requests(self) -> list[dict[str, Any]]:
+        return [{"rollout_id": rid, "task_id": rid, "metadata": meta} for rid, meta in self.metadata.items()]
+
+
+def import_traces(
+    paths: Sequence[str | Path],
+    store: Store | str,
+    *,
+    fmt: str = "auto",
+    token: str | None = None,
+    redactor: Redactor | None = None,
+    progress: Progress | None = None,
+    parse_workers: int | None = None,
+) -> ImportSummary:
+    """Import the OTLP trace files ``paths`` into ``store``: a :class:`Store` (written directly), a
+    running store's URL (spans over OTLP/HTTP with ``token``, rollouts through its API), or a SQLite
+    file / ``postgresql://`` DSN opened here.
+
+    ``redactor`` applies to a store written directly (a running store applies its own rules). Raises
+    :class:`StoreError` when the store cannot be reached or written; what was committed before stays,
+    and importing again is safe. ``parse_workers``: processes decoding beside the writer (default: one
+    per CPU, at most 4, for files over 32 MB together; 0 decodes here).
+    """
+    files = [TraceFile(Path(p), fmt) for p in paths]
+    total = sum(f.size for f in files)
+    summary = ImportSummary(files=len(files))
+    grouping = Grouping()
+    done = 0
+    for f in files:  # first reading: which traces share a rollout
+        for record in f.records():
+            if isinstance(record, Record):
+                grouping.scan(record)
+                if progress is not None:
+                    progress("scan", str(f.path), done + f.position, total, 0)
+        done += f.size
+    rollouts = _Rollouts()
+    remote = isinstance(store, str) and store.startswith(("http://", "https://"))
+    if remote:
+        if redactor:
+            raise StoreError("a running store applies its own --redact rules; --redact is for a store file")
+        assert isinstance(store, str)
+        with _Remote(store, token, grouping, rollouts, summary) as sink:
+            before = sink.client.stats()["spans"]
+            _write_all(files, total, sink, summary, progress)
+            sink.client.add_observed_rollouts(rollouts.requests())
+            summary.new_spans = sink.client.stats()["spans"] - before
+    else:
+        target = open_store(store) if isinstance(store, str) else store
+        try:
+            workers = parse_workers
+            if workers is None:
+                workers = min(os.cpu_count() or 1, 4) if total > _WORKERS_FROM_BYTES else 0
+            before = target.stats()["spans"]
+            embedded = _Embedded(target, redactor, workers, grouping, rollouts, summary)
+            try:
+                _write_all(files, total, embedded, summary, progress)
+            finally:
+                embedded.close()
+            requests = rollouts.requests()
+            if redactor:
+                for request in requests:
+                    request["metadata"] = redactor.redact_json(request["metadata"])
+            for start in range(0, len(requests), 10_000):
+                target.add_observed_rollouts(requests[start : start + 10_000])
+            summary.new_spans = target.stats()["spans"] - before
+        finally:
+            if isinstance(store, str):
+                target.close()
+    summary.rollouts = len(rollouts.metadata)
+    return summary
+
+
+def _write_all(
+    files: list[TraceFile],
+    total: int,
+    sink: _Embedded | _Remote,
+    summary: ImportSummary,
+    progress: Progress | None,
+) -> None:
+    done = 0
+    for f in files:
+        name = str(f.path)
+        for record in f.records():
+            if isinstance(record, BadRecord):
+                summary.problems.append(f"{name}: {record.where}: {record.problem}")
+                continue
+            summary.records += 1
+            sink.add(record, name)
+            if progress is not None:
+                progress("import", name, done + f.position, total, summary.spans)
+        done += f.size
+    sink.flush()
+
+
+class _Embedded:
+    """Spans through the store's own ingest pipeline (decoding, validation, redaction, group commit),
+    decoded in worker processes for large imports."""
+
+    def __init__(
+        self,
+        store: Store,
+        redactor: Redactor | None,
+        workers: int,
+        grouping: Grouping,
+        rollouts: _Rollouts,
+        summary: ImportSummary,
+    ) -> None:
+        self.grouping, self.rollouts, self.summary = grouping, rollouts, summary
+        self.pipeline = IngestPipeline(store, redactor=redactor, parse_workers=workers)
+        self.in_flight = 2 * workers + 2
+        self.parsing: collections.deque[tuple[Future[ParsedBatch], str, str]] = collections.deque()
+        self.writing: collections.deque[Future[int]] = collections.deque()
+
+    def add(self, record: Record, file: str) -> None:
+        while True:
+            try:
+                future = self.pipeline.parse_async(record.body, json_body=record.json)
+                break
+            except Overloaded:
+                self._wait_write()
+        self.parsing.append((future, file, record.where))
+        while self.parsing and (len(self.parsing) > self.in_flight or self.parsing[0][0].done()):
+            self._finish_parse()
+
+    def _finish_parse(self) -> None:
+        grouping, rollouts, summary = self.grouping, self.rollouts, self.summary
+        future, file, where = self.parsing.popleft()
+        try:
+            batch = future.result()
+        except OtlpDecodeError as exc:
+            summary.problems.append(f"{file}: {where}: {exc}")
+            return
+        _note_refused(batch.rejected, batch.error_message, file, where, summary)
+        rows: list[SpanRow] = []
+        for row in batch.rows:
+            rollout_id = row[7]
+            if rollout_id is None:
+                rollout_id, grouped_by = grouping.rollout_of(row[0])
+                row = (*row[:7], rollout_id, row[8], row[9], row[10] + grouping.attribute_bytes(rollout_id))
+            else:
+                grouped_by = {}
+            rollouts.note(rollout_id, file, grouped_by)
+            rows.append(row)
+        summary.spans += len(rows)
+        batch = ParsedBatch(rows, batch.scopes, batch.rejected, batch.error_message)
+        while True:
+            try:
+                self.writing.append(self.pipeline.submit(batch))
+                break
+            except Overloaded:
+                self._wait_write()
+        while self.writing and self.writing[0].done():
+            self.writing.popleft().result()  # raises what the write raised
+
+    def _wait_write(self) -> None:
+        if self.writing:
+            self.writing.popleft().result()
+        else:
+            time.sleep(0.01)
+
+    def flush(self) -> None:
+        while self.parsing:
+            self._finish_parse()
+        while self.writing:
+            self.writing.popleft().result()
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def _note_refused(count: int, reason: str, file: str, where: str, summary: ImportSummary) -> None:
+    if count:
+        summary.refused_spans += count
+        summary.problems.append(f"{file}: {where}: the store refused {count} span(s): {reason}")
+
+
+class _Remote:
+    """Spans over OTLP/HTTP protobuf to a running store (which validates and redacts them as any
+    sender's), rollouts through its API."""
+
+    def __init__(
+        self, url: str, token: str | None, grouping: Grouping, rollouts: _Rollouts, summary: ImportSummary
+    ) -> None:
+        import httpx
+
+        self.grouping, self.rollouts, self.summary = grouping, rollouts, summary
+        self.client = StoreClient(url, token=token)
+        secret = settings.store_token(token)
+        headers = {"content-type": "application/x-protobuf"}
+        if secret:
+            headers["authorization"] = f"Bearer {secret}"
+        self.http = httpx.Client(base_url=self.client.url, headers=headers, timeout=60)
+
+    def __enter__(self) -> _Remote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.http.close()
+        self.client.close()
+
+    def add(self, record: Record, file: str) -> None:
+        from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+        grouping, rollouts, summary = self.grouping, self.rollouts, self.summary
+        try:
+            request = decode_json(record.body) if record.json else decode_protobuf(record.body)
+        except OtlpDecodeError as exc:
+            summary.problems.append(f"{file}: {record.where}: {exc}")
+            return
+        carries_ids = semconv.ROLLOUT_ID.encode() in record.body
+        for rs in request.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    own = None
+                    if carries_ids:
+                        own = next((kv.value for kv in span.attributes if kv.key == semconv.ROLLOUT_ID), None)
+                    if own is not None and own.WhichOneof("value") in ("string_value", "int_value"):
+                        rollouts.note(str(getattr(own, str(own.WhichOneof("value")))), file, {})
+                        continue
+                    rollout_id, grouped_by = grouping.rollout_of(span.trace_id)
+                    span.attributes.add(key=semconv.ROLLOUT_ID).value.CopyFrom(
+                        AnyValue(string_value=rollout_id)
+                    )
+                    rollouts.note(rollout_id, file, grouped_by)
+        for part in split_request(request, min(_HTTP_BATCH_SPANS, MAX_SPANS_PER_REQUEST)):
+            sent = sum(len(ss.spans) for rs in part.resource_spans for ss in rs.scope_spans)
+            refused, reason = self._post(part.SerializeToString(), file, record.where, summary)
+            if refused < 0:  # the store refused the whole request; the reason is in problems
+                continue
+            summary.spans += sent - refused
+            _note_refused(refused, reason, file, record.where, summary)
+
+    def _post(self, body: bytes, file: str, where: str, summary: ImportSummary) -> tuple[int, str]:
+        """Send one request, retrying while the store says "later". Returns (spans refused, why), or
+        (-1, "") when the store refused the request as a whole (noted in ``summary``)."""
+        import httpx
+        from google.rpc import status_pb2
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                response = self.http.post("/v1/traces", content=body)
+            except httpx.HTTPError as exc:
+                raise StoreUnavailableError(f"cannot reach the store at {self.client.url}: {exc}") from None
+            status = response.status_code
+            if status == 200:
+                answer = ExportTraceServiceResponse.FromString(response.content)
+                return answer.partial_success.rejected_spans, answer.partial_success.error_message
+            if status in (429, 503) and time.monotonic() < deadline:
+                time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 10.0))
+                continue
+            try:
+                message = status_pb2.Status.FromString(response.content).message
+            except Exception:  # not a google.rpc.Status body (a proxy's page, say)
+                message = response.text[:300]
+            if status in (400, 413):
+                summary.problems.append(f"{file}: {where}: the store refused it (HTTP {status}): {message}")
+                return -1, ""
+            error = StoreUnavailableError if status >= 500 else StoreError
+            raise error(f"POST {self.client.url}/v1/traces -> HTTP {status}: {message}")
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,395 @@
+"""``agl import``: trace files as the real exporters write them, into SQLite, PostgreSQL and a running store.
+
+Collector-style files are made from spans the OpenTelemetry SDK recorded, encoded by the SDK's own OTLP
+encoder (``encode_spans``) and written the way the Collector's ``file`` exporter writes them: JSON lines
+(protobuf's JSON mapping with hex ids and numeric enums, as the Collector's marshaler writes) or
+length-prefixed protobuf records.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from google.protobuf.json_format import MessageToDict
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from agl_core import semconv
+from agl_core.cli import main
+from agl_core.importer import import_traces
+from agl_core.records import RolloutStatus
+from agl_core.store import SqliteStore
+from agl_core.store.redact import parse_rules
+from agl_core.testing import Collector
+from agl_core.tracing import emit_reward, rollout_scope
+from agl_core.transitions import COUNT_MISMATCH, NO_LLM_CALL
+
+
+# --- files as the exporters write them -----------------------------------------------------------------
+def _record(build: Callable[[Any], None]) -> list[ReadableSpan]:
+    """The finished spans of ``build(tracer_provider)``, as the SDK hands them to an exporter."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "imported-agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    build(provider)
+    provider.shutdown()
+    return list(exporter.get_finished_spans())
+
+
+def _hex_ids(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {
+            k: base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") else _hex_ids(v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_hex_ids(v) for v in obj]
+    return obj
+
+
+def json_line(spans: list[ReadableSpan]) -> bytes:
+    """One line of the Collector's file exporter (JSON): hex ids, numeric enums, 64-bit ints as strings."""
+    data = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+    return json.dumps(_hex_ids(data), separators=(",", ":")).encode() + b"\n"
+
+
+def proto_record(spans: list[ReadableSpan]) -> bytes:
+    """One record of the Collector's file exporter with ``format: proto``."""
+    body = encode_spans(spans).SerializeToString()
+    return len(body).to_bytes(4, "big") + body
+
+
+def _agent_run(rollout_id: str) -> Callable[[Any], None]:
+    def build(provider: Any) -> None:
+        tracer = provider.get_tracer("agent")
+        with rollout_scope(rollout_id, "at-1", "task-1", tracer_provider=provider):
+            with tracer.start_as_current_span("step"):
+                pass
+            emit_reward(1.0, tracer_provider=provider)
+
+    return build
+
+
+def _openinference_session(session: str, traces: int = 2) -> Callable[[Any], None]:
+    """Spans as OpenInference instrumentors write them: an AGENT span over an LLM and a TOOL span, each
+    carrying ``session.id``, one trace per turn."""
+
+    def build(provider: Any) -> None:
+        tracer = provider.get_tracer("openinference.instrumentation.test")
+        for turn in range(traces):
+            common = {semconv.SESSION_ID: session}
+            with tracer.start_as_current_span(
+                "agent",
+                attributes={**common, semconv.OPENINFERENCE_SPAN_KIND: semconv.OPENINFERENCE_KIND_AGENT},
+            ):
+                with tracer.start_as_current_span(
+                    "ChatCompletion",
+                    attributes={
+                        **common,
+                        semconv.OPENINFERENCE_SPAN_KIND: semconv.OPENINFERENCE_KIND_LLM,
+                        semconv.LLM_MODEL_NAME: "gpt-test",
+                        semconv.LLM_TOKEN_COUNT_PROMPT: 12,
+                        semconv.LLM_TOKEN_COUNT_COMPLETION: 3 + turn,
+                        "user.email": "someone@example.com",
+                    },
+                ):
+                    pass
+                with tracer.start_as_current_span(
+                    "search",
+                    attributes={
+                        **common,
+                        semconv.OPENINFERENCE_SPAN_KIND: semconv.OPENINFERENCE_KIND_TOOL,
+                        semconv.OI_TOOL_NAME: "search",
+                    },
+                ):
+                    pass
+
+    return build
+
+
+def _write(path: Path, data: bytes, *, gz: bool = False) -> Path:
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def _by_rollout(store: Any, rollout_id: str) -> list[Any]:
+    return store.query_spans(rollout_ids=[rollout_id], limit=100_000)
+
+
+class _open:
+    def __init__(self, path: Path) -> None:
+        self.store = SqliteStore(path)
+
+    def __enter__(self) -> SqliteStore:
+        return self.store
+
+    def __exit__(self, *exc: object) -> None:
+        self.store.close()
+
+
+# --- formats ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["json", "proto", "bare", "json-gzip", "proto-gzip", "document"])
+def test_exporter_files_import_as_rollouts(tmp_path, sqlite_store, kind):
+    first, second = _record(_agent_run("ro-a")), _record(_agent_run("ro-b"))
+    if kind.startswith("json"):
+        data = json_line(first) + json_line(second)
+    elif kind.startswith("proto"):
+        data = proto_record(first) + proto_record(second)
+    elif kind == "bare":
+        data = encode_spans(first + second).SerializeToString()
+    else:  # one pretty-printed OTLP/JSON document
+        data = json.dumps(_hex_ids(MessageToDict(encode_spans(first + second))), indent=2).encode()
+    path = _write(tmp_path / "traces.out", data, gz=kind.endswith("gzip"))
+
+    summary = import_traces([path], sqlite_store)
+
+    assert (summary.spans, summary.new_spans, summary.rollouts, summary.problems) == (6, 6, 2, [])
+    spans = _by_rollout(sqlite_store, "ro-a")
+    # the rollout and reward spans keep their id; "step" (no rollout attribute) joins its trace's rollout
+    assert sorted(s.name for s in spans) == sorted([semconv.SPAN_ROLLOUT, semconv.SPAN_REWARD, "step"])
+    assert {s.resource["service.name"] for s in spans} == {"imported-agent"}
+    (rollout,) = sqlite_store.get_rollouts(["ro-a"])
+    assert rollout.status is RolloutStatus.SUCCEEDED and rollout.attempts == ()
+    assert rollout.metadata == {"source": "import", "file": str(path)}
+
+
+def test_grouping_by_session_across_traces_then_by_trace(tmp_path, store):
+    spans = _record(_openinference_session("conv-42", traces=2)) + _record(_openinference_session("", 1))
+    path = _write(tmp_path / "oi.jsonl", json_line(spans))
+
+    summary = import_traces([path], store)
+
+    assert summary.spans == 9 and summary.rollouts == 2 and summary.exit_code == 0
+    rollouts = {r.rollout_id: r for r in store.get_rollouts(_rollout_ids(store))}
+    session = next(r for r in rollouts.values() if r.metadata.get(semconv.SESSION_ID) == "conv-42")
+    assert session.rollout_id.startswith("imp-s-")
+    grouped = _by_rollout(store, session.rollout_id)
+    assert len(grouped) == 6 and len({s.trace_id for s in grouped}) == 2
+    assert all(s.attributes[semconv.ROLLOUT_ID] == session.rollout_id for s in grouped)
+    (alone,) = [r for r in rollouts.values() if r is not session]
+    (trace_id,) = {s.trace_id for s in _by_rollout(store, alone.rollout_id)}
+    assert alone.rollout_id == f"imp-t-{trace_id}" and alone.metadata["trace_id"] == trace_id
+
+
+def _rollout_ids(store: Any) -> list[str]:
+    return sorted({s.rollout_id for s in store.query_spans(limit=100_000) if s.rollout_id})
+
+
+def test_importing_twice_stores_nothing_twice(tmp_path, store):
+    path = _write(tmp_path / "t.jsonl", json_line(_record(_openinference_session("s-1"))))
+    first = import_traces([path], store)
+    stats = store.stats()
+    again = import_traces([path], store)
+    assert (first.new_spans, again.new_spans, again.spans, again.rollouts) == (6, 0, 6, 1)
+    assert store.stats() == stats
+
+
+def test_gen_ai_conversation_id_groups_and_session_id_wins(tmp_path, sqlite_store):
+    def build(provider: Any) -> None:
+        tracer = provider.get_tracer("t")
+        for conversation in ("c-1", "c-1", "c-2"):
+            with tracer.start_as_current_span(
+                "chat", attributes={semconv.GEN_AI_CONVERSATION_ID: conversation}
+            ):
+                pass
+        with tracer.start_as_current_span("chat", attributes={semconv.GEN_AI_CONVERSATION_ID: "c-2"}):
+            with tracer.start_as_current_span("inner", attributes={semconv.SESSION_ID: "c-1"}):
+                pass
+
+    path = _write(tmp_path / "g.jsonl", json_line(_record(build)))
+    assert import_traces([path], sqlite_store).rollouts == 2
+    sizes = sorted(len(_by_rollout(sqlite_store, r)) for r in _rollout_ids(sqlite_store))
+    assert sizes == [1, 4]  # c-1: two traces + the trace whose session.id is c-1; c-2: one
+
+
+# --- what goes wrong --------------------------------------------------------------------------------------
+def test_a_malformed_line_is_named_and_skipped(tmp_path, sqlite_store, capsys):
+    good = json_line(_record(_agent_run("ro-ok")))
+    bad = b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]}\n'
+    path = _write(tmp_path / "mixed.jsonl", good + b"not json at all\n" + bad + b"\n" + good)
+    db = tmp_path / "s.sqlite"
+
+    assert main(["import", str(path), "--store", str(db)]) == 1
+
+    out, err = capsys.readouterr()
+    assert f"{path}: line 2: body is not valid JSON" in err
+    assert f"{path}: line 3: " in err and "traceId is not hex" in err
+    assert "skipped: 2 line(s)/record(s)" in out and "imported 6 spans (3 new, 3 already stored)" in out
+    with _open(db) as store:
+        assert len(_by_rollout(store, "ro-ok")) == 3
+
+
+def test_a_truncated_protobuf_file_keeps_its_whole_records(tmp_path, capsys):
+    first, second = proto_record(_record(_agent_run("ro-1"))), proto_record(_record(_agent_run("ro-2")))
+    path = _write(tmp_path / "cut.pb", first + second[: len(second) // 2])
+    db = tmp_path / "s.sqlite"
+
+    assert main(["import", str(path), "--store", str(db), "--format", "otlp-proto"]) == 1
+
+    err = capsys.readouterr().err
+    assert f"{path}: record 1 (byte {len(first)}): the file is truncated" in err
+    with _open(db) as store:
+        assert _rollout_ids(store) == ["ro-1"]
+
+
+def test_truncated_gzip_is_reported(tmp_path, capsys):
+    data = gzip.compress(json_line(_record(_agent_run("ro-1"))) * 50)
+    path = _write(tmp_path / "cut.jsonl.gz", data[: len(data) - 20])
+    assert main(["import", str(path), "--store", str(tmp_path / "s.sqlite")]) == 1
+    assert "the gzip data is truncated or corrupt" in capsys.readouterr().err
+
+
+def test_bad_arguments_stop_before_anything_is_written(tmp_path, capsys):
+    path = _write(tmp_path / "t.jsonl", json_line(_record(_agent_run("ro-1"))))
+    db = tmp_path / "s.sqlite"
+    assert main(["import", str(path), str(tmp_path / "missing.jsonl"), "--store", str(db)]) == 2
+    assert f"no such file: {tmp_path / 'missing.jsonl'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["import", str(path), "--format", "csv", "--store", str(db)])
+    assert exited.value.code == 2 and "invalid choice: 'csv'" in capsys.readouterr().err
+    assert main(["import", str(path), "--store", str(db), "--redact", "nonsense"]) == 2
+    assert not db.exists()
+
+
+# --- redaction, a running store, agl inspect ---------------------------------------------------------------
+def test_redaction_rules_apply_to_imported_spans(tmp_path, sqlite_store):
+    path = _write(tmp_path / "oi.jsonl", json_line(_record(_openinference_session("s-1"))))
+    import_traces([path], sqlite_store, redactor=parse_rules(["email", f"key:{semconv.LLM_MODEL_NAME}"]))
+    llm = [s for s in sqlite_store.query_spans() if s.name == "ChatCompletion"]
+    assert [s.attributes["user.email"] for s in llm] == ["[REDACTED]"] * 2
+    assert not any(semconv.LLM_MODEL_NAME in s.attributes for s in llm)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def served_store(tmp_path) -> Iterator[tuple[str, Path]]:
+    """``agl store serve`` as its own process, with a token and a redaction rule; (url, its db)."""
+    port, db = _free_port(), tmp_path / "served.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port)]
+        + ["--no-grpc", "--token", "s3cret", "--redact", "email", "--parse-workers", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "store did not start"
+            time.sleep(0.1)
+        yield url, db
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_import_into_a_running_store_with_a_token(tmp_path, served_store, capsys, monkeypatch):
+    url, _ = served_store
+    oi = _record(_openinference_session("s-9"))
+    path = _write(tmp_path / "t.pb.gz", proto_record(oi) + proto_record(_record(_agent_run("ro-r"))), gz=True)
+    monkeypatch.delenv("AGL_STORE_TOKEN", raising=False)
+    assert main(["import", str(path), "--store", url]) == 2
+    assert "HTTP 401" in capsys.readouterr().err
+
+    monkeypatch.setenv("AGL_STORE_TOKEN", "s3cret")
+    assert main(["import", str(path), "--store", url]) == 0
+    assert "imported 9 spans (9 new, 0 already stored) in 2 rollout(s)" in capsys.readouterr().out
+    assert main(["import", str(path), "--store", url, "-q"]) == 0
+    assert "(0 new, 9 already stored)" in capsys.readouterr().out
+
+    from agl_core.store import StoreClient
+
+    with StoreClient(url, token="s3cret") as client:
+        (rollout_id,) = [r for r in _client_rollouts(client, oi) if r.startswith("imp-s-")]
+        spans = client.all_spans([rollout_id])
+        assert len(spans) == 6
+        assert {s.attributes.get("user.email") for s in spans} == {None, "[REDACTED]"}
+        (rollout,) = client.get_rollouts([rollout_id])
+        assert rollout.metadata == {"source": "import", "file": str(path), semconv.SESSION_ID: "s-9"}
+        assert client.get_rollouts(["ro-r"])[0].status is RolloutStatus.SUCCEEDED
+
+
+def _client_rollouts(client: Any, spans: list[ReadableSpan]) -> set[str]:
+    trace_id = format(spans[0].context.trace_id, "032x")
+    return {s.rollout_id for s in client.query_spans(trace_id=trace_id) if s.rollout_id}
+
+
+def test_import_through_the_testing_collector(tmp_path):
+    path = _write(tmp_path / "t.jsonl", json_line(_record(_agent_run("ro-c"))))
+    with Collector(token="tok") as collector:
+        summary = import_traces([path], collector.url, token="tok")
+        assert summary.new_spans == 3 and summary.rollouts == 1
+        assert len(collector.client.all_spans(["ro-c"])) == 3
+
+
+def test_inspect_shows_an_imported_rollout_and_why_it_does_not_train(tmp_path, capsys):
+    path = _write(tmp_path / "oi.jsonl", json_line(_record(_openinference_session("s-1"))))
+    db = tmp_path / "s.sqlite"
+    assert main(["import", str(path), "--store", str(db), "--quiet"]) == 0
+    with _open(db) as store:
+        (rollout_id,) = _rollout_ids(store)
+    capsys.readouterr()
+
+    assert main(["inspect", rollout_id, "--store", str(db)]) == 0
+
+    report = capsys.readouterr().out
+    assert f"rollout {rollout_id}: 6 spans" in report
+    assert report.count("ChatCompletion") >= 2 and "search" in report
+    # LLM calls recorded without token ids (no gateway span) make no transition, and the report says why
+    assert report.count(f"no transition: {COUNT_MISMATCH}") == 2
+    assert f"rollout: {NO_LLM_CALL}" in report
+
+
+# --- the store's record of observed rollouts --------------------------------------------------------------
+def test_observed_rollouts_are_recorded_once(store, tmp_path):
+    request = {"rollout_id": "ro-x", "task_id": "t", "metadata": {"source": "import"}}
+    (first,) = store.add_observed_rollouts([request])
+    (again,) = store.add_observed_rollouts([{**request, "metadata": {"other": 1}}])
+    assert first == again and first.status is RolloutStatus.SUCCEEDED
+    assert store.stats()["rollouts"] == 1
+    with Collector(store) as collector:
+        (seen,) = collector.client.add_observed_rollouts(
+            [
+                request,
+            ]
+        )
+        assert seen.metadata == {"source": "import"}
+        response = httpx.post(collector.url + "/api/rollouts/observed", json={"rollouts": [{"task_id": "t"}]})
+        assert response.status_code == 400 and "rollout_id" in response.text
+
+
+def test_progress_goes_to_a_terminal_only(tmp_path):
+    path = _write(tmp_path / "t.jsonl", json_line(_record(_agent_run("ro-1"))))
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "import", str(path), "--store", str(tmp_path / "s.sqlite")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stderr == ""
