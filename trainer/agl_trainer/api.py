@@ -183,6 +183,7 @@ class Trainer:
         :class:`~agl_trainer.loop.NothingTrainedError`, as ``agl train`` exits 1.
         """
         from .loop import train as run_training
+        from .offline import train_from_traces
 
         agent_fn = _checked_agent(agent)
         config = self._config_for(agent_fn)
@@ -194,7 +195,7 @@ class Trainer:
             config = config.model_copy(
                 update={"logging": config.logging.model_copy(update={"progress": "plain"})}
             )
-        run = run_training(
+        run = (run_training if config.traces is None else train_from_traces)(
             config,
             echo=self._progress,
             resume=resume,

@@ -47,9 +47,12 @@ def run_train(
         return 2
     from .loop import NothingTrainedError, train
     from .model import ModelNotFoundError
+    from .offline import train_from_traces
 
     try:
-        train(config, echo=lambda line: print(line, flush=True), resume=resume, overwrite=overwrite)
+        (train if config.traces is None else train_from_traces)(
+            config, echo=lambda line: print(line, flush=True), resume=resume, overwrite=overwrite
+        )
     except (ModelNotFoundError, CheckpointError, ValueError) as exc:
         print(f"agl train: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import copy
 import difflib
 import re
 from collections.abc import Collection, Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -115,8 +116,9 @@ class RewardsConfig(_Strict):
 class AlgorithmConfig(_Strict):
     #: Advantage estimator; every rule uses the PPO-clip loss with the gateway's behaviour logprobs.
     #: ``grpo``: group-normalised; ``ppo``: group-mean baseline; ``reinforce_pp``: REINFORCE++ (baseline,
-    #: then normalised over the batch).
-    name: Literal["grpo", "ppo", "reinforce_pp"] = "grpo"
+    #: then normalised over the batch). ``sft`` (only with ``traces``): fine-tune on the response tokens of
+    #: the selected rollouts' LLM calls with the next-token loss (rejection sampling, distillation).
+    name: Literal["grpo", "ppo", "reinforce_pp", "sft"] = "grpo"
     #: Weight of the per-token KL penalty to the reference policy (the base model under LoRA); 0 = off.
     kl_coef: float = pydantic.Field(0.0, ge=0.0)
     #: How a rollout's episode reward is shared among its LLM calls: ``episode`` (every call gets it),
@@ -148,6 +150,55 @@ class AlgorithmConfig(_Strict):
         """The ``rewards`` section as :class:`agl_core.credit.RewardWeights`."""
         r = self.rewards
         return RewardWeights(r.explicit, r.tool_error, r.malformed_tool_call, r.timeout, r.tool_success)
+
+
+class TracesFilterConfig(_Strict):
+    """Which stored rollouts a ``traces`` run trains on: every condition given must hold."""
+
+    #: Rollouts whose earliest span started at or after this time (ISO 8601; without a zone: UTC).
+    since: datetime | None = None
+    #: Rollouts whose earliest span started before this time (ISO 8601; without a zone: UTC).
+    until: datetime | None = None
+    #: Rollouts with an LLM call by an agent matching one of these names or globs; only those agents'
+    #: calls are trained (as ``algorithm.agents``). Empty: all.
+    agents: list[str] = []
+    #: Only rollouts whose episode reward is at least this (implies ``has_reward: true``).
+    reward_min: _FiniteFloat | None = None
+    #: ``true``: only rollouts with an episode reward; ``false``: only rollouts without one.
+    has_reward: bool | None = None
+    #: Only rollouts whose record's metadata ``source`` is this (``import`` for ``agl import``).
+    source: str | None = None
+    #: Only these rollouts. Empty: all.
+    rollout_ids: list[str] = []
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> TracesFilterConfig:
+        if self.since is not None and self.until is not None and _utc(self.since) >= _utc(self.until):
+            raise ValueError("traces.filter.since must be before traces.filter.until")
+        if self.reward_min is not None and self.has_reward is False:
+            raise ValueError(
+                "traces.filter.reward_min keeps rewarded rollouts only; has_reward: false contradicts it"
+            )
+        return self
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+class TracesConfig(_Strict):
+    """Train on rollouts already in a store instead of running the agent (see docs/training.md)."""
+
+    #: The store holding the traces: a SQLite file (relative to the config file), ``postgresql://...``, or
+    #: a running store's ``http(s)://`` URL.
+    store: str = pydantic.Field(min_length=1)
+    #: Which rollouts to train on.
+    filter: TracesFilterConfig = TracesFilterConfig()
+    #: Examples per step: LLM calls with ``algorithm.name: sft``, task groups with the RL algorithms.
+    batch_size: int = pydantic.Field(8, ge=1)
+    #: Passes over the selected data; when set, the number of steps follows from it and ``train.steps``
+    #: may not be set. Unset: ``train.steps`` steps, the data reshuffled at each new pass.
+    epochs: int | None = pydantic.Field(None, ge=1, le=1000)
 
 
 class TasksConfig(_Strict):
@@ -371,6 +422,9 @@ class TrainerConfig(_Strict):
     serving: ServingConfig = ServingConfig()
     #: What computes the policy updates.
     update: UpdateConfig = UpdateConfig()
+    #: Train on rollouts already in a store, selected by a filter, instead of running the agent (then
+    #: ``agent`` and ``tasks`` are needed only for held-out evaluation).
+    traces: TracesConfig | None = None
     #: With ``update.backend: verl``: verl's own settings, in the shape of its ``ppo_trainer`` config
     #: (sections ``actor_rollout_ref``, ``trainer``, ``ray_kwargs``, ``global_profiler``), merged onto
     #: verl's defaults unchanged. A key verl's defaults lack is written ``+key``, as with Hydra. The keys
@@ -384,6 +438,32 @@ class TrainerConfig(_Strict):
     def _verl_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
         check_verl_section(value)
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _traces_fit(self) -> TrainerConfig:
+        if self.traces is None:
+            if self.algorithm.name == "sft":
+                raise ValueError(
+                    "algorithm.name sft fine-tunes on stored rollouts; add a traces: section (traces.store)"
+                )
+            return self
+        online_only = {"tasks_per_step", "rollouts_per_task", "resample_rounds"}
+        moot = sorted(online_only & self.train.model_fields_set)
+        if moot:
+            raise ValueError(
+                f"train.{moot[0]} applies to rollouts the trainer runs; with traces: the data are stored"
+                " rollouts, set traces.batch_size instead"
+            )
+        if self.traces.epochs is not None and "steps" in self.train.model_fields_set:
+            raise ValueError("set either traces.epochs or train.steps, not both")
+        if self.traces.filter.agents and self.algorithm.agents:
+            raise ValueError("set either traces.filter.agents or algorithm.agents, not both")
+        if self.update.backend != "torch" or self.serving.backend != "hf":
+            raise ValueError(
+                "traces: trains with update.backend torch and serving.backend hf (the only backends it"
+                " supports yet)"
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _backends_fit(self) -> TrainerConfig:
@@ -591,6 +671,9 @@ def _validate(
         raise ConfigError(f"{source}: unknown key 'base_dir' (it is set from {base_dir_from})")
     for override in overrides:
         _apply_override(data, override)
+    if data.get("traces") is not None:
+        # training from stored traces runs no agent: agent and tasks only serve held-out evaluation
+        required = [key for key in required if key not in ("agent", "tasks")]
     missing: list[Any] = [{"type": "missing", "loc": (key,)} for key in required if data.get(key) is None]
     try:
         config = TrainerConfig.model_validate({**data, "base_dir": base_dir})
@@ -613,6 +696,10 @@ def _validate(
     update: dict[str, Any] = {}
     if config.tasks is not None:
         update["tasks"] = config.tasks.model_copy(update=resolved)
+    if config.traces is not None:
+        update["traces"] = config.traces.model_copy(
+            update={"store": _traces_store(config.traces.store, base_dir, source)}
+        )
     source_name = config.model.source
     if source_name not in ("smollm2", "tiny"):
         model_dir = Path(source_name) if Path(source_name).is_absolute() else base_dir / source_name
@@ -629,6 +716,20 @@ def _validate(
                 f" directory with a config.json (looked in {model_dir}){hub}"
             )
     return config.model_copy(update=update)
+
+
+def _traces_store(store: str, base_dir: Path, source: str) -> str:
+    """``traces.store`` with a SQLite file resolved against ``base_dir``; the file must exist."""
+    if store.startswith(("http://", "https://", "postgresql://", "postgres://")):
+        return store
+    raw = store.removeprefix("sqlite:///")
+    file = Path(raw) if Path(raw).is_absolute() else base_dir / raw
+    if not file.is_file():
+        raise ConfigError(
+            f"{source}: 'traces.store': store file {file} does not exist (give a SQLite file, a"
+            " postgresql:// DSN or a running store's http(s):// URL)"
+        )
+    return str(file)
 
 
 #: A Hugging Face Hub model name: ``org/model``.

@@ -305,8 +305,11 @@ def train(
     skipped); ``overwrite`` replaces a run that is there. Without either, an existing run is an error.
     ``agent`` (a function, run by the runner in this process) and ``tasks`` (training and validation
     tasks) replace the config's ``agent`` and ``tasks``. A bad agent, mode or task file is reported before
-    anything starts; everything started is stopped on return, also on error.
+    anything starts; everything started is stopped on return, also on error. A config with a ``traces``
+    section trains on stored rollouts instead: :func:`agl_trainer.offline.train_from_traces`.
     """
+    if config.traces is not None:
+        raise ValueError("a config with traces: trains with agl_trainer.offline.train_from_traces")
     agent_fn = job_agent(config, agent)
     train_tasks, val_tasks = job_tasks(config, tasks)
     if resume and config.update.backend == "verl":

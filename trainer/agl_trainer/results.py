@@ -62,6 +62,11 @@ class StepMetrics:
     rollout_ids: list[str] = dataclasses.field(default_factory=list)
     #: Why the step trained nothing (None when it trained); also counted in ``problems``.
     warning: str | None = None
+    #: Training from stored traces: transitions of the step with the token ids the model saw (from the
+    #: gateway), and those rebuilt from recorded messages with the policy's chat template. ``None`` in a
+    #: run that ran its own rollouts (all exact).
+    exact_transitions: int | None = None
+    retokenised_transitions: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
