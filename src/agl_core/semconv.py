@@ -149,6 +149,11 @@ OI_TOOL_NAME = "tool.name"
 SESSION_ID = "session.id"
 #: JSON object of the run's metadata (OpenInference LangChain: carries ``langgraph_node``).
 OI_METADATA = "metadata"
+#: Prefixes of OpenInference's flattened messages and tools: ``llm.input_messages.0.message.role``,
+#: ``llm.output_messages.0.message.content``, ``llm.tools.0.tool.json_schema`` ...
+OI_INPUT_MESSAGES = "llm.input_messages"
+OI_OUTPUT_MESSAGES = "llm.output_messages"
+OI_TOOLS = "llm.tools"
 
 # --- span names ------------------------------------------------------------------------------------
 SPAN_ROLLOUT = "agl.rollout"
@@ -163,5 +168,8 @@ HEADER_ATTEMPT_ID = "x-agl-attempt-id"
 #: Names the agent making a gateway call (also: an ``.../agents/{name}/v1`` base URL); the gateway span then
 #: carries it as ``gen_ai.agent.name``.
 HEADER_AGENT_NAME = "x-agl-agent-name"
+#: Names the session a gateway call belongs to when it names no rollout; with ``agl gateway serve
+#: --capture`` the call's span carries it as ``session.id`` and joins that session's rollout.
+HEADER_SESSION_ID = "x-agl-session-id"
 #: W3C trace context: makes the gateway span a child of the framework span that made the call.
 HEADER_TRACEPARENT = "traceparent"

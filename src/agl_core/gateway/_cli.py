@@ -81,9 +81,24 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
     )
     serve.add_argument(
         "--store",
+        "--store-url",
+        dest="store",
         default=None,
         metavar="URL",
-        help=f"collector-store receiving the spans (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+        help="collector-store receiving the spans, and with --capture the rollouts of sessions (default:"
+        f" $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+    )
+    serve.add_argument(
+        "--store-token",
+        default=None,
+        metavar="TOKEN",
+        help="the store's bearer token (default: $AGL_STORE_TOKEN)",
+    )
+    serve.add_argument(
+        "--capture",
+        action="store_true",
+        help="production capture: a call naming no rollout joins the rollout of its session"
+        " (x-agl-session-id, metadata.session_id, traceparent, then user), registered in the store",
     )
     serve.add_argument(
         "--tokenizer",
@@ -141,6 +156,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.admin_token is not None and not args.admin_token.strip():
         raise _UsageError(
             '--admin-token is empty; pass a secret, e.g. --admin-token "$(openssl rand -hex 16)"'
+        )
+    if args.capture and args.admin_token is None and not settings.is_loopback(args.host):
+        raise _UsageError(
+            f"--capture on --host {args.host} needs an admin token (--admin-token TOKEN or"
+            " AGL_GATEWAY_ADMIN_TOKEN; --insecure-no-admin-token is not accepted with --capture): a capturing"
+            " gateway reachable from other machines writes what they send into the store"
         )
     if args.admin_token is None and not settings.is_loopback(args.host) and not args.insecure_no_admin_token:
         raise _UsageError(
@@ -233,6 +254,7 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     from ..tracing import make_otlp_exporter
     from .app import create_gateway_app
     from .backend import BackendError
+    from .capture import Capture
 
     try:
         _check(args)
@@ -251,15 +273,21 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
         )
     backend, renderer, description = served.backend, served.renderer, served.description
     store = settings.store_url(args.store)
+    token = settings.store_token(args.store_token)
     provider = TracerProvider(resource=Resource.create({"service.name": "agl-gateway"}))
-    provider.add_span_processor(BatchSpanProcessor(make_otlp_exporter(store), schedule_delay_millis=200))
+    provider.add_span_processor(
+        BatchSpanProcessor(make_otlp_exporter(store, token=token), schedule_delay_millis=200)
+    )
+    capture = Capture(store, token=token) if args.capture else None
     app = create_gateway_app(
-        backend, tracer_provider=provider, renderer=renderer, admin_token=args.admin_token
+        backend, tracer_provider=provider, renderer=renderer, admin_token=args.admin_token, capture=capture
     )
     print(
         f"agl gateway: http://{args.host}:{args.port}/v1 serving {', '.join(backend.model_names)!s}"
         f" ({description});"
-        f" spans to {store}" + ("" if renderer is None else "; checking prompt token ids"),
+        f" spans to {store}"
+        + ("" if capture is None else "; capturing sessions as rollouts")
+        + ("" if renderer is None else "; checking prompt token ids"),
         flush=True,
     )
     # uvicorn stops on SIGINT / SIGTERM and then re-raises the signal to the handler it found; a handler
@@ -272,6 +300,8 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
         print(f"agl gateway serve: {exc}", file=sys.stderr)
         return 2
     finally:
+        if capture is not None:
+            capture.close()
         provider.shutdown()
         close = getattr(backend, "close", None)
         if close is not None:

@@ -13,6 +13,7 @@ example whether the client asked for usage in the stream).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -33,8 +34,10 @@ __all__ = [
     "CompletionDoor",
     "DoorError",
     "FrontDoor",
+    "SessionHint",
     "logprob_entries",
     "openai_error",
+    "session_hint",
     "sse",
     "token_usage",
     "trim_top",
@@ -59,6 +62,28 @@ class CallView(Protocol):
 
     @property
     def completions(self) -> list[Completion]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionHint:
+    """What a request body says about the session it belongs to, as sent: ``(field, value)`` pairs, the
+    field named as an error names it (``metadata.session_id``), ``None`` when the body has none.
+
+    ``session`` names a session; ``user`` names a user (several sessions of one user). Values are not
+    checked here: only a gateway that captures sessions (:mod:`agl_core.gateway.capture`) reads them."""
+
+    session: tuple[str, Any] | None = None
+    user: tuple[str, Any] | None = None
+
+
+def session_hint(metadata: Any, user: Any, user_field: str = "user") -> SessionHint:
+    """The :class:`SessionHint` of a body with this ``metadata`` (its ``session_id`` names the session) and
+    this user (``user_field`` says where the body holds it)."""
+    session = metadata.get("session_id") if isinstance(metadata, dict) else None
+    return SessionHint(
+        None if session is None else ("metadata.session_id", session),
+        None if user is None else (user_field, user),
+    )
 
 
 def openai_error(
@@ -130,6 +155,8 @@ class FrontDoor(abc.ABC):
     operation: ClassVar[str] = semconv.OP_CHAT
     #: Where a context-window error points (the request field holding the prompt).
     prompt_param: ClassVar[str] = "messages"
+    #: What the parsed body says about its session (set by :meth:`parse`; none by default).
+    session_hint: SessionHint = SessionHint()
 
     def bind(self, rollout: RolloutContext | None) -> None:  # noqa: B027 - an optional hook
         """Called before :meth:`parse` with the rollout (and attempt) the request is attributed to by its
@@ -214,6 +241,7 @@ class ChatDoor(FrontDoor):
     def parse(self, raw: bytes) -> tuple[str, ChatRequest]:
         body, chat = parse_chat(raw)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.session_hint = _extra_hint(body.model_extra)
         return body.model, chat
 
     def usage(self, call: CallView) -> dict[str, int]:
@@ -302,6 +330,12 @@ class ChatDoor(FrontDoor):
         return [sse({"error": {"message": message, "type": kind, "param": None, "code": status}})]
 
 
+def _extra_hint(extra: dict[str, Any] | None) -> SessionHint:
+    # metadata and user are not fields of the Chat Completions schema here: they arrive as extras
+    extra = extra or {}
+    return session_hint(extra.get("metadata"), extra.get("user"))
+
+
 def _text_logprobs(entries: Sequence[Mapping[str, Any]], offset: int = 0) -> dict[str, Any]:
     tokens = [e["token"] for e in entries]
     offsets, at = [], offset
@@ -328,6 +362,7 @@ class CompletionDoor(ChatDoor):
     def parse(self, raw: bytes) -> tuple[str, ChatRequest]:
         body, chat = parse_completion(raw)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.session_hint = _extra_hint(body.model_extra)
         return body.model, chat
 
     def choice(self, call: CallView, result: Completion) -> dict[str, Any]:

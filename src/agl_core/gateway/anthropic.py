@@ -38,7 +38,7 @@ from typing import Any, Literal
 import pydantic
 from starlette.responses import JSONResponse, Response
 
-from ._door import CallView, DoorError, FrontDoor, sse, token_usage
+from ._door import CallView, DoorError, FrontDoor, session_hint, sse, token_usage
 from ._schema import RequestError, _Function
 from .backend import ChatRequest, ChoiceDelta, Completion, ToolChoice
 
@@ -398,6 +398,9 @@ class MessagesDoor(FrontDoor):
 
     def parse(self, raw: bytes) -> tuple[str, ChatRequest]:
         body, chat = parse_messages(raw)
+        # metadata.user_id names the end user (Anthropic's only metadata field), not a session
+        user = body.metadata.get("user_id") if body.metadata else None
+        self.session_hint = session_hint(body.metadata, user, "metadata.user_id")
         return body.model, chat
 
     def error(

@@ -11,6 +11,7 @@ Rollout attribution, without changing agent code, by either
   this to the agent), or
 * the ``x-agl-rollout-id`` / ``x-agl-attempt-id`` headers.
 A W3C ``traceparent`` header on the request makes the gateway span a child of the caller's span.
+With production capture (:mod:`.capture`), a call attributed to no rollout joins the rollout of its session.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pydantic
@@ -56,6 +57,9 @@ from .render import TemplateRenderer
 from .responses import ResponseLog, ResponsesDoor
 from .tools import malformed_tool_calls
 from .urls import API_PREFIXES, agent_name_of, rollout_base_url
+
+if TYPE_CHECKING:
+    from .capture import Capture, CapturedSession
 
 __all__ = ["create_gateway_app", "rollout_base_url"]
 
@@ -139,6 +143,7 @@ class _Call:
         door: FrontDoor,
         rollout: RolloutContext | None,
         agent_name: str | None,
+        session_id: str | None = None,
     ) -> None:
         self.app = app
         self.chat = chat
@@ -160,6 +165,8 @@ class _Call:
         self.rollout = rollout
         #: The calling agent its URL (``.../agents/{name}/v1``) or the agent-name header names, if any.
         self.agent_name = agent_name
+        #: The session production capture attributed the call to (``session.id``), if any.
+        self.session_id = session_id
         self.completions: list[Completion] = []
         # The drift check renders the prompt on a worker thread while the backend generates.
         self.expected: asyncio.Task[list[int] | None] | None = None
@@ -200,6 +207,8 @@ class _Call:
         )
         if self.agent_name:
             attrs[semconv.GEN_AI_AGENT_NAME] = self.agent_name
+        if self.session_id is not None:
+            attrs[semconv.SESSION_ID] = self.session_id
         messages = chat.messages if chat.is_chat else [{"role": "user", "content": chat.prompt}]
         attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(list(messages), ensure_ascii=False)
         if chat.max_tokens:
@@ -309,12 +318,14 @@ class _Gateway:
         renderer: TemplateRenderer | None,
         metrics: GatewayMetrics,
         admin_token: str | None,
+        capture: Capture | None = None,
     ) -> None:
         self.backend = backend
         self.tracer = tracer
         self.renderer = renderer
         self.metrics = metrics
         self.admin_token = admin_token
+        self.capture = capture
 
     # -- endpoints ------------------------------------------------------------------------------------
 
@@ -415,6 +426,16 @@ class _Gateway:
             )
         except DoorError as exc:
             return self._done(endpoint, door.error(exc.status, str(exc), exc.kind, exc.param))
+        session: CapturedSession | None = None
+        if rollout is None and self.capture is not None:
+            try:
+                session = self.capture.session_of(request.headers, door.session_hint)
+            except RequestError as exc:
+                return self._done(
+                    endpoint, door.error(400, f"invalid request: {exc}", "invalid_request_error", exc.param)
+                )
+            if session is not None:
+                rollout = RolloutContext(session.rollout_id)
         if model not in self.backend.model_names:
             return self._done(
                 endpoint,
@@ -426,7 +447,11 @@ class _Gateway:
                     "model_not_found",
                 ),
             )
-        call = _Call(self, request, chat, model, door, rollout, agent)
+        session_id = None
+        if session is not None and self.capture is not None:
+            self.capture.note(session)
+            session_id = session.session_id
+        call = _Call(self, request, chat, model, door, rollout, agent, session_id)
         metrics.inflight += 1
         events = self.backend.generate(model, chat)
         try:
@@ -622,15 +647,18 @@ def create_gateway_app(
     renderer: TemplateRenderer | None = None,
     metrics: GatewayMetrics | None = None,
     admin_token: str | None = None,
+    capture: Capture | None = None,
 ) -> Starlette:
     """The ASGI app of the gateway in front of ``backend``; spans go through ``tracer_provider``.
 
     ``renderer`` turns on the drift check: the gateway renders each prompt with it and compares the ids
     with what the backend reports (flagged on the span, counted in ``/metrics``). ``admin_token``, when
-    set, is required to publish a new policy version.
+    set, is required to publish a new policy version. ``capture`` turns on production capture: calls that
+    name no rollout join the rollout of their session, registered in the store (:mod:`.capture`); the
+    caller closes it.
     """
     gateway = _Gateway(
-        backend, get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token
+        backend, get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token, capture
     )
     routes = [
         Route("/metrics", gateway.metrics_text, methods=["GET"]),

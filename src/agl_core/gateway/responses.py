@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..tracing import RolloutContext
-from ._door import CallView, FrontDoor, logprob_entries, sse, token_usage, trim_top
+from ._door import CallView, FrontDoor, logprob_entries, session_hint, sse, token_usage, trim_top
 from ._responses_in import Messages, ResponsesIn, ResponsesRequest, parse_responses
 from .backend import ChatRequest, ChoiceDelta, Completion
 
@@ -143,6 +143,7 @@ class ResponsesDoor(FrontDoor):
 
     def parse(self, raw: bytes) -> tuple[str, ChatRequest]:
         self.parsed = parse_responses(raw, lambda response_id: self.log.get(self.scope, response_id))
+        self.session_hint = session_hint(self.parsed.body.metadata, self.parsed.body.user)
         return self.parsed.body.model, self.parsed.chat
 
     def recorded(self, call: CallView) -> None:

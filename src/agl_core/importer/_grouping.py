@@ -23,12 +23,25 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from .. import semconv
 from ._files import Record
 
-__all__ = ["Grouping", "SESSION_KEYS"]
+__all__ = ["SESSION_KEYS", "Grouping", "session_rollout_id", "trace_rollout_id"]
 
 #: Span attributes naming the session a trace belongs to, in order of preference.
 SESSION_KEYS = (semconv.SESSION_ID, semconv.GEN_AI_CONVERSATION_ID)
 _KEYS = (semconv.ROLLOUT_ID, *SESSION_KEYS)
 _MARKERS = tuple(k.encode() for k in _KEYS)
+
+
+def session_rollout_id(session: str) -> str:
+    """The rollout id of the traces of one session: ``imp-s-<hash of the session id>``. It depends only on
+    the session id, so the same session names the same rollout whenever and however it is recorded
+    (imported from a file, or captured live by ``agl gateway serve --capture``)."""
+    digest = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    return f"imp-s-{digest}"
+
+
+def trace_rollout_id(trace_id: bytes) -> str:
+    """The rollout id of a trace that names no session and no rollout: ``imp-t-<trace id in hex>``."""
+    return f"imp-t-{trace_id.hex()}"
 
 
 def _varint(n: int) -> bytes:
@@ -120,9 +133,8 @@ class Grouping:
         session = self._trace_session.get(trace_id)
         if session is not None:
             key, value = session
-            digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
-            return f"imp-s-{digest}", {key: value}
-        return f"imp-t-{trace_id.hex()}", {"trace_id": trace_id.hex()}
+            return session_rollout_id(value), {key: value}
+        return trace_rollout_id(trace_id), {"trace_id": trace_id.hex()}
 
     def attribute_bytes(self, rollout_id: str) -> bytes:
         """``agl.rollout.id = rollout_id`` encoded as one more ``attributes`` entry of a Span message.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -15,6 +16,9 @@ from ..gateway.backend import Backend
 from ..server import BackgroundServer
 from ..tracing import make_otlp_exporter
 
+if TYPE_CHECKING:
+    from ..gateway.capture import Capture
+
 __all__ = ["GatewayServer"]
 
 
@@ -25,8 +29,9 @@ class GatewayServer:
     The gateway's spans go through a tracer provider of its own: always to memory (:meth:`spans`), and,
     with ``export_to`` (a store URL, such as a :class:`~agl_core.testing.Collector`'s ``url``), also to
     that store over real OTLP/HTTP, each span exported before the response that ended it is sent.
-    ``renderer``, ``metrics`` and ``admin_token`` are passed to the app. The backend is not closed on
-    :meth:`stop`. Use it as a context manager, or call :meth:`start` and :meth:`stop`.
+    ``renderer``, ``metrics``, ``admin_token`` and ``capture`` are passed to the app. The backend is not
+    closed on :meth:`stop`, a ``capture`` is. Use it as a context manager, or call :meth:`start` and
+    :meth:`stop`.
     """
 
     def __init__(
@@ -38,6 +43,7 @@ class GatewayServer:
         renderer: TemplateRenderer | None = None,
         metrics: GatewayMetrics | None = None,
         admin_token: str | None = None,
+        capture: Capture | None = None,
     ) -> None:
         from ..gateway.app import create_gateway_app
 
@@ -55,7 +61,9 @@ class GatewayServer:
             renderer=renderer,
             metrics=metrics,
             admin_token=admin_token,
+            capture=capture,
         )
+        self.capture = capture
         self._server = BackgroundServer(self.app)
         #: The gateway's base URL (``http://127.0.0.1:<port>``).
         self.url = self._server.url
@@ -92,6 +100,8 @@ class GatewayServer:
 
     def stop(self) -> None:
         self._server.stop()
+        if self.capture is not None:
+            self.capture.close()
         self.tracer_provider.shutdown()
 
     def __enter__(self) -> GatewayServer:
