@@ -7,7 +7,6 @@ carry no loss), accumulated micro-batch by micro-batch within ``micro_batch_toke
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ from agl_core.records import Transition
 from agl_core.sft import SftExample
 
 from .algo import Advantaged
-from .update import UpdateStats, _micro_batches, response_logprobs
+from .update import UpdateStats, _micro_batches, apply_gradients, response_logprobs
 
 __all__ = ["OUT_OF_VOCABULARY", "TEMPLATE_FAILED", "example_transition", "sft_update_step"]
 
@@ -113,11 +112,7 @@ def sft_update_step(
         loss = -torch.cat(logprobs).sum() / total_tokens
         torch.autograd.backward(loss)
         loss_sum += float(loss.detach())
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = apply_gradients(optimizer, max_grad_norm)
     return UpdateStats(
         loss=loss_sum,
         transitions=len(transitions),

@@ -260,6 +260,17 @@ def batch_loss(
     }
 
 
+def apply_gradients(optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
+    """Clip the accumulated gradients to ``max_grad_norm``, step the optimizer unless the norm is not
+    finite (the step is skipped, never applied with NaN), clear the gradients; returns the norm."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def update_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -290,11 +301,7 @@ def update_step(
         reference=reference,
         bf16=bf16,
     )
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = apply_gradients(optimizer, max_grad_norm)
     return UpdateStats(
         loss=loss,
         transitions=len(samples),
