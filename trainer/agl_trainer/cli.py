@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 
-from .config import ConfigError, load_config
+from .config import ConfigError, add_override_argument, load_config
 
 __all__ = ["TRAIN_COMMAND", "run_train"]
 
@@ -75,14 +75,7 @@ class _TrainCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("config", help="path of the trainer's YAML config")
-        parser.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one config key, e.g. --set train.steps=2 (repeatable)",
-        )
+        add_override_argument(parser, "train.steps=2")
         parser.add_argument("--print-config", action="store_true", help="print the validated config and exit")
         again = parser.add_mutually_exclusive_group()
         again.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import difflib
 import re
@@ -739,3 +740,16 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 def _loads_from_hub(config: TrainerConfig) -> bool:
     """Whether the model may be a Hub name: only the GPU setups, where the machine downloads models."""
     return config.serving.backend == "vllm" or config.update.backend == "verl"
+
+
+def add_override_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    """The ``--set KEY=VALUE`` option (repeatable, into ``args.overrides``) the ``agl`` trainer commands
+    share; ``example`` is a ``key=value`` shown in its help."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override one config key, e.g. --set {example} (repeatable)",
+    )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 
-from .config import REQUIRED_KEYS, ConfigError, TrainerConfig, load_config
+from .config import REQUIRED_KEYS, ConfigError, TrainerConfig, add_override_argument, load_config
 from .data import DatasetError, find_task_file, load_tasks
 from .reporting import dev_lines
 from .results import DevResult, DevRollout
@@ -221,14 +221,7 @@ class DevCommand:
             help="keep the rollouts and their spans in this SQLite file, for agl inspect (default: a"
             " temporary one)",
         )
-        parser.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one config key, e.g. --set runner.workers=1 (repeatable)",
-        )
+        add_override_argument(parser, "runner.workers=1")
 
     def run(self, args: argparse.Namespace) -> int:
         required = tuple(k for k in REQUIRED_KEYS if k != "tasks") if args.tasks else REQUIRED_KEYS

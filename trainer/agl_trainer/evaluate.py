@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from agl_core.records import Span, Task
 
-from .config import ConfigError, TrainerConfig, load_config
+from .config import ConfigError, TrainerConfig, add_override_argument, load_config
 from .data import DatasetError, find_task_file, load_splits, load_tasks
 from .reporting import held_out_line, paired_difference
 from .results import EvalResult, mean_se
@@ -426,14 +426,7 @@ class EvalCommand:
             help="keep the rollouts and their spans in this SQLite file, for agl inspect (default: a"
             " temporary one)",
         )
-        parser.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one config key, e.g. --set serving.backend=hf (repeatable)",
-        )
+        add_override_argument(parser, "serving.backend=hf")
 
     def run(self, args: argparse.Namespace) -> int:
         try:

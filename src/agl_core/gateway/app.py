@@ -70,9 +70,6 @@ _propagator = TraceContextTextMapPropagator()
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-_openai_error = openai_error
-
-
 def _rollout_of(request: Request) -> RolloutContext | None:
     """The rollout (and attempt) a request is attributed to: by its URL, else by its headers."""
     headers = request.headers
@@ -103,7 +100,7 @@ async def _read_body(request: Request, limit: int = _MAX_BODY) -> bytes:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return _openai_error(
+    return openai_error(
         404, f"no endpoint {request.url.path!r} here; the API is under /v1", "invalid_request_error"
     )
 
@@ -111,7 +108,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
     allowed = dict(getattr(exc, "headers", None) or {})
     methods = allowed.get("Allow", "another method")
-    response = _openai_error(
+    response = openai_error(
         405,
         f"{request.method} is not allowed on {request.url.path}; use {methods}",
         "invalid_request_error",
@@ -366,14 +363,14 @@ class _Gateway:
             # Bytes, not str: compare_digest refuses non-ASCII text (a header is latin-1 on the wire).
             given = request.headers.get("authorization", "").encode("latin-1", "replace")
             if not hmac.compare_digest(given, b"Bearer " + self.admin_token.encode()):
-                return _openai_error(
+                return openai_error(
                     401,
                     "publishing a policy needs 'Authorization: Bearer <admin token>'",
                     "authentication_error",
                 )
         update_policy = getattr(self.backend, "update_policy", None)
         if update_policy is None:
-            return _openai_error(
+            return openai_error(
                 501,
                 f"the {getattr(self.backend, 'kind', 'configured')} backend cannot load new policy versions",
                 "invalid_request_error",
@@ -381,7 +378,7 @@ class _Gateway:
         try:
             raw = await _read_body(request)
         except _TooLarge as exc:
-            return _openai_error(413, str(exc), "invalid_request_error")
+            return openai_error(413, str(exc), "invalid_request_error")
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -392,7 +389,7 @@ class _Gateway:
             if update.kind not in ("lora", "full"):
                 raise ValueError(f"kind must be 'lora' or 'full', got {update.kind!r}")
         except (ValueError, KeyError, TypeError) as exc:
-            return _openai_error(
+            return openai_error(
                 400,
                 f'expected {{"version": int, "path": str, "kind": "lora"|"full"}}: {exc}',
                 "invalid_request_error",
@@ -401,7 +398,7 @@ class _Gateway:
             await update_policy(update)
         except BackendError as exc:
             status, message, kind, _ = _error_of(exc)
-            return _openai_error(
+            return openai_error(
                 status if status != 502 else 500, f"cannot load policy v{update.version}: {exc}", kind
             )
         return JSONResponse({"policy_version": update.version})
