@@ -98,6 +98,7 @@ _STORE_ENDPOINTS: list[tuple[str, str, list[str]]] = [
         ["rollout_ids", "attempt_id", "trace_id", "after_seq", "limit", "start_after_ns"],
     ),
     ("POST", "/api/rewards", ["rewards"]),
+    ("POST", "/api/rollouts/observed", ["rollouts"]),
     ("PUT", "/api/resources/{id}", ["value"]),
     ("GET", "/api/resources/{id}", []),
     ("GET", "/api/stats", []),
