@@ -40,6 +40,9 @@ RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"
 #: Log-probability of each sampled response token under the serving policy (raw logits, temperature 1).
 RESPONSE_LOGPROBS = "agl.llm.response_logprobs"
 POLICY_VERSION = "agl.policy.version"
+#: The policy (a LoRA adapter of the base model, config ``policies``) that served an LLM call, or ``base``
+#: when the call's agent is served by the untrained base model. Absent when one policy serves every agent.
+POLICY_NAME = "agl.policy.name"
 #: False when the serving backend cannot be trained (an external endpoint used for evaluation).
 TRAINABLE = "agl.llm.trainable"
 #: Which of the ``n`` choices of one request a gateway span records (one span per choice).

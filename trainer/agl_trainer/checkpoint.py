@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,15 @@ def save_checkpoint(
     step: int,
     *,
     model: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
     state: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write the checkpoint of ``step`` and drop all but the ``keep`` newest; returns its directory."""
+    """Write the checkpoint of ``step`` and drop all but the ``keep`` newest; returns its directory.
+
+    ``optimizer`` may be a mapping ``{policy: optimizer}`` (a policy per agent): the model then holds one
+    adapter per policy, saved under ``adapter/<policy>/``, and ``optimizer.pt`` maps each policy to its
+    optimizer's state."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:06d}"
     tmp = root / f".tmp-{_PREFIX}{step:06d}"
@@ -67,7 +72,10 @@ def save_checkpoint(
         from safetensors.torch import save_model
 
         save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if isinstance(optimizer, Mapping):
+        torch.save({name: o.state_dict() for name, o in optimizer.items()}, tmp / "optimizer.pt")
+    else:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(torch.get_rng_state(), tmp / "rng.pt")
     # state.json last: its presence marks the directory complete (see list_checkpoints)
     (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2, default=str))
@@ -79,11 +87,20 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, *, model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore weights, optimizer and RNG from ``path`` into the given objects; returns ``state.json``."""
+def load_checkpoint(
+    path: Path, *, model: Any, optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG from ``path`` into the given objects; returns ``state.json``.
+    With a mapping of optimizers (a policy per agent), every policy's adapter and optimizer."""
     state: dict[str, Any] = json.loads((path / STATE_FILE).read_text())  # save_checkpoint wrote an object
-    if _is_peft(model):
+    if isinstance(optimizer, Mapping):
+        _load_policies(path, model, optimizer)
+    elif _is_peft(model):
         adapter = path / "adapter" / "adapter_model.safetensors"
+        if not adapter.is_file() and (path / "adapter").is_dir():
+            raise CheckpointError(
+                f"{path} holds one adapter per policy (a run with policies:); resume it with its policies"
+            )
         if not adapter.is_file():
             raise CheckpointError(
                 f"{path} holds full model weights, but this run trains a LoRA adapter; resume with the "
@@ -108,9 +125,44 @@ def load_checkpoint(path: Path, *, model: Any, optimizer: torch.optim.Optimizer)
         from safetensors.torch import load_model
 
         load_model(model, str(weights))
-    try:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    except (ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{path}: the optimizer state does not fit this model: {exc}") from None
+    if not isinstance(optimizer, Mapping):
+        try:
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: the optimizer state does not fit this model: {exc}") from None
     torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return state
+
+
+def _load_policies(path: Path, model: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    """Each policy's adapter and optimizer state from a checkpoint of a run with ``policies``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = torch.load(path / "optimizer.pt", weights_only=True)
+    if not isinstance(saved, dict) or not all(
+        isinstance(k, str) and isinstance(v, dict) for k, v in saved.items()
+    ):
+        raise CheckpointError(
+            f"{path} was written by a run with one shared policy; resume it without policies: (or start over)"
+        )
+    missing = [name for name in optimizers if name not in saved]
+    if missing:
+        raise CheckpointError(
+            f"{path} holds no adapter of policy {missing[0]!r} (it has {', '.join(sorted(saved)) or 'none'});"
+            " resume with the checkpoint's policies, or start over"
+        )
+    for name, optimizer in optimizers.items():
+        adapter = path / "adapter" / name / "adapter_model.safetensors"
+        if not adapter.is_file():
+            raise CheckpointError(f"{path}: the adapter of policy {name!r} is missing ({adapter})")
+        result = set_peft_model_state_dict(model, load_file(str(adapter)), adapter_name=name)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise CheckpointError(
+                f"{path}: policy {name!r}'s adapter does not fit this model ({unexpected[:3]})"
+            )
+        try:
+            optimizer.load_state_dict(saved[name])
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: policy {name!r}'s optimizer state does not fit: {exc}") from None

@@ -15,6 +15,7 @@ import pydantic
 import yaml
 
 from agl_core.credit import RewardWeights
+from agl_core.policies import BASE, PolicyRouter, check_policy_name
 
 __all__ = [
     "REQUIRED_KEYS",
@@ -42,6 +43,32 @@ class LoraConfig(_Strict):
     target_modules: list[str] = pydantic.Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
     )
+
+
+class PolicyConfig(_Strict):
+    """One policy of a multi-agent system: a LoRA adapter of the base model that serves and learns from
+    the calls of the agents it names."""
+
+    #: The policy's name (spans record it as ``agl.policy.name``; checkpoints hold its adapter under it).
+    name: str
+    #: The agents it serves: agent names or ``fnmatch`` globs (``writer``, ``fix_*``).
+    agents: list[str] = pydantic.Field(min_length=1)
+    #: Its LoRA settings; default: ``model.lora``.
+    lora: LoraConfig | None = None
+    #: Its optimizer's learning rate; default: ``algorithm.learning_rate``.
+    learning_rate: float | None = pydantic.Field(None, gt=0)
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_policy_name(value)
+
+    @pydantic.field_validator("agents")
+    @classmethod
+    def _agents(cls, value: list[str]) -> list[str]:
+        if not all(a.strip() for a in value):
+            raise ValueError("an agent name or glob may not be empty")
+        return value
 
 
 class ModelConfig(_Strict):
@@ -411,6 +438,12 @@ class TrainerConfig(_Strict):
     #: Where the store file, metrics and checkpoints go, relative to the working directory.
     output_dir: Path = Path("runs/agl")
     model: ModelConfig = ModelConfig()
+    #: A policy per agent (or group of agents): each a LoRA adapter of the base model, served to and
+    #: trained on the calls of its agents only. Empty: one policy serves and learns from every agent.
+    policies: list[PolicyConfig] = []
+    #: With ``policies``: what serves agents no policy names (and calls that name no agent): ``base``, the
+    #: untrained base model (their calls are not trained), or the name of one of the policies.
+    default_policy: str = "base"
     store: StoreConfig = StoreConfig()
     gateway: GatewayConfig = GatewayConfig()
     runner: RunnerConfig = RunnerConfig()
@@ -465,6 +498,51 @@ class TrainerConfig(_Strict):
                 " supports yet)"
             )
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _policies_fit(self) -> TrainerConfig:
+        if not self.policies:
+            if "default_policy" in self.model_fields_set:
+                raise ValueError("default_policy applies with policies:; remove it, or list the policies")
+            return self
+        names = [p.name for p in self.policies]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"policies: the name {repeated[0]!r} is given twice; each policy needs its own")
+        if self.default_policy != BASE and self.default_policy not in names:
+            raise ValueError(
+                f"default_policy {self.default_policy!r} is not one of the policies ({', '.join(names)});"
+                f" name one of them, or {BASE!r} for the base model"
+            )
+        router = self.router()
+        assert router is not None
+        router.check()
+        if self.model.lora is None and any(p.lora is None for p in self.policies):
+            raise ValueError(
+                "policies are LoRA adapters of one base model: set model.lora (or each policy's lora)"
+            )
+        if self.algorithm.agents:
+            raise ValueError(
+                "with policies:, each policy trains on its own agents' calls; remove algorithm.agents (an"
+                " agent no policy names is served by default_policy and, with base, not trained)"
+            )
+        if self.update.backend == "verl" or self.serving.backend != "hf":
+            raise ValueError(
+                "policies: (an adapter per agent) trains with update.backend torch and serving.backend hf;"
+                " for vLLM and verl train one shared policy (remove policies:)"
+            )
+        if self.traces is not None:
+            raise ValueError("policies: does not train from stored traces yet; remove traces: or policies:")
+        return self
+
+    def router(self) -> PolicyRouter | None:
+        """The :class:`agl_core.policies.PolicyRouter` of ``policies`` (``None`` without them)."""
+        if not self.policies:
+            return None
+        return PolicyRouter(
+            {p.name: p.agents for p in self.policies},
+            None if self.default_policy == BASE else self.default_policy,
+        )
 
     @pydantic.model_validator(mode="after")
     def _backends_fit(self) -> TrainerConfig:

@@ -44,6 +44,7 @@ from agl_core.gateway.backend import (
 from agl_core.gateway.render import TemplateRenderer
 from agl_core.gateway.tools import ToolFormat, forced_prefix
 from agl_core.plugins import ServedBackend
+from agl_core.policies import BASE
 
 __all__ = ["HFBackend", "LogitsProcessor", "serve_with_transformers"]
 
@@ -77,6 +78,8 @@ class _Job:
     sink: Callable[[Event | BaseException], None]
     cancelled: bool = False
     open_choices: int = 0
+    #: The adapter serving the request when the backend routes by agent (``None``: the base model).
+    policy: str | None = None
 
 
 class _PolicyLock:
@@ -167,8 +170,13 @@ class HFBackend:
         context_window: int | None = None,
         max_batch: int = 16,
         logits_processor: LogitsProcessor | None = None,
+        route: Callable[[str | None], str | None] | None = None,
     ) -> None:
         self.model = model
+        #: With a policy per agent: the calling agent's name -> the LoRA adapter (of ``model``, a PEFT
+        #: model holding one adapter per policy) that serves it, ``None`` for the base model. Rows of one
+        #: batch may use different adapters (PEFT's mixed-adapter batches).
+        self.route = route
         self.tokenizer = tokenizer
         self.renderer = TemplateRenderer(tokenizer)
         self._names = (model_name,)
@@ -254,7 +262,15 @@ class HFBackend:
             forced_ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)][
                 : max_new - 1
             ]
-        return _Job(request, prompt_ids, max_new, tool_format, forced_ids, sink, open_choices=request.n)
+        policy = None
+        if self.route is not None:
+            try:
+                policy = self.route(request.agent)
+            except ValueError as exc:  # an agent two policies match
+                raise UpstreamError(400, str(exc)) from exc
+        return _Job(
+            request, prompt_ids, max_new, tool_format, forced_ids, sink, open_choices=request.n, policy=policy
+        )
 
     def _submit(self, job: _Job) -> None:
         with self._wakeup:
@@ -402,6 +418,12 @@ class HFBackend:
             finally:
                 self.lock.release()
 
+    def _adapters(self, jobs: Sequence[_Job]) -> dict[str, Any]:
+        """The ``adapter_names`` argument of a forward pass over rows of ``jobs`` (none without routing)."""
+        if self.route is None:
+            return {}
+        return {"adapter_names": [job.policy or "__base__" for job in jobs]}
+
     def _forward(self, **kwargs: Any) -> Any:
         if self._keep_logits_arg:
             try:
@@ -427,6 +449,7 @@ class HFBackend:
                 attention_mask=mask,
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                 use_cache=True,
+                **self._adapters(jobs),
             )
             past = out[_cache_key()]
             logits = out.logits[:, -1].float()
@@ -459,6 +482,7 @@ class HFBackend:
                     position_ids=positions[:, None],
                     use_cache=True,
                     **{_cache_key(): past},
+                    **self._adapters([row.job for row in rows]),
                 )
                 past = out[_cache_key()]
                 logits = out.logits[:, -1].float()
@@ -549,6 +573,7 @@ class HFBackend:
                 top_logprobs=tuple(row.tops) if request.top_logprobs else None,
                 forced_tokens=len(job.forced_ids),
                 tool_call_unparseable=unparseable,
+                policy_name=None if self.route is None else (job.policy or BASE),
             )
         )
 

@@ -112,6 +112,16 @@ class _RunLog:
                 "train/policy_version": float(metrics.policy_version),
             },
         )
+        for name, row in (metrics.policies or {}).items():
+            self.scalars.add(
+                metrics.step,
+                {
+                    f"policy/{name}/loss": row["loss"],
+                    f"policy/{name}/grad_norm": row["grad_norm"],
+                    f"policy/{name}/trained": float(row["trained"]),
+                    f"policy/{name}/calls": float(row["calls"]),
+                },
+            )
 
     def record_eval(self, result: EvalResult, label: str) -> None:
         self.val_curve.append((result.step, result.mean, result.se))
@@ -160,7 +170,7 @@ def _save(
     sampler: TaskSampler,
     before: EvalResult | None,
 ) -> Path | None:
-    if policy.model is None or policy.optimizer is None:
+    if not policy.trains_in_process:
         return None  # the verl update keeps the weights in its workers (verl's own checkpoints)
     state = {
         "policy_version": services.serving.policy_version,
@@ -172,7 +182,7 @@ def _save(
         config.output_dir / CHECKPOINTS_DIR,
         step,
         model=policy.model,
-        optimizer=policy.optimizer,
+        optimizer=policy.optimizer if policy.optimizer is not None else policy.optimizers,
         state=state,
         keep=config.checkpoint.keep,
     )
@@ -188,9 +198,13 @@ def _restore(
 ) -> tuple[int, EvalResult | None]:
     """Load the checkpoint at ``path`` into the policy and the sampler, serve its weights under their
     version and replay the metrics up to it; returns its step and its before-training score."""
-    if policy.optimizer is None:
+    if not policy.trains_in_process:
         raise CheckpointError("--resume needs the torch update (update.backend: torch)")
-    state = load_checkpoint(path, model=policy.model, optimizer=policy.optimizer)
+    state = load_checkpoint(
+        path,
+        model=policy.model,
+        optimizer=policy.optimizer if policy.optimizer is not None else policy.optimizers,
+    )
     step = int(state["step"])
     sampler.load_state_dict(state["sampler"])
     version = int(state["policy_version"])

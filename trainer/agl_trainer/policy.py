@@ -13,12 +13,15 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from .algo import Advantaged
-from .config import TrainerConfig
+from .config import LoraConfig, TrainerConfig
 from .services import Services
 
 if TYPE_CHECKING:
     import torch
 
+    from agl_core.policies import PolicyRouter
+
+    from .step import UpdateStats as StepStats
     from .update import ReferenceFn, UpdateStats
     from .verl_backend import VerlUpdater
 
@@ -39,6 +42,15 @@ class TrainablePolicy:
     #: The base model's logprobs for the KL penalty (``algorithm.kl_coef > 0``).
     reference: ReferenceFn | None
     updater: VerlUpdater | None
+    #: With ``policies``: each policy's optimizer over its own adapter (``optimizer`` is then ``None``).
+    optimizers: Mapping[str, torch.optim.Optimizer] = dataclasses.field(default_factory=dict)
+    #: With ``policies``: which policy serves which agent.
+    router: PolicyRouter | None = None
+
+    @property
+    def trains_in_process(self) -> bool:
+        """The weights and optimizer state live here (the torch update), not in verl's workers."""
+        return self.model is not None and (self.optimizer is not None or bool(self.optimizers))
 
 
 def load_trainable_policy(
@@ -51,6 +63,7 @@ def load_trainable_policy(
     t0 = time.monotonic()
     model: Any = None
     optimizer: torch.optim.Optimizer | None = None
+    optimizers: dict[str, torch.optim.Optimizer] = {}
     reference: ReferenceFn | None = None
     if config.update.backend == "verl":
         # verl's workers hold the policy; this process only needs the tokenizer
@@ -60,27 +73,29 @@ def load_trainable_policy(
 
         model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
         model = model.to(torch_device(config.update.device))
-        if config.model.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            lora = config.model.lora
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora.r,
-                    lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float works
-                    lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules),
-                    task_type="CAUSAL_LM",
-                ),
+        if config.policies:
+            model, optimizers = _add_policy_adapters(model, config)
+            device = next(model.parameters()).device
+            sizes = ", ".join(
+                f"{name} {sum(p.numel() for g in opt.param_groups for p in g['params']):,}"
+                for name, opt in optimizers.items()
             )
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        device = next(model.parameters()).device
-        echo(
-            f"model: {config.model.source} loaded in {time.monotonic() - t0:.1f}s on {device},"
-            f" {sum(p.numel() for p in trainable):,} trainable parameters"
-        )
-        optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
+            echo(
+                f"model: {config.model.source} loaded in {time.monotonic() - t0:.1f}s on {device};"
+                f" {len(optimizers)} policies, trainable parameters: {sizes}"
+            )
+        else:
+            if config.model.lora is not None:
+                from peft import get_peft_model
+
+                model = get_peft_model(model, _peft_lora(config.model.lora))
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            device = next(model.parameters()).device
+            echo(
+                f"model: {config.model.source} loaded in {time.monotonic() - t0:.1f}s on {device},"
+                f" {sum(p.numel() for p in trainable):,} trainable parameters"
+            )
+            optimizer = torch.optim.AdamW(trainable, lr=config.algorithm.learning_rate)
         if config.algorithm.kl_coef > 0:
             if config.model.lora is None:
                 raise ValueError("algorithm.kl_coef > 0 needs model.lora (the base model is the reference)")
@@ -95,18 +110,65 @@ def load_trainable_policy(
         updater = VerlUpdater(config, pad_id=pad_id)
         stack.callback(updater.close)
         echo(f"update: verl actor on Ray ({config.model.source})")
-    return TrainablePolicy(tokenizer, pad_id, model, optimizer, reference, updater)
+    return TrainablePolicy(
+        tokenizer, pad_id, model, optimizer, reference, updater, optimizers, config.router()
+    )
+
+
+def _peft_lora(lora: LoraConfig) -> Any:
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float works
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def _add_policy_adapters(model: Any, config: TrainerConfig) -> tuple[Any, dict[str, torch.optim.Optimizer]]:
+    """``model`` as a PEFT model with one LoRA adapter per policy (named after it), and each policy's
+    optimizer over its own adapter's parameters."""
+    import torch
+    from peft import get_peft_model
+
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    for n, policy in enumerate(config.policies):
+        lora = policy.lora or config.model.lora
+        assert lora is not None  # the config requires one
+        if n == 0:
+            model = get_peft_model(model, _peft_lora(lora), adapter_name=policy.name)
+        else:
+            model.add_adapter(policy.name, _peft_lora(lora))
+    for policy in config.policies:
+        marker = f".{policy.name}."
+        params = [p for name, p in model.named_parameters() if marker in name and "lora_" in name]
+        if not params:
+            raise ValueError(
+                f"policy {policy.name!r}: its adapter has no parameters (model.lora target_modules?)"
+            )
+        for p in params:
+            p.requires_grad_(True)
+        optimizers[policy.name] = torch.optim.AdamW(
+            params, lr=policy.learning_rate or config.algorithm.learning_rate
+        )
+    return model, optimizers
 
 
 class TorchLearner:
     """PPO-clip updates in this process (:func:`~agl_trainer.update.update_step`), served in place."""
 
     def __init__(self, config: TrainerConfig, policy: TrainablePolicy, services: Services) -> None:
-        if policy.optimizer is None:
+        if not policy.trains_in_process:
             raise ValueError("the torch update needs the policy's model and optimizer")
         self.config = config
         self.model = policy.model
-        self.optimizer: torch.optim.Optimizer = policy.optimizer
+        self.optimizer = policy.optimizer
+        self.optimizers = policy.optimizers
+        self.router = policy.router
+        #: Updates so far of each policy (with ``policies``).
+        self.versions: dict[str, int] = dict.fromkeys(policy.optimizers, 0)
         self.reference = policy.reference
         self.pad_id = policy.pad_id
         self.services = services
@@ -115,28 +177,53 @@ class TorchLearner:
     def policy_version(self) -> int:
         return self.services.serving.policy_version
 
-    def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> UpdateStats:
-        from .update import update_step
-
-        algorithm, serving = self.config.algorithm, self.services.serving
+    def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> StepStats:
+        serving = self.services.serving
         version = serving.policy_version + 1
         # under the serving lock no batch runs on half-updated weights or under the old version
         with serving.lock:
-            stats = update_step(
-                self.model,
-                self.optimizer,
-                samples,
-                clip_eps=algorithm.clip_eps,
-                pad_id=self.pad_id,
-                max_grad_norm=algorithm.max_grad_norm,
-                micro_batch_tokens=algorithm.micro_batch_tokens,
-                kl_coef=algorithm.kl_coef,
-                reference=self.reference,
-                bf16=self.config.update.bf16,
-            )
+            stats: StepStats
+            if self.router is None:
+                assert self.optimizer is not None
+                stats = self._step(self.optimizer, samples)
+            else:
+                stats = self._policy_steps(samples)
             serving.publish(self.model, version)
         self.services.publish()
         return stats
+
+    def _step(self, optimizer: torch.optim.Optimizer, samples: Sequence[Advantaged]) -> UpdateStats:
+        from .update import update_step
+
+        algorithm = self.config.algorithm
+        return update_step(
+            self.model,
+            optimizer,
+            samples,
+            clip_eps=algorithm.clip_eps,
+            pad_id=self.pad_id,
+            max_grad_norm=algorithm.max_grad_norm,
+            micro_batch_tokens=algorithm.micro_batch_tokens,
+            kl_coef=algorithm.kl_coef,
+            reference=self.reference,
+            bf16=self.config.update.bf16,
+        )
+
+    def _policy_steps(self, samples: Sequence[Advantaged]) -> PolicyStats:
+        """One update of each policy on its own agents' samples (advantages came from the whole task
+        groups); a policy without samples is left as it is. Calls served by the base model train nothing."""
+        assert self.router is not None
+        by_policy: dict[str, list[Advantaged]] = {}
+        for sample in samples:
+            name = self.router.policy_for(sample.transition.agent_name)
+            if name is not None:
+                by_policy.setdefault(name, []).append(sample)
+        per_policy: dict[str, UpdateStats] = {}
+        for name, own in by_policy.items():
+            self.model.set_adapter(name)  # the forward pass uses this adapter; only its weights get gradients
+            per_policy[name] = self._step(self.optimizers[name], own)
+            self.versions[name] += 1
+        return PolicyStats(per_policy, dict(self.versions))
 
 
 class VerlLearner:
@@ -156,6 +243,29 @@ class VerlLearner:
         self.services.serving.publish_adapter(self.updater.export_adapter(version), version)
         self.services.publish()
         return stats
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyStats:
+    """A step's update of several policies: each one's stats, and each one's update count."""
+
+    per_policy: dict[str, UpdateStats]
+    versions: dict[str, int]
+
+    @property
+    def loss(self) -> float:
+        total = self.tokens
+        if not total:
+            return 0.0
+        return sum(s.loss * s.tokens for s in self.per_policy.values()) / total
+
+    @property
+    def grad_norm(self) -> float:
+        return max((s.grad_norm for s in self.per_policy.values()), default=0.0)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.per_policy.values())
 
 
 def make_learner(

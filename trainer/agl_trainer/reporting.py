@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from agl_core.policies import BASE
+
 from .results import DevResult, EvalResult, StepMetrics, mean_se
 from .step import StepOutcome
 
@@ -213,6 +215,16 @@ def format_step(m: StepMetrics, total_steps: int) -> str:
     )
 
 
+def _policy_text(name: str, row: dict[str, Any]) -> str:
+    agents = ", ".join(row["agents"]) or "no calls"
+    if name == BASE:
+        return f"base model served {agents} ({row['calls']} calls, not trained)"
+    text = f"{name} [{agents}] {row['trained']}/{row['calls']} calls trained"
+    if row["loss"] is not None:
+        text += f", loss {row['loss']:+.4f}, update {row['updates']}"
+    return text
+
+
 def step_lines(
     outcome: StepOutcome, total_steps: int, *, show_agents: bool, inspect_hint: str = ""
 ) -> list[str]:
@@ -253,6 +265,9 @@ def step_lines(
                 f"{name} {c['trained']}/{c['calls']} calls trained" for name, c in metrics.agents.items()
             )
         )
+    if metrics.policies is not None:
+        served = [_policy_text(n, p) for n, p in metrics.policies.items() if p["calls"] or n != BASE]
+        lines.append("  policies: " + "; ".join(served))
     lines.extend(f"  {line}" for line in batch.credit.summary())
     call_problems = Counter(p.reason for p in batch.result.problems if p.span_id is not None)
     lines.extend(

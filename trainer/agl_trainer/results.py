@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from agl_core.records import RolloutStatus
 
@@ -67,6 +68,10 @@ class StepMetrics:
     #: run that ran its own rollouts (all exact).
     exact_transitions: int | None = None
     retokenised_transitions: int | None = None
+    #: With ``policies``: per policy (and ``base`` for agents the base model serves), the agents it served
+    #: this step, their LLM calls, the transitions its update trained on, its loss and gradient norm
+    #: (``None`` when it was not updated) and its update count so far.
+    policies: dict[str, dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

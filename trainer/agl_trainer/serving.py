@@ -219,12 +219,14 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
     if config.serving.backend == "hf":
         from .hf_backend import HFBackend
 
+        router = config.router()
         return HFServing(
             HFBackend(
                 model,
                 tokenizer,
                 model_name=config.model.served_name,
                 default_max_tokens=config.gateway.default_max_tokens,
+                route=None if router is None else router.policy_for,
             )
         )
 

@@ -11,9 +11,10 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from agl_core.credit import CreditResult, assign_rewards
+from agl_core.policies import BASE
 from agl_core.records import Rollout, RolloutStatus, Span, Task, Transition
 from agl_core.transitions import TransitionResult, explain_untrained, spans_to_transitions
 
@@ -237,8 +238,39 @@ class TrainStep:
             seconds=time.monotonic() - step_start,
             rollout_ids=[r.rollout_id for r in finished.done + finished.failed + finished.late],
             warning=warning,
+            policies=policy_metrics(config, batch, stats),
         )
         return StepOutcome(metrics, batch, extra_rounds)
+
+
+def policy_metrics(
+    config: TrainerConfig, batch: Batch, stats: UpdateStats | None
+) -> dict[str, dict[str, Any]] | None:
+    """The step's metrics per policy (``policies`` in the config; ``None`` without): which agents each
+    served, their calls, what its update trained on and how it went. ``base`` counts the agents the base
+    model served (not trained)."""
+    router = config.router()
+    if router is None:
+        return None
+    out: dict[str, dict[str, Any]] = {
+        name: {"agents": [], "calls": 0, "trained": 0, "loss": None, "grad_norm": None, "updates": 0}
+        for name in (*router.names, BASE)
+    }
+    for t in batch.result.transitions:
+        row = out[router.policy_for(t.agent_name) or BASE]
+        row["calls"] += 1
+        name = t.agent_name or UNNAMED_AGENT
+        if name not in row["agents"]:
+            row["agents"].append(name)
+    for s in batch.samples:
+        out[router.policy_for(s.transition.agent_name) or BASE]["trained"] += 1
+    per_policy = getattr(stats, "per_policy", None) or {}
+    for name, own in per_policy.items():
+        out[name]["loss"], out[name]["grad_norm"] = own.loss, own.grad_norm
+    for name, count in (getattr(stats, "versions", None) or {}).items():
+        out[name]["updates"] = count
+    out[BASE]["trained"] = 0  # the base model is never updated
+    return out
 
 
 #: Why a step trained nothing when its rollouts worked but every group tied (not a failure of the run).

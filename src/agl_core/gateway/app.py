@@ -17,6 +17,7 @@ With production capture (:mod:`.capture`), a call attributed to no rollout joins
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -282,6 +283,8 @@ class _Call:
             if result.forced_tokens:
                 attrs[semconv.RESPONSE_FORCED_TOKENS] = result.forced_tokens
             attrs[semconv.POLICY_VERSION] = result.policy_version
+            if result.policy_name is not None:
+                attrs[semconv.POLICY_NAME] = result.policy_name
             if drift is not None:
                 attrs[semconv.PROMPT_DRIFT] = drift
                 if drift and expected is not None:
@@ -448,6 +451,8 @@ class _Gateway:
         if session is not None and self.capture is not None:
             self.capture.note(session)
             session_id = session.session_id
+        if agent is not None:
+            chat = dataclasses.replace(chat, agent=agent)
         call = _Call(self, request, chat, model, door, rollout, agent, session_id)
         metrics.inflight += 1
         events = self.backend.generate(model, chat)

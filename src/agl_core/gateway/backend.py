@@ -79,6 +79,9 @@ class ChatRequest:
     top_logprobs: int = 0
     stream: bool = False
     prompt: str | Sequence[int] | None = None
+    #: The calling agent's name (from the request's URL or ``x-agl-agent-name``), set by the gateway; a
+    #: backend serving a policy per agent picks the policy by it.
+    agent: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -138,6 +141,9 @@ class Completion:
     #: The model opened a tool call in its text (the format's opening marker) that could not be parsed;
     #: ``text`` then holds the raw output. Set by backends that parse tool calls themselves.
     tool_call_unparseable: bool = False
+    #: The policy that served the call when the backend serves a policy per agent (``base``: the base
+    #: model); ``None`` when one policy serves every call.
+    policy_name: str | None = None
 
 
 Event: TypeAlias = ChoiceDelta | Completion

@@ -1,0 +1,288 @@
+"""A policy per agent: the router, the config's checks, the hf backend serving several LoRA adapters of one
+base model in one batch, and training through the real pipeline (store, gateway, runner, update) where each
+agent's calls are served by and trained into its own adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from agl_core import semconv
+from agl_core.gateway.backend import ChatRequest, Completion
+from agl_core.policies import AmbiguousAgentError, PolicyRouter
+from agl_core.store import SqliteStore
+from agl_trainer import Trainer
+from agl_trainer.config import ConfigError
+
+from ._training import metrics_rows
+
+# -- the router -------------------------------------------------------------------------------------------
+
+
+def test_the_router_names_one_policy_per_agent_and_the_default_for_the_rest():
+    router = PolicyRouter({"writer": ["writer"], "fixers": ["fix_*", "rewriter"]}, default=None)
+    assert router.policy_for("writer") == "writer"
+    assert router.policy_for("fix_sql") == "fixers" and router.policy_for("rewriter") == "fixers"
+    assert router.policy_for("planner") is None and router.policy_for(None) is None
+    with_default = PolicyRouter({"writer": ["writer"], "rest": ["x"]}, default="rest")
+    assert with_default.policy_for("planner") == "rest" and with_default.policy_for(None) == "rest"
+
+
+def test_an_agent_two_policies_match_is_an_error_naming_both():
+    router = PolicyRouter({"a": ["w*"], "b": ["*er"]})
+    router.check()  # two globs: no agent name is known to fall in both
+    with pytest.raises(AmbiguousAgentError, match="'writer' is matched by policies 'a' and 'b'"):
+        router.policy_for("writer")
+    with pytest.raises(AmbiguousAgentError, match=r"agent 'writer' is matched by policy 'a' \('writer'\)"):
+        PolicyRouter({"a": ["writer"], "b": ["w*"]}).check()
+
+
+@pytest.mark.parametrize(
+    ("policies", "default", "message"),
+    [
+        ({"base": ["x"]}, None, "reserved for the base model"),
+        ({"bad name": ["x"]}, None, "use 1 to 64 letters"),
+        ({"a": []}, None, "give the agents it serves"),
+        ({"a": ["x"]}, "b", "the default policy 'b' is not one of the policies"),
+    ],
+)
+def test_bad_policies_are_refused(policies, default, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyRouter(policies, default)
+
+
+# -- the config -------------------------------------------------------------------------------------------
+
+BASE_CONFIG: dict[str, Any] = {
+    "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
+    "gateway": {"default_max_tokens": 3},
+    "train": {"steps": 1, "tasks_per_step": 2, "rollouts_per_task": 2},
+    "logging": {"plot": False, "tensorboard": False},
+    "runner": {"workers": 4, "mode": "thread"},
+}
+TWO = [{"name": "writer", "agents": ["writer"]}, {"name": "rewriter", "agents": ["rewriter"]}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"policies": [TWO[0], TWO[0]]}, "the name 'writer' is given twice"),
+        (
+            {"policies": [TWO[0], {"name": "all", "agents": ["*"]}]},
+            "agent 'writer' is matched by policy 'writer' ('writer') and by policy 'all' ('*')",
+        ),
+        ({"policies": TWO, "default_policy": "nobody"}, "default_policy 'nobody' is not one of the policies"),
+        ({"default_policy": "writer"}, "default_policy applies with policies:"),
+        ({"policies": TWO, "algorithm": {"agents": ["writer"]}}, "remove algorithm.agents"),
+        (
+            {"policies": TWO, "update": {"backend": "verl"}, "serving": {"backend": "vllm"}},
+            "for vLLM and verl train one shared policy (remove policies:)",
+        ),
+        ({"policies": TWO, "model": {"source": "tiny", "lora": None}}, "set model.lora"),
+        ({"policies": [{"name": "writer", "agents": []}]}, "policies.0.agents"),
+    ],
+)
+def test_the_config_refuses_policies_that_cannot_work(tmp_path, extra, message):
+    with pytest.raises(ConfigError) as refused:
+        Trainer({**BASE_CONFIG, "output_dir": str(tmp_path), **extra})
+    assert message in str(refused.value)
+
+
+# -- the hf backend: several adapters, one batch ------------------------------------------------------------
+
+
+def _two_adapter_model() -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    from agl_trainer.model import load_policy
+
+    model, tokenizer = load_policy("tiny")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora, adapter_name="writer")
+    model.add_adapter("rewriter", lora)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # LoRA's B starts at zero: give both adapters (different) effects
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    return model, tokenizer
+
+
+def _generate(backend: Any, agents: list[str | None]) -> list[Completion]:
+    async def one(agent: str | None) -> Completion:
+        request = ChatRequest(
+            messages=[{"role": "user", "content": "hello there"}], max_tokens=6, temperature=0.0, agent=agent
+        )
+        async for event in backend.generate("agl-policy", request):
+            if isinstance(event, Completion):
+                return event
+        raise AssertionError("no completion")
+
+    async def run() -> list[Completion]:
+        return list(await asyncio.gather(*(one(a) for a in agents)))
+
+    return asyncio.run(run())
+
+
+def test_the_hf_backend_serves_each_agent_its_adapter_in_one_mixed_batch():
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = _two_adapter_model()
+    router = PolicyRouter({"writer": ["writer"], "rewriter": ["rewriter"]})
+    backend = HFBackend(model, tokenizer, route=router.policy_for, max_batch=8)
+    try:
+        alone = {a: _generate(backend, [a])[0] for a in ("writer", "rewriter", None)}
+        mixed = _generate(backend, ["writer", "rewriter", None, "writer", "planner"])
+    finally:
+        backend.close()
+    assert backend.peak_batch >= 2  # the mixed requests shared batches
+    assert [c.policy_name for c in mixed] == ["writer", "rewriter", "base", "writer", "base"]
+    for agent, completion in zip(["writer", "rewriter", None, "writer", None], mixed, strict=True):
+        assert completion.response_ids == alone[agent].response_ids  # as if served alone
+        assert completion.response_logprobs == pytest.approx(alone[agent].response_logprobs, abs=1e-4)
+    # the three really are different models
+    logprobs = {a: alone[a].response_logprobs for a in alone}
+    assert logprobs["writer"] != pytest.approx(logprobs["rewriter"], abs=1e-3)
+    assert logprobs["writer"] != pytest.approx(logprobs[None], abs=1e-3)
+
+
+# -- training through the real pipeline ---------------------------------------------------------------------
+
+
+class _Turns:
+    """A task's 1st, 3rd ... rollout scores 1, the others 0: every group holds a 1 and a 0, so it trains."""
+
+    def __init__(self) -> None:
+        self._seen: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def reward(self, task: dict[str, Any]) -> float:
+        with self._lock:
+            self._seen[task["id"]] += 1
+            return float(self._seen[task["id"]] % 2)
+
+
+TASKS = [{"id": f"t{i}", "q": f"say {i}"} for i in range(4)]
+
+
+def _agent(calls: tuple[str, ...]) -> Any:
+    turns = _Turns()
+
+    def solve(task: dict[str, Any], llm: Any) -> float:
+        for name in calls:  # each agent of the system, framework-less, names itself by its base_url
+            own = llm.for_agent(name)
+            client = openai.OpenAI(base_url=own.base_url, api_key=own.api_key, max_retries=0)
+            client.chat.completions.create(
+                model=own.model, messages=[{"role": "user", "content": f"{name}: {task['q']}"}], max_tokens=3
+            )
+        return turns.reward(task)
+
+    return solve
+
+
+def _adapter_b(checkpoint: Path, policy: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(checkpoint / "adapter" / policy / "adapter_model.safetensors"))
+    return torch.cat([w.flatten() for name, w in sorted(weights.items()) if "lora_B" in name])
+
+
+def test_each_agent_trains_its_own_adapter_and_an_idle_one_does_not_move(tmp_path):
+    config = {**BASE_CONFIG, "output_dir": str(tmp_path / "run"), "policies": TWO}
+    lines: list[str] = []
+    result = Trainer(config, echo=lines.append).fit(_agent(("writer", "planner")), TASKS[:2])
+
+    (step,) = result.history
+    assert step.policies is not None
+    writer, rewriter, base = step.policies["writer"], step.policies["rewriter"], step.policies["base"]
+    assert (writer["agents"], writer["calls"], writer["trained"], writer["updates"]) == (["writer"], 4, 4, 1)
+    assert writer["loss"] is not None
+    assert (rewriter["calls"], rewriter["trained"], rewriter["loss"], rewriter["updates"]) == (0, 0, None, 0)
+    assert (base["agents"], base["calls"], base["trained"]) == (["planner"], 4, 0)
+    assert step.trained_transitions == 8  # the batch held every call; only writer's trained an adapter
+    assert any(line.startswith("  policies: writer [writer] 4/4 calls trained") for line in lines)
+    assert any("base model served planner (4 calls, not trained)" in line for line in lines)
+    assert result.checkpoint is not None
+    assert _adapter_b(result.checkpoint, "writer").abs().sum() > 0  # LoRA B starts at zero: it moved
+    assert _adapter_b(result.checkpoint, "rewriter").abs().sum() == 0  # no calls: untouched
+    store = SqliteStore(str(tmp_path / "run" / "store.sqlite"))
+    try:
+        spans = [s for s in store.query_spans(limit=10_000) if semconv.POLICY_NAME in s.attributes]
+    finally:
+        store.close()
+    served = Counter(
+        (s.attributes[semconv.GEN_AI_AGENT_NAME], s.attributes[semconv.POLICY_NAME]) for s in spans
+    )
+    assert served == {("writer", "writer"): 4, ("planner", "base"): 4}
+    assert [
+        r["policies"]["writer"]["trained"] for r in metrics_rows(tmp_path / "run") if r["kind"] == "train"
+    ] == [4]
+
+
+def test_two_agents_train_two_adapters_and_resume_restores_both(tmp_path):
+    config = {**BASE_CONFIG, "output_dir": str(tmp_path / "run"), "policies": TWO, "default_policy": "writer"}
+    first = Trainer(config).fit(_agent(("writer", "rewriter", "planner")), TASKS[:2])
+    (step,) = first.history
+    assert step.policies is not None
+    assert step.policies["writer"]["agents"] == ["writer", "planner"]  # the default serves planner
+    assert step.policies["rewriter"]["trained"] == 4 and step.policies["writer"]["trained"] == 8
+    assert first.checkpoint is not None
+    writer_1, rewriter_1 = _adapter_b(first.checkpoint, "writer"), _adapter_b(first.checkpoint, "rewriter")
+    assert writer_1.abs().sum() > 0 and rewriter_1.abs().sum() > 0
+    assert not torch.equal(writer_1, rewriter_1)
+
+    again = Trainer(config, overrides=["train.steps=2"]).fit(
+        _agent(("writer", "rewriter", "planner")), TASKS[:2], resume=True
+    )
+    assert [s.step for s in again.history] == [2]
+    assert again.checkpoint is not None
+    writer_2, rewriter_2 = _adapter_b(again.checkpoint, "writer"), _adapter_b(again.checkpoint, "rewriter")
+    assert not torch.equal(writer_2, writer_1) and not torch.equal(rewriter_2, rewriter_1)
+    # step 2 went on from step 1's optimizer states: each policy's Adam has taken two steps
+    saved = torch.load(again.checkpoint / "optimizer.pt", weights_only=True)
+    assert sorted(saved) == ["rewriter", "writer"]
+    for name in ("writer", "rewriter"):
+        assert {float(s["step"]) for s in saved[name]["state"].values()} == {2.0}
+
+
+def test_a_checkpoint_holds_every_adapter_and_loads_them_into_a_fresh_model(tmp_path):
+    from agl_trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    model, _ = _two_adapter_model()
+    optimizers = {
+        name: torch.optim.AdamW([p for n, p in model.named_parameters() if f".{name}." in n], lr=0.1)
+        for name in ("writer", "rewriter")
+    }
+    path = save_checkpoint(tmp_path, 3, model=model, optimizer=optimizers, state={"policy_version": 3})
+    assert (path / "adapter" / "writer" / "adapter_model.safetensors").is_file()
+    assert (path / "adapter" / "rewriter" / "adapter_model.safetensors").is_file()
+    fresh, _ = _two_adapter_model()
+    with torch.no_grad():
+        for name, p in fresh.named_parameters():
+            if "lora_" in name:
+                p.zero_()
+    fresh_optimizers = {
+        name: torch.optim.AdamW([p for n, p in fresh.named_parameters() if f".{name}." in n], lr=0.1)
+        for name in ("writer", "rewriter")
+    }
+    assert load_checkpoint(path, model=fresh, optimizer=fresh_optimizers)["step"] == 3
+    before = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(p, before[name]), name
+
+
+def test_a_checkpoint_of_a_shared_policy_does_not_resume_a_run_with_policies(tmp_path):
+    shared = {**BASE_CONFIG, "output_dir": str(tmp_path / "run")}
+    Trainer(shared).fit(_agent(("writer",)), TASKS[:2])
+    with pytest.raises(Exception, match="one shared policy; resume it without policies"):
+        Trainer({**shared, "policies": TWO}, overrides=["train.steps=2"]).fit(
+            _agent(("writer",)), TASKS[:2], resume=True
+        )
