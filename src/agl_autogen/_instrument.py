@@ -11,9 +11,14 @@ and the model clients' ``create`` / ``create_stream`` (the LLM calls of the Open
 of the Anthropic one).
 ``uninstrument()`` puts every original back.
 
-The model clients do not expose the completion id, and AgentChat gives no way to add a header to their
-requests, so their LLM spans are joined to gateway spans by order within the rollout, checked against the
-token counts the client reports (see :mod:`agl_core.transitions`).
+The model clients do not expose the completion id, and AgentChat has no per-call option to add a header
+to their requests, so their LLM spans are joined to gateway spans by order within the rollout, checked
+against the token counts the client reports (see :mod:`agl_core.transitions`).
+
+Each model-client call runs with the agent whose turn it is (the team's, for a selector's own calls) as
+the calling agent of :mod:`agl_core.agent_header`: the client's HTTP requests to an agl gateway carry it in
+``x-agl-agent-name``. The client sends them from this task (or from tasks it starts here, which copy its
+context), so the name is in effect where each request is sent.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from agl_core import semconv
+from agl_core import agent_header, semconv
 from agl_core.instrumentation import HookErrors, Instrumentor, Patches, start_span
 from agl_core.tracing import context_rollout_attributes, get_tracer, mark_span_error
 
@@ -251,10 +256,14 @@ class _Tracing:
                 ),
             )
 
+    def _calling_agent(self) -> contextlib.AbstractContextManager[None]:
+        """The agent whose turn it is, named on the call's HTTP requests (to a known agl gateway)."""
+        return agent_header.agent_scope(_current_agent.get() if self.active else None)
+
     def wrap_create(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         async def create(client: Any, *args: Any, **kwargs: Any) -> Any:
-            with self._llm_step("create", client, args, kwargs) as span:
+            with self._llm_step("create", client, args, kwargs) as span, self._calling_agent():
                 result = await _bound(original, client)(*args, **kwargs)
                 self._end_llm("create", span, result)
             return result
@@ -264,7 +273,7 @@ class _Tracing:
     def wrap_create_stream(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         async def create_stream(client: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            with self._llm_step("create_stream", client, args, kwargs) as span:
+            with self._llm_step("create_stream", client, args, kwargs) as span, self._calling_agent():
                 async for item in _bound(original, client)(*args, **kwargs):
                     if not isinstance(item, str):  # the CreateResult that ends the stream
                         self._end_llm("create_stream", span, item)
@@ -294,6 +303,9 @@ def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
                 sites.append((module, attribute))
     return sites
 
+
+#: Who holds :mod:`agl_core.agent_header`'s httpx hook while AutoGen is instrumented.
+_HOOK_USER = "autogen"
 
 #: The model clients whose ``create`` / ``create_stream`` are traced: ``(module, class)``, each where its
 #: autogen-ext extra (``openai``, ``anthropic``) is installed.
@@ -349,6 +361,7 @@ def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool
             patches.replace(
                 Client, "create_stream", tracing.wrap_create_stream(Client.__dict__["create_stream"])
             )
+        agent_header.install_httpx_hook(_HOOK_USER)
     except BaseException:
         patches.restore()
         raise
@@ -356,6 +369,7 @@ def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool
 
 
 def _uninstall(installed: _Installed) -> None:
+    agent_header.uninstall_httpx_hook(_HOOK_USER)
     if not installed.patches.restore():
         installed.tracing.active = False
         logger.info("agl: AutoGen was instrumented again after agl; agl's wrappers stay, switched off")
@@ -372,12 +386,16 @@ def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_c
     calls belong to it), tool calls ``execute_tool`` spans with the call id and error status, and the
     calls of the OpenAI-compatible and Anthropic model clients ``chat`` spans with usage and, with
     ``capture_content=True``, the messages. Calling it again while instrumented changes nothing.
+
+    The model clients' requests to an agl gateway (the runner's, or one in ``AGL_GATEWAY_URLS``) carry
+    the name of the agent whose turn it is in ``x-agl-agent-name`` (see :mod:`agl_core.agent_header`).
     """
     _instrumentor.instrument(lambda: _install(tracer_provider, capture_content))
 
 
 def uninstrument() -> None:
-    """Put back every original agl replaced; spans already open finish normally.
+    """Put back every original agl replaced (and take agl's header hook off httpx, unless another adapter
+    still uses it); spans already open finish normally.
 
     Where another instrumentor wrapped a method after agl did, taking agl's wrapper out would take
     theirs out too: agl's wrapper stays there, switched off. Uninstrument in the reverse order of

@@ -8,6 +8,9 @@ Precedence everywhere: an explicit argument, then the environment, then the defa
                             requires it when it is not set by ``--token``.
 ``AGL_GATEWAY_ADMIN_TOKEN`` The gateway's admin token (``agl gateway serve --admin-token``).
 ``AGL_CACHE_DIR``           Where converted models are cached (default ``~/.cache/agl``).
+``AGL_GATEWAY_URLS``        Comma-separated base URLs of agl gateways (``agl gateway serve``) that framework
+                            adapters may send the calling agent's name to (``x-agl-agent-name``), besides
+                            the gateway of the runner's rollouts (see :mod:`agl_core.agent_header`).
 ``OTEL_EXPORTER_OTLP_*``    Standard OTLP exporter settings; when set they win over ``AGL_STORE_URL`` for
                             where spans are sent.
 =========================== ==========================================================================
@@ -28,6 +31,12 @@ def store_url(explicit: str | None = None) -> str:
 
 def store_token(explicit: str | None = None) -> str | None:
     return explicit or os.environ.get("AGL_STORE_TOKEN") or None
+
+
+def gateway_urls() -> tuple[str, ...]:
+    """The base URLs listed in ``AGL_GATEWAY_URLS`` (comma-separated; blanks skipped), as written."""
+    raw = os.environ.get("AGL_GATEWAY_URLS") or ""
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
 def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any
 from uuid import UUID
 
@@ -13,7 +13,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from agl_core import semconv
+from agl_core import agent_header, semconv
 from agl_core.instrumentation import (
     HookErrors,
     Instrumentor,
@@ -45,6 +45,13 @@ class _Run(OpenSpan):
 #: once, and each finds the other's runs as parents.
 _RUNS: OpenSpans[UUID, _Run] = OpenSpans()
 
+#: The calling agent each open LLM run set (:mod:`agl_core.agent_header`), by run id: put back when the run
+#: ends. Only the handler recording a run sets it, so each is put back once.
+_AGENT_TOKENS: dict[UUID, Token[str | None]] = {}
+
+#: Who holds :mod:`agl_core.agent_header`'s httpx hook: :func:`instrument`, or a handler in ``callbacks``.
+_HOOK_USER = "langchain"
+
 
 class AglCallbackHandler(BaseCallbackHandler):
     """Records chat-model / LLM calls, tool calls and chain or graph steps as OpenTelemetry spans.
@@ -59,9 +66,17 @@ class AglCallbackHandler(BaseCallbackHandler):
     graph, the outermost of these is an agent step (``invoke_agent``) and names the calls under it: a
     graph compiled with a name of its own (``create_react_agent(..., name="solver")``), else a graph node.
     The nodes of a subgraph run by a node belong to that node's agent.
+
+    The model's requests to an agl gateway (the runner's, or one in ``AGL_GATEWAY_URLS``) carry the
+    agent's name in ``x-agl-agent-name`` (:mod:`agl_core.agent_header`): ``on_chat_model_start`` /
+    ``on_llm_start`` make it the calling agent, ``on_llm_end`` / ``on_llm_error`` put the previous one
+    back. That reaches the request because the handler runs inline (below): LangChain calls it in the
+    thread or task that then runs the model, before the model starts the request.
     """
 
-    # Run in the caller's context even for async runnables, so the rollout context is always visible.
+    # Run in the caller's context even for async runnables, so the rollout context is always visible, and
+    # the calling agent set at the start of an LLM run is in effect where the model sends its request. (A
+    # handler that is not inline is run by async runs on an executor thread, in a copy of the context.)
     run_inline = True
     raise_error = False
 
@@ -173,10 +188,26 @@ class AglCallbackHandler(BaseCallbackHandler):
         agent = self._enclosing_agent(parent_run_id)
         if agent:
             attrs[semconv.GEN_AI_AGENT_NAME] = agent
+            self._name_calling_agent(run_id, agent)
         if self.capture_content and content is not None:
             attrs[semconv.GEN_AI_INPUT_MESSAGES] = content
         name = f"{operation} {model}" if model else operation
         self._start(run_id, parent_run_id, name, attrs, SpanKind.CLIENT, agent)
+
+    @staticmethod
+    def _name_calling_agent(run_id: UUID, agent: str) -> None:
+        """Make ``agent`` the calling agent until the run ends. Left alone when it is already (a batch
+        starts one run per prompt in a row and ends them in the same order: only the first one's token
+        may put the value back, or the last reset would bring the agent back)."""
+        agent_header.install_httpx_hook(_HOOK_USER)  # a handler given in callbacks, without instrument()
+        if agent_header.current_agent() != agent:
+            _AGENT_TOKENS[run_id] = agent_header.set_agent(agent)
+
+    @staticmethod
+    def _release_calling_agent(run_id: UUID) -> None:
+        token = _AGENT_TOKENS.pop(run_id, None)
+        if token is not None:
+            agent_header.reset_agent(token)
 
     def on_chat_model_start(
         self,
@@ -214,6 +245,7 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         try:
+            self._release_calling_agent(run_id)
             span = self._pop(run_id)
             if span is None:
                 return
@@ -224,6 +256,7 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         try:
+            self._release_calling_agent(run_id)
             self._fail(run_id, error)
         except Exception:
             self.hook_errors.report("on_llm_error")
@@ -393,11 +426,13 @@ def _install(
     handler = _registered_handler()
     handler.configure(agent_name, tracer_provider, capture_content)
     handler.recording = True
+    agent_header.install_httpx_hook(_HOOK_USER)
     return handler
 
 
 def _uninstall(handler: AglCallbackHandler) -> None:
     handler.recording = False  # runs already open end normally
+    agent_header.uninstall_httpx_hook(_HOOK_USER)
 
 
 _instrumentor: Instrumentor[AglCallbackHandler] = Instrumentor(_uninstall)
@@ -414,13 +449,16 @@ def instrument(
 
     The handler joins each run through LangChain's configure hook, the way LangChain's own tracers do.
     A handler also given in ``callbacks`` records the runs it sees instead (nothing is recorded twice).
-    Calling it again while instrumented returns the same handler and changes nothing.
+    Calling it again while instrumented returns the same handler and changes nothing. Model requests to
+    an agl gateway carry the calling agent's name (``x-agl-agent-name``, see :class:`AglCallbackHandler`).
     """
     return _instrumentor.instrument(lambda: _install(agent_name, tracer_provider, capture_content))
 
 
 def uninstrument() -> None:
-    """Stop recording runs that start from now on; runs already recorded end normally."""
+    """Stop recording runs that start from now on; runs already recorded end normally. Takes agl's header
+    hook off httpx unless another adapter still uses it (a handler given in ``callbacks`` puts it back at
+    its next model call)."""
     _instrumentor.uninstrument()
 
 

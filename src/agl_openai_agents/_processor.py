@@ -13,7 +13,7 @@ from agents.tracing import TracingProcessor
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, get_current_span
 
-from agl_core import semconv
+from agl_core import agent_header, semconv
 from agl_core.instrumentation import (
     HookErrors,
     Instrumentor,
@@ -68,6 +68,8 @@ class _Open(OpenSpan):
     tool_calls: list[_convert.ToolCall] = dataclasses.field(default_factory=list)
     headers_token: Token[dict[str, str] | None] | None = None
     headers: _Headers | None = None
+    #: The calling agent set for an LLM span's requests (put back when the span ends).
+    agent_token: Token[str | None] | None = None
 
 
 class AglTracingProcessor(TracingProcessor):
@@ -80,6 +82,14 @@ class AglTracingProcessor(TracingProcessor):
     nests under their parent; an SDK trace's agents under the span current where the trace started,
     the rollout's). Every span carries the rollout identity of the context the SDK trace started in, and
     the agent name.
+
+    The model's requests to an agl gateway (the runner's, or one in ``AGL_GATEWAY_URLS``) carry the
+    calling agent's name in ``x-agl-agent-name`` (:mod:`agl_core.agent_header`): the SDK starts a
+    generation / response span in the task that then sends the model request, inside the span's ``with``
+    block, so the name set when the span starts is in effect for that request, and is put back when the
+    span ends. With the SDK's tracing disabled (``set_tracing_disabled(True)``, ``RunConfig(
+    tracing_disabled=True)``) no processor is called and no name is sent; ``base_url`` of
+    ``llm.for_agent(name)`` names an agent then.
     """
 
     def __init__(
@@ -155,6 +165,9 @@ class AglTracingProcessor(TracingProcessor):
             opened = self._start(
                 span.span_id, parent_key, name, attrs, agent, SpanKind.CLIENT if llm else SpanKind.INTERNAL
             )
+            if llm and opened.agent:
+                agent_header.install_httpx_hook(_HOOK_USER)  # a processor added without instrument()
+                opened.agent_token = agent_header.set_agent(opened.agent)
             headers = self._headers.get(data.type) if llm else None
             if headers is not None:
                 context = opened.span.get_span_context()
@@ -174,6 +187,8 @@ class AglTracingProcessor(TracingProcessor):
             parent = self._open.get(span.parent_id or span.trace_id)
             if opened is None:
                 return
+            if opened.agent_token is not None:
+                agent_header.reset_agent(opened.agent_token)
             if opened.headers_token is not None and opened.headers is not None:
                 # ValueError: ended in another context than it started in; nothing of ours is left there
                 with contextlib.suppress(ValueError):
@@ -209,6 +224,10 @@ class AglTracingProcessor(TracingProcessor):
 
 
 # --- instrument / uninstrument -----------------------------------------------------------------------
+#: Who holds :mod:`agl_core.agent_header`'s httpx hook while the SDK is instrumented.
+_HOOK_USER = "openai_agents"
+
+
 @dataclasses.dataclass
 class _Installed:
     processor: AglTracingProcessor
@@ -238,6 +257,17 @@ def _sdk_processors() -> tuple[Any, ...] | None:
 
 
 def _install(
+    tracer_provider: trace.TracerProvider | None,
+    capture_content: bool,
+    replace_processors: bool,
+    keep_openai_export: bool,
+) -> _Installed:
+    installed = _add_processor(tracer_provider, capture_content, replace_processors, keep_openai_export)
+    agent_header.install_httpx_hook(_HOOK_USER)
+    return installed
+
+
+def _add_processor(
     tracer_provider: trace.TracerProvider | None,
     capture_content: bool,
     replace_processors: bool,
@@ -277,6 +307,7 @@ def _uninstall(installed: _Installed) -> None:
     from agents.tracing import set_trace_processors
 
     installed.processor.enabled = False
+    agent_header.uninstall_httpx_hook(_HOOK_USER)
     if installed.replaced is not None:
         set_trace_processors(list(installed.replaced))
         return
@@ -306,6 +337,9 @@ def instrument(
     SDK's default one, which uploads every trace to OpenAI's servers (``keep_openai_export=True`` keeps
     it); ``replace_processors=True`` makes agl's the only one. ``uninstrument()`` restores what was
     there. Calling it again while instrumented returns the same processor and changes nothing.
+
+    The model requests to an agl gateway then carry the calling agent's name (``x-agl-agent-name``, see
+    :class:`AglTracingProcessor`).
     """
     installed = _instrumentor.instrument(
         lambda: _install(tracer_provider, capture_content, replace_processors, keep_openai_export)
@@ -314,7 +348,8 @@ def instrument(
 
 
 def uninstrument() -> None:
-    """Take agl's processor out of the SDK; with ``replace_processors=True`` the previous ones come back."""
+    """Take agl's processor out of the SDK (and agl's header hook off httpx, unless another adapter still
+    uses it); with ``replace_processors=True`` the previous ones come back."""
     _instrumentor.uninstrument()
 
 

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from ..agent_header import register_gateway
 from ..gateway.urls import rollout_base_url
 from ..records import Attempt, Resource, Rollout, RolloutStatus
 from ..store.base import StoreError, StoreUnavailableError
@@ -244,6 +245,9 @@ class RunState:
                 f"the store has no usable {LLM_RESOURCE!r} resource (got {value!r:.200}); the trainer "
                 "publishes it ({'base_url': ..., 'model': ...}) when it starts"
             )
+        # The adapters may name the calling agent (x-agl-agent-name) on requests to this gateway only.
+        with contextlib.suppress(ValueError):  # not an http(s) URL: the agent's client will say so
+            register_gateway(value["base_url"])
         return LLM(
             base_url=rollout_base_url(value["base_url"], rollout.rollout_id, attempt.attempt_id),
             model=value["model"],

@@ -3,6 +3,7 @@ not the store or the gateway, so a fresh worker is ready quickly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from multiprocessing.connection import Connection
@@ -10,6 +11,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
+from ..agent_header import register_gateway
 from ..tracing import join_rollout, setup_tracing
 from ._outcome import call_agent, interpret
 
@@ -34,6 +36,8 @@ def worker_main(conn: Connection, agent: Any, otlp_endpoint: str, token: str | N
         if job is None:
             break
         rollout, trace_id, span_id, task_input, llm = job
+        with contextlib.suppress(ValueError):  # as the runner did: the adapters may name agents to it
+            register_gateway(llm.base_url)
         parent = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
         with join_rollout(rollout, parent):
             result, error = call_agent(agent, task_input, llm)
