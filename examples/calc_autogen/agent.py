@@ -77,9 +77,16 @@ def example_messages(examples: list[tuple[str, str]] = EXAMPLES) -> list[Any]:
 
 
 async def run_agent(
-    question: str, answer: int, llm: Any, *, temperature: float = TEMPERATURE, max_tokens: int = MAX_TOKENS
+    question: str,
+    answer: int,
+    llm: Any,
+    *,
+    temperature: float = TEMPERATURE,
+    max_tokens: int = MAX_TOKENS,
+    headers: dict[str, str] | None = None,
 ) -> Outcome:
-    """Run the agent on one problem against the endpoint in ``llm`` and score its answer."""
+    """Run the agent on one problem against the endpoint in ``llm`` and score its answer. ``headers`` go
+    with every model call (``distill.py`` names each episode's session with ``x-agl-session-id``)."""
     from autogen_agentchat.agents import AssistantAgent
     from autogen_core.model_context import UnboundedChatCompletionContext
     from autogen_ext.models.openai import OpenAIChatCompletionClient
@@ -92,6 +99,7 @@ async def run_agent(
         temperature=temperature,
         max_tokens=max_tokens,
         max_retries=0,
+        default_headers=headers,
     )
     try:
         agent = AssistantAgent(

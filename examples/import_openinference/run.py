@@ -6,10 +6,10 @@ captured by the gateway, its spans imported from an OTLP file, joined in one sto
 1. A store and a capturing gateway start on 127.0.0.1 (the gateway serves a scripted policy that
    tokenises with SmolLM2's tokenizer, so token ids are real and the run is offline and takes seconds).
 2. The agent (a LangGraph graph, nodes ``solver`` and ``checker``) is traced ONLY by OpenInference's
-   ``LangChainInstrumentor``; its spans go to an OTLP JSON-lines file written by
-   :class:`OtlpJsonLinesExporter`, the shape the OpenTelemetry Collector's ``file`` exporter writes. Each
-   episode names its session twice: ``using_session`` on the spans, ``x-agl-session-id`` on the calls.
-   The last episode calls another endpoint directly, outside the gateway.
+   ``LangChainInstrumentor``; its spans go to an OTLP JSON-lines file written by agl's
+   :class:`~agl_core.otlp_file.OtlpJsonLinesExporter`, the shape the OpenTelemetry Collector's ``file``
+   exporter writes. Each episode names its session twice: ``using_session`` on the spans,
+   ``x-agl-session-id`` on the calls. The last episode calls another endpoint directly.
 3. ``agl import FILE --store STORE`` puts the OpenInference spans next to the gateway's, under the
    rollout id the session id decides; ``agl reward`` rates one episode late; ``agl inspect`` shows what
    joined and what did not; ``spans_to_transitions`` makes the transitions.
@@ -18,27 +18,24 @@ captured by the gateway, its spans imported from an OTLP file, joined in one sto
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import io
 import json
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from google.protobuf.json_format import MessageToDict
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from agl_core import semconv
 from agl_core.cli import main as agl
 from agl_core.gateway.capture import Capture
 from agl_core.importer import session_rollout_id
+from agl_core.otlp_file import OtlpJsonLinesExporter
 from agl_core.store import SqliteStore
 from agl_core.testing import ByteTokenizer, ChatTokenizer, Collector, GatewayServer, ScriptedBackend
 from agl_core.transitions import TransitionResult, spans_to_transitions
@@ -52,39 +49,6 @@ EPISODES = [
 ]
 #: The episode a user rates later (``agl reward``).
 RATED = "support-1"
-
-
-# -- the OTLP file ----------------------------------------------------------------------------------------
-def _hex_ids(obj: Any) -> Any:
-    """protobuf's JSON mapping writes bytes as base64; OTLP JSON writes trace and span ids as hex."""
-    if isinstance(obj, dict):
-        return {
-            k: base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") else _hex_ids(v)
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [_hex_ids(v) for v in obj]
-    return obj
-
-
-class OtlpJsonLinesExporter(SpanExporter):
-    """Appends each exported batch to ``path`` as one ``ExportTraceServiceRequest`` JSON line: what the
-    OpenTelemetry Collector's ``file`` exporter writes by default (lowerCamelCase keys, hex ids, enums as
-    numbers, 64-bit integers as strings)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        data = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
-        line = json.dumps(_hex_ids(data), separators=(",", ":")) + "\n"
-        with self._lock, self.path.open("a", encoding="utf-8") as file:
-            file.write(line)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        pass
 
 
 # -- the agent: ordinary LangGraph code, no agl in it ----------------------------------------------------
