@@ -9,7 +9,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 #: How long a training run may print nothing before it counts as hung. A step of the examples' reduced
 #: runs prints within about two minutes on a quiet 2-core machine and within six on a busy one; this is
@@ -78,3 +80,18 @@ def metrics_rows(out: Path, kind: str | None = None) -> list[dict]:
     """The rows of ``OUT/metrics.jsonl`` in order, only those of ``kind`` ("train", "val") if given."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+class Turns:
+    """Rewards that depend only on how often a task was run: its 1st, 3rd ... rollout scores 1, the others
+    0. Every training group then holds a 1 and a 0 (so the step trains), and a validation task scores 1
+    before training and 0 after it, whatever the order the workers run them in."""
+
+    def __init__(self) -> None:
+        self._seen: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def reward(self, task: dict[str, Any]) -> float:
+        with self._lock:
+            self._seen[task["id"]] += 1
+            return float(self._seen[task["id"]] % 2)

@@ -10,8 +10,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from agl_trainer import FitResult, Trainer, TrainerConfig
 from agl_trainer.config import ConfigError
 from agl_trainer.data import DatasetError
 
-from ._training import metrics_rows
+from ._training import Turns, metrics_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,27 +34,12 @@ CONFIG: dict[str, Any] = {
 TASKS = [{"id": f"t{i}", "q": f"say {i}"} for i in range(6)]
 
 
-class _Turns:
-    """Rewards that depend only on how often a task was run: its 1st, 3rd ... rollout scores 1, the others
-    0. Every training group then holds a 1 and a 0 (so the step trains), and a validation task scores 1
-    before training and 0 after it, whatever the order the workers run them in."""
-
-    def __init__(self) -> None:
-        self._seen: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def reward(self, task: dict[str, Any]) -> float:
-        with self._lock:
-            self._seen[task["id"]] += 1
-            return float(self._seen[task["id"]] % 2)
-
-
 def _job(tmp_path: Path, **sections: Any) -> dict[str, Any]:
     return {**CONFIG, "output_dir": str(tmp_path / "run"), **sections}
 
 
 def test_fit_trains_a_function_defined_in_the_test_in_thread_mode(tmp_path):
-    turns = _Turns()
+    turns = Turns()
 
     def solve(task, llm):  # a local function: not importable by module and name
         client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
@@ -91,7 +74,7 @@ def test_fit_trains_a_function_defined_in_the_test_in_thread_mode(tmp_path):
 
 
 def test_fit_trains_an_async_function_in_async_mode(tmp_path):
-    turns = _Turns()
+    turns = Turns()
 
     async def solve(task, llm):
         async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:

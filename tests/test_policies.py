@@ -5,7 +5,6 @@ agent's calls are served by and trained into its own adapter."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from agl_core.store import SqliteStore
 from agl_trainer import Trainer
 from agl_trainer.config import ConfigError
 
-from ._training import metrics_rows
+from ._training import Turns, metrics_rows
 
 # -- the router -------------------------------------------------------------------------------------------
 
@@ -156,24 +155,11 @@ def test_the_hf_backend_serves_each_agent_its_adapter_in_one_mixed_batch():
 # -- training through the real pipeline ---------------------------------------------------------------------
 
 
-class _Turns:
-    """A task's 1st, 3rd ... rollout scores 1, the others 0: every group holds a 1 and a 0, so it trains."""
-
-    def __init__(self) -> None:
-        self._seen: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def reward(self, task: dict[str, Any]) -> float:
-        with self._lock:
-            self._seen[task["id"]] += 1
-            return float(self._seen[task["id"]] % 2)
-
-
 TASKS = [{"id": f"t{i}", "q": f"say {i}"} for i in range(4)]
 
 
 def _agent(calls: tuple[str, ...]) -> Any:
-    turns = _Turns()
+    turns = Turns()
 
     def solve(task: dict[str, Any], llm: Any) -> float:
         for name in calls:  # each agent of the system, framework-less, names itself by its base_url
