@@ -438,12 +438,6 @@ class TrainerConfig(_Strict):
     #: Where the store file, metrics and checkpoints go, relative to the working directory.
     output_dir: Path = Path("runs/agl")
     model: ModelConfig = ModelConfig()
-    #: A policy per agent (or group of agents): each a LoRA adapter of the base model, served to and
-    #: trained on the calls of its agents only. Empty: one policy serves and learns from every agent.
-    policies: list[PolicyConfig] = []
-    #: With ``policies``: what serves agents no policy names (and calls that name no agent): ``base``, the
-    #: untrained base model (their calls are not trained), or the name of one of the policies.
-    default_policy: str = "base"
     store: StoreConfig = StoreConfig()
     gateway: GatewayConfig = GatewayConfig()
     runner: RunnerConfig = RunnerConfig()
@@ -459,6 +453,12 @@ class TrainerConfig(_Strict):
     #: Train on rollouts already in a store, selected by a filter, instead of running the agent (then
     #: ``agent`` and ``tasks`` are needed only for held-out evaluation).
     traces: TracesConfig | None = None
+    #: A policy per agent (or group of agents): each a LoRA adapter of the base model, served to and
+    #: trained on the calls of its agents only. Empty: one policy serves and learns from every agent.
+    policies: list[PolicyConfig] = []
+    #: With ``policies``: what serves agents no policy names (and calls that name no agent): ``base``, the
+    #: untrained base model (their calls are not trained), or the name of one of the policies.
+    default_policy: str = "base"
     #: With ``update.backend: verl``: verl's own settings, in the shape of its ``ppo_trainer`` config
     #: (sections ``actor_rollout_ref``, ``trainer``, ``ray_kwargs``, ``global_profiler``), merged onto
     #: verl's defaults unchanged. A key verl's defaults lack is written ``+key``, as with Hydra. The keys
