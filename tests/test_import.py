@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from agl_core import semconv
 from agl_core.cli import main
-from agl_core.importer import import_traces
+from agl_core.importer import _run, import_traces, session_rollout_id
 from agl_core.records import RolloutStatus
 from agl_core.store import SqliteStore
 from agl_core.store.redact import parse_rules
@@ -217,6 +217,47 @@ def test_gen_ai_conversation_id_groups_and_session_id_wins(tmp_path, sqlite_stor
     assert sizes == [1, 4]  # c-1: two traces + the trace whose session.id is c-1; c-2: one
 
 
+@pytest.mark.parametrize("kind", ["json", "proto", "proto-spilled-to-disk"])
+def test_a_session_named_in_a_later_record_groups_the_whole_trace(tmp_path, sqlite_store, monkeypatch, kind):
+    """The grouping is learnt from every record before any span is written: a trace whose session is
+    named only on a span of a later record (or is named there by the preferred key) is one rollout."""
+
+    def build(provider: Any) -> None:
+        tracer = provider.get_tracer("t")
+        with tracer.start_as_current_span("agent"):  # trace 1: session.id only on "late"
+            with tracer.start_as_current_span("step"):
+                pass
+            with tracer.start_as_current_span("late", attributes={semconv.SESSION_ID: "s-late"}):
+                pass
+        with tracer.start_as_current_span("chat", attributes={semconv.GEN_AI_CONVERSATION_ID: "c-early"}):
+            with tracer.start_as_current_span("late", attributes={semconv.SESSION_ID: "s-wins"}):
+                pass  # trace 2: gen_ai.conversation.id first, session.id (preferred) later
+        with tracer.start_as_current_span("other"):  # trace 3: no session
+            pass
+
+    spans = _record(build)  # finished order: step, late, agent, late, chat, other
+    late = [s for s in spans if s.name == "late"]
+    early = [s for s in spans if s.name != "late"]
+    encode = json_line if kind == "json" else proto_record
+    path = _write(tmp_path / "late.out", b"".join(encode(r) for r in (early, late[:1], late[1:])))
+    if kind == "proto-spilled-to-disk":
+        monkeypatch.setattr(_run, "_SPILL_MEMORY_BYTES", 1)
+
+    summary = import_traces([path], sqlite_store)
+
+    assert (summary.spans, summary.rollouts, summary.problems) == (6, 3, [])
+    trace_ids = {s.name: format(s.context.trace_id, "032x") for s in early}
+    for name, session, count in (("agent", "s-late", 3), ("chat", "s-wins", 2)):
+        stored = sqlite_store.query_spans(trace_id=trace_ids[name])
+        assert len(stored) == count
+        assert {s.rollout_id for s in stored} == {session_rollout_id(session)}
+        assert {s.attributes[semconv.ROLLOUT_ID] for s in stored} == {session_rollout_id(session)}
+        (rollout,) = sqlite_store.get_rollouts([session_rollout_id(session)])
+        assert rollout.metadata == {"source": "import", "file": str(path), semconv.SESSION_ID: session}
+    (alone,) = sqlite_store.query_spans(trace_id=trace_ids["other"])
+    assert alone.rollout_id == f"imp-t-{trace_ids['other']}"
+
+
 # --- what goes wrong --------------------------------------------------------------------------------------
 def test_a_malformed_line_is_named_and_skipped(tmp_path, sqlite_store, capsys):
     good = json_line(_record(_agent_run("ro-ok")))
@@ -273,6 +314,17 @@ def test_redaction_rules_apply_to_imported_spans(tmp_path, sqlite_store):
     llm = [s for s in sqlite_store.query_spans() if s.name == "ChatCompletion"]
     assert [s.attributes["user.email"] for s in llm] == ["[REDACTED]"] * 2
     assert not any(semconv.LLM_MODEL_NAME in s.attributes for s in llm)
+
+
+def test_redacting_the_session_key_keeps_the_grouping(tmp_path, sqlite_store):
+    """The grouping is learnt from the spans as read, before redaction drops or masks their keys."""
+    path = _write(tmp_path / "oi.pb", proto_record(_record(_openinference_session("s-1"))))
+    summary = import_traces([path], sqlite_store, redactor=parse_rules([f"key:{semconv.SESSION_ID}"]))
+    assert (summary.spans, summary.rollouts, summary.problems) == (6, 1, [])
+    spans = _by_rollout(sqlite_store, session_rollout_id("s-1"))
+    assert len(spans) == 6 and not any(semconv.SESSION_ID in s.attributes for s in spans)
+    (rollout,) = sqlite_store.get_rollouts([session_rollout_id("s-1")])
+    assert rollout.metadata == {"source": "import", "file": str(path)}
 
 
 def _free_port() -> int:

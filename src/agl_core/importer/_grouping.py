@@ -6,21 +6,27 @@ its spans) belongs to the rollout of that session, and every other trace is a ro
 are derived from the session or trace id alone (``imp-s-<hash of the session>``, ``imp-t-<trace id>``), so
 importing the same traces again names the same rollouts.
 
-Sessions span traces, and a trace's spans are spread over a file, so :meth:`Grouping.scan` reads every
-record once before any span is written (records without any of these keys are not even decoded).
+Sessions span traces, and a trace's spans are spread over a file, so every span is looked at before any
+is written. Into a store written directly, :meth:`Grouping.learn` reads the rows the store's own ingest
+parsed (its indexed rollout id; a span's own encoding is decoded only when it holds a session key the
+trace's grouping still lacks); into a running store, :meth:`Grouping.scan` reads the records (records
+without any of these keys are not even decoded).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from .. import semconv
+from ..store._otlp import SpanRow
 from ._files import Record
 
 __all__ = ["SESSION_KEYS", "Grouping", "session_rollout_id", "trace_rollout_id"]
@@ -29,6 +35,7 @@ __all__ = ["SESSION_KEYS", "Grouping", "session_rollout_id", "trace_rollout_id"]
 SESSION_KEYS = (semconv.SESSION_ID, semconv.GEN_AI_CONVERSATION_ID)
 _KEYS = (semconv.ROLLOUT_ID, *SESSION_KEYS)
 _MARKERS = tuple(k.encode() for k in _KEYS)
+_SESSION_MARKERS = tuple(k.encode() for k in SESSION_KEYS)
 
 
 def session_rollout_id(session: str) -> str:
@@ -54,14 +61,44 @@ def _varint(n: int) -> bytes:
 
 
 class Grouping:
-    """What the scan learnt: each trace's rollout id (from its spans) and session."""
+    """What :meth:`learn` or :meth:`scan` learnt: each trace's rollout id (from its spans) and session."""
 
     def __init__(self) -> None:
         self._trace_rollout: dict[bytes, str] = {}
         self._trace_session: dict[bytes, tuple[str, str]] = {}
         self._attribute: dict[str, bytes] = {}
 
-    # --- scan ----------------------------------------------------------------------------------------
+    # --- learn: from the store's parsed rows --------------------------------------------------------
+    def learn(self, rows: Iterable[SpanRow]) -> None:
+        """Note the rollout ids and sessions of spans as the store's ingest parsed them (in the order they
+        were read, so the first rollout id of a trace wins as in :meth:`scan`). A row's rollout id is
+        the one the store indexes; a span is decoded only when it may name a session the trace still
+        lacks: the trace has no rollout id yet (which would outrank any session), its session is not
+        known by the preferred key, and its encoding contains a session key."""
+        trace_rollout, sessions = self._trace_rollout, self._trace_session
+        preferred = SESSION_KEYS[0]
+        for row in rows:
+            trace_id, rollout_id = row[0], row[7]
+            if rollout_id is not None:
+                trace_rollout.setdefault(trace_id, rollout_id)
+                continue
+            if trace_id in trace_rollout or sessions.get(trace_id, ("",))[0] == preferred:
+                continue
+            body = row[10]
+            if not any(marker in body for marker in _SESSION_MARKERS):
+                continue
+            try:
+                span = Span.FromString(body)
+            except (DecodeError, RuntimeError, ValueError):  # the store encoded it; cannot happen
+                continue
+            for kv in span.attributes:
+                if kv.key in SESSION_KEYS:
+                    value = kv.value
+                    kind = value.WhichOneof("value")
+                    if kind in ("string_value", "int_value"):
+                        self._note(trace_id, kv.key, getattr(value, kind))
+
+    # --- scan: from the records ----------------------------------------------------------------------
     def scan(self, record: Record) -> None:
         """Note the rollout ids and sessions of a record's traces. A record that cannot be decoded is
         left for the import to report."""

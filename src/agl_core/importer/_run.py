@@ -1,10 +1,21 @@
-"""Importing trace files into a store: the scan, the writes, the rollout records, the summary."""
+"""Importing trace files into a store: the reading, the writes, the rollout records, the summary.
+
+A span's rollout can depend on spans read after it (a session named on a later span of its trace), so
+nothing is written before every file has been read. Into a store written directly, each record is
+decoded once, by the store's own ingest (in worker processes for large imports): the first phase reads
+the files, parses every record and learns the grouping from the parsed rows, keeping the rows in a
+temporary spill (in memory up to 64 MiB, on disk beyond); the second reads the spill back, gives each
+row without a rollout id its rollout, and hands the rows to the store's writer. Into a running store, a
+first reading of the files learns the grouping from the records, and a second sends them over OTLP/HTTP.
+"""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import os
+import pickle
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -28,11 +39,15 @@ from ._grouping import Grouping
 
 __all__ = ["ImportSummary", "Progress", "import_traces"]
 
-#: ``progress(phase, file, bytes_done, bytes_total, spans)``: ``phase`` is ``"scan"`` (the first
-#: reading, for grouping) or ``"import"``; bytes count over all files, as stored (compressed).
+#: ``progress(phase, file, bytes_done, bytes_total, spans)``: ``phase`` is ``"scan"`` (reading the files
+#: for grouping, and into a store written directly parsing them; bytes over all files, as stored, that is
+#: compressed) or ``"import"`` (writing: into a store written directly, bytes over the spill of parsed
+#: spans, ``file`` the one a batch came from; into a running store, bytes over the files again).
 Progress = Callable[[str, str, int, int, int], None]
 #: Parse in worker processes when the files hold more than this many bytes together.
 _WORKERS_FROM_BYTES = 32 * 1024 * 1024
+#: Parsed spans waiting for the second phase stay in memory up to this many bytes, then go to disk.
+_SPILL_MEMORY_BYTES = 64 * 1024 * 1024
 #: Spans per OTLP/HTTP request sent to a running store.
 _HTTP_BATCH_SPANS = 5_000
 _SOURCE = "import"
@@ -90,27 +105,28 @@ def import_traces(
 
     ``redactor`` applies to a store written directly (a running store applies its own rules). Raises
     :class:`StoreError` when the store cannot be reached or written; what was committed before stays,
-    and importing again is safe. ``parse_workers``: processes decoding beside the writer (default: one
-    per CPU, at most 4, for files over 32 MB together; 0 decodes here).
+    and importing again is safe. ``parse_workers``: processes decoding the records of a store written
+    directly (default: one per CPU, at most 4, for files over 32 MB together; 0 decodes here); protobuf
+    records are decoded here unless ``redactor`` is given.
     """
     files = [TraceFile(Path(p), fmt) for p in paths]
     total = sum(f.size for f in files)
     summary = ImportSummary(files=len(files))
     grouping = Grouping()
-    done = 0
-    for f in files:  # first reading: which traces share a rollout
-        for record in f.records():
-            if isinstance(record, Record):
-                grouping.scan(record)
-                if progress is not None:
-                    progress("scan", str(f.path), done + f.position, total, 0)
-        done += f.size
     rollouts = _Rollouts()
     remote = isinstance(store, str) and store.startswith(("http://", "https://"))
     if remote:
         if redactor:
             raise StoreError("a running store applies its own --redact rules; --redact is for a store file")
         assert isinstance(store, str)
+        done = 0
+        for f in files:  # first reading: which traces share a rollout
+            for record in f.records():
+                if isinstance(record, Record):
+                    grouping.scan(record)
+                    if progress is not None:
+                        progress("scan", str(f.path), done + f.position, total, 0)
+            done += f.size
         with _Remote(store, token, grouping, rollouts, summary) as sink:
             before = sink.client.stats()["spans"]
             _write_all(files, total, sink, summary, progress)
@@ -125,7 +141,8 @@ def import_traces(
             before = target.stats()["spans"]
             embedded = _Embedded(target, redactor, workers, grouping, rollouts, summary)
             try:
-                _write_all(files, total, embedded, summary, progress)
+                embedded.read_all(files, total, progress)
+                embedded.write_all(progress)
             finally:
                 embedded.close()
             requests = rollouts.requests()
@@ -143,11 +160,7 @@ def import_traces(
 
 
 def _write_all(
-    files: list[TraceFile],
-    total: int,
-    sink: _Embedded | _Remote,
-    summary: ImportSummary,
-    progress: Progress | None,
+    files: list[TraceFile], total: int, sink: _Remote, summary: ImportSummary, progress: Progress | None
 ) -> None:
     done = 0
     for f in files:
@@ -166,7 +179,9 @@ def _write_all(
 
 class _Embedded:
     """Spans through the store's own ingest pipeline (decoding, validation, redaction, group commit),
-    decoded in worker processes for large imports."""
+    decoded in worker processes for large imports, in two phases: :meth:`read_all` parses every record
+    and learns the grouping from the parsed rows, spilling them; :meth:`write_all` gives the rows their
+    rollouts and writes them."""
 
     def __init__(
         self,
@@ -179,50 +194,132 @@ class _Embedded:
     ) -> None:
         self.grouping, self.rollouts, self.summary = grouping, rollouts, summary
         self.pipeline = IngestPipeline(store, redactor=redactor, parse_workers=workers)
+        # A redactor may drop or mask the very attributes that group spans (a session id that looks like
+        # an e-mail address, say), and the parsed rows are redacted: then the grouping is learnt from the
+        # records as read, as it was before redaction. Redacting is also what makes decoding a protobuf
+        # record cost more than shipping its rows back from a worker (see _parse).
+        self.redacting = bool(redactor)
         self.in_flight = 2 * workers + 2
-        self.parsing: collections.deque[tuple[Future[ParsedBatch], str, str]] = collections.deque()
+        # in file order: a record being parsed (future, record, file, where), or a part of a file that
+        # could not be read as a record (None, None, file, problem), so problems keep the files' order
+        self.parsing: collections.deque[tuple[Future[ParsedBatch] | None, Record | None, str, str]] = (
+            collections.deque()
+        )
         self.writing: collections.deque[Future[int]] = collections.deque()
+        self.spill = tempfile.SpooledTemporaryFile(max_size=_SPILL_MEMORY_BYTES)
 
-    def add(self, record: Record, file: str) -> None:
+    # --- phase 1: read, parse, learn the grouping, spill --------------------------------------------
+    def read_all(self, files: list[TraceFile], total: int, progress: Progress | None) -> None:
+        done = 0
+        for f in files:
+            name = str(f.path)
+            for record in f.records():
+                if isinstance(record, BadRecord):
+                    self.parsing.append((None, None, name, f"{name}: {record.where}: {record.problem}"))
+                    continue
+                self.summary.records += 1
+                self._parse(record, name)
+                if progress is not None:
+                    progress("scan", name, done + f.position, total, 0)
+            done += f.size
+        while self.parsing:
+            self._finish_parse()
+
+    def _parse(self, record: Record, file: str) -> None:
+        if not record.json and not self.redacting:
+            # Nothing is written while the files are read, so a worker would only save this process the
+            # decoding; for protobuf that costs less than taking the rows back from a worker (unpickling
+            # them, never mind spawning it). JSON decoding costs ten times more: it goes to the workers.
+            future: Future[ParsedBatch] = Future()
+            try:
+                future.set_result(self.pipeline.parse(record.body))
+            except Exception as exc:  # raised by _finish_parse, in the files' order, as parse_async's
+                future.set_exception(exc)
+            self.parsing.append((future, record, file, record.where))
+            while self.parsing:
+                self._finish_parse()
+            return
         while True:
             try:
                 future = self.pipeline.parse_async(record.body, json_body=record.json)
                 break
-            except Overloaded:
-                self._wait_write()
-        self.parsing.append((future, file, record.where))
-        while self.parsing and (len(self.parsing) > self.in_flight or self.parsing[0][0].done()):
+            except Overloaded:  # the decode budget is full: wait for the oldest parse
+                if self.parsing:
+                    self._finish_parse()
+                else:
+                    time.sleep(0.01)
+        self.parsing.append((future, record, file, record.where))
+        while self.parsing and (
+            len(self.parsing) > self.in_flight or self.parsing[0][0] is None or self.parsing[0][0].done()
+        ):
             self._finish_parse()
 
     def _finish_parse(self) -> None:
-        grouping, rollouts, summary = self.grouping, self.rollouts, self.summary
-        future, file, where = self.parsing.popleft()
+        grouping, summary = self.grouping, self.summary
+        future, record, file, where = self.parsing.popleft()
+        if future is None or record is None:
+            summary.problems.append(where)
+            return
         try:
             batch = future.result()
         except OtlpDecodeError as exc:
             summary.problems.append(f"{file}: {where}: {exc}")
+            grouping.scan(record)  # what can be read of it still groups the others, as it always did
             return
         _note_refused(batch.rejected, batch.error_message, file, where, summary)
-        rows: list[SpanRow] = []
-        for row in batch.rows:
-            rollout_id = row[7]
-            if rollout_id is None:
-                rollout_id, grouped_by = grouping.rollout_of(row[0])
-                row = (*row[:7], rollout_id, row[8], row[9], row[10] + grouping.attribute_bytes(rollout_id))
-            else:
-                grouped_by = {}
-            rollouts.note(rollout_id, file, grouped_by)
-            rows.append(row)
-        summary.spans += len(rows)
-        batch = ParsedBatch(rows, batch.scopes, batch.rejected, batch.error_message)
-        while True:
-            try:
-                self.writing.append(self.pipeline.submit(batch))
-                break
-            except Overloaded:
-                self._wait_write()
-        while self.writing and self.writing[0].done():
-            self.writing.popleft().result()  # raises what the write raised
+        if self.redacting or batch.rejected:
+            grouping.scan(record)  # refused spans are not in the rows, but their attributes group
+        else:
+            grouping.learn(batch.rows)
+        if batch.rows:
+            pickle.dump(
+                (batch.rows, batch.scopes, batch.rejected, batch.error_message, file, where),
+                self.spill,
+                pickle.HIGHEST_PROTOCOL,
+            )
+
+    # --- phase 2: rollouts, writes ---------------------------------------------------------------------
+    def write_all(self, progress: Progress | None) -> None:
+        grouping, rollouts, summary, spill = self.grouping, self.rollouts, self.summary, self.spill
+        total = spill.tell()
+        spill.seek(0)
+        # trace id -> (rollout id, what it was grouped by, the attribute naming it), once per trace
+        assigned: dict[bytes, tuple[str, dict[str, Any], bytes]] = {}
+        while spill.tell() < total:
+            parsed, scopes, rejected, error_message, file, _ = pickle.load(spill)
+            rows: list[SpanRow] = []
+            for row in parsed:
+                rollout_id = row[7]
+                if rollout_id is None:
+                    trace_id = row[0]
+                    known = assigned.get(trace_id)
+                    if known is None:
+                        rollout_id, grouped_by = grouping.rollout_of(trace_id)
+                        known = assigned[trace_id] = (
+                            rollout_id,
+                            grouped_by,
+                            grouping.attribute_bytes(rollout_id),
+                        )
+                    rollout_id, grouped_by, attribute = known
+                    row = (*row[:7], rollout_id, row[8], row[9], row[10] + attribute)
+                else:
+                    grouped_by = {}
+                rollouts.note(rollout_id, file, grouped_by)
+                rows.append(row)
+            summary.spans += len(rows)
+            batch = ParsedBatch(rows, scopes, rejected, error_message)
+            while True:
+                try:
+                    self.writing.append(self.pipeline.submit(batch))
+                    break
+                except Overloaded:
+                    self._wait_write()
+            while self.writing and self.writing[0].done():
+                self.writing.popleft().result()  # raises what the write raised
+            if progress is not None:
+                progress("import", file, spill.tell(), total, summary.spans)
+        while self.writing:
+            self.writing.popleft().result()
 
     def _wait_write(self) -> None:
         if self.writing:
@@ -230,14 +327,11 @@ class _Embedded:
         else:
             time.sleep(0.01)
 
-    def flush(self) -> None:
-        while self.parsing:
-            self._finish_parse()
-        while self.writing:
-            self.writing.popleft().result()
-
     def close(self) -> None:
-        self.pipeline.close()
+        try:
+            self.pipeline.close()
+        finally:
+            self.spill.close()
 
 
 def _note_refused(count: int, reason: str, file: str, where: str, summary: ImportSummary) -> None:
