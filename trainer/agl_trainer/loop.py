@@ -182,7 +182,7 @@ def _save(
         config.output_dir / CHECKPOINTS_DIR,
         step,
         model=policy.model,
-        optimizer=policy.optimizer if policy.optimizer is not None else policy.optimizers,
+        optimizer=policy.checkpointed_optimizers,
         state=state,
         keep=config.checkpoint.keep,
     )
@@ -203,7 +203,7 @@ def _restore(
     state = load_checkpoint(
         path,
         model=policy.model,
-        optimizer=policy.optimizer if policy.optimizer is not None else policy.optimizers,
+        optimizer=policy.checkpointed_optimizers,
     )
     step = int(state["step"])
     sampler.load_state_dict(state["sampler"])

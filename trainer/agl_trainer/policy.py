@@ -48,6 +48,12 @@ class TrainablePolicy:
     router: PolicyRouter | None = None
 
     @property
+    def checkpointed_optimizers(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
+        """What a checkpoint saves and restores of the optimizers: the one optimizer, or with
+        ``policies`` each policy's (the form :func:`~agl_trainer.checkpoint.save_checkpoint` takes)."""
+        return self.optimizer if self.optimizer is not None else self.optimizers
+
+    @property
     def trains_in_process(self) -> bool:
         """The weights and optimizer state live here (the torch update), not in verl's workers."""
         return self.model is not None and (self.optimizer is not None or bool(self.optimizers))

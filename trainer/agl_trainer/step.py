@@ -263,13 +263,14 @@ def policy_metrics(
         if name not in row["agents"]:
             row["agents"].append(name)
     for s in batch.samples:
-        out[router.policy_for(s.transition.agent_name) or BASE]["trained"] += 1
+        policy = router.policy_for(s.transition.agent_name)
+        if policy is not None:  # the base model is never updated
+            out[policy]["trained"] += 1
     per_policy = getattr(stats, "per_policy", None) or {}
     for name, own in per_policy.items():
         out[name]["loss"], out[name]["grad_norm"] = own.loss, own.grad_norm
     for name, count in (getattr(stats, "versions", None) or {}).items():
         out[name]["updates"] = count
-    out[BASE]["trained"] = 0  # the base model is never updated
     return out
 
 
