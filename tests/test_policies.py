@@ -152,6 +152,31 @@ def test_the_hf_backend_serves_each_agent_its_adapter_in_one_mixed_batch():
     assert logprobs["writer"] != pytest.approx(logprobs[None], abs=1e-3)
 
 
+def test_a_call_by_an_agent_two_policies_match_gets_a_400_naming_both():
+    import httpx
+
+    from agl_core.testing import GatewayServer
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = _two_adapter_model()
+    router = PolicyRouter({"writer": ["w*"], "rewriter": ["*er"]})
+    backend = HFBackend(model, tokenizer, route=router.policy_for)
+    try:
+        with GatewayServer(backend) as gateway:
+            body = {"model": "agl-policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            refused = httpx.post(
+                f"{gateway.v1}/chat/completions", json=body, headers={semconv.HEADER_AGENT_NAME: "writer"}
+            )
+            served = httpx.post(
+                f"{gateway.v1}/chat/completions", json=body, headers={semconv.HEADER_AGENT_NAME: "rewrite"}
+            )
+    finally:
+        backend.close()
+    assert refused.status_code == 400
+    assert "'writer' is matched by policies 'writer' and 'rewriter'" in refused.json()["error"]["message"]
+    assert served.status_code == 200  # only the ambiguous agent is refused
+
+
 # -- training through the real pipeline ---------------------------------------------------------------------
 
 
