@@ -82,7 +82,7 @@ TWO = [{"name": "writer", "agents": ["writer"]}, {"name": "rewriter", "agents": 
         ({"policies": TWO, "algorithm": {"agents": ["writer"]}}, "remove algorithm.agents"),
         (
             {"policies": TWO, "update": {"backend": "verl"}, "serving": {"backend": "vllm"}},
-            "for vLLM and verl train one shared policy (remove policies:)",
+            "verl's actor trains one adapter: set update.backend: torch",
         ),
         ({"policies": TWO, "model": {"source": "tiny", "lora": None}}, "set model.lora"),
         ({"policies": [{"name": "writer", "agents": []}]}, "policies.0.agents"),
@@ -206,7 +206,12 @@ def _adapter_b(checkpoint: Path, policy: str) -> torch.Tensor:
 
 
 def test_each_agent_trains_its_own_adapter_and_an_idle_one_does_not_move(tmp_path):
-    config = {**BASE_CONFIG, "output_dir": str(tmp_path / "run"), "policies": TWO}
+    config = {
+        **BASE_CONFIG,
+        "output_dir": str(tmp_path / "run"),
+        "policies": TWO,
+        "logging": {"plot": True, "tensorboard": False},
+    }
     lines: list[str] = []
     result = Trainer(config, echo=lines.append).fit(_agent(("writer", "planner")), TASKS[:2])
 
@@ -217,12 +222,15 @@ def test_each_agent_trains_its_own_adapter_and_an_idle_one_does_not_move(tmp_pat
     assert writer["loss"] is not None
     assert (rewriter["calls"], rewriter["trained"], rewriter["loss"], rewriter["updates"]) == (0, 0, None, 0)
     assert (base["agents"], base["calls"], base["trained"]) == (["planner"], 4, 0)
-    assert step.trained_transitions == 8  # the batch held every call; only writer's trained an adapter
+    # planner's calls, served by the base model, train nothing
+    assert (step.transitions, step.trained_transitions) == (8, 4)
     assert any(line.startswith("  policies: writer [writer] 4/4 calls trained") for line in lines)
-    assert any("base model served planner (4 calls, not trained)" in line for line in lines)
+    assert any("base model served planner (4 calls, reward 0.500, not trained)" in line for line in lines)
+    assert writer["reward"] == base["reward"] == 0.5  # episode credit: each call gets its episode's reward
     assert result.checkpoint is not None
     assert _adapter_b(result.checkpoint, "writer").abs().sum() > 0  # LoRA B starts at zero: it moved
     assert _adapter_b(result.checkpoint, "rewriter").abs().sum() == 0  # no calls: untouched
+    assert result.plot is not None and result.plot.stat().st_size > 0  # with writer's and base's curves
     store = SqliteStore(str(tmp_path / "run" / "store.sqlite"))
     try:
         spans = [s for s in store.query_spans(limit=10_000) if semconv.POLICY_NAME in s.attributes]
@@ -253,6 +261,9 @@ def test_two_agents_train_two_adapters_and_resume_restores_both(tmp_path):
         _agent(("writer", "rewriter", "planner")), TASKS[:2], resume=True
     )
     assert [s.step for s in again.history] == [2]
+    (step_2,) = again.history
+    assert step_2.policies is not None  # each policy's update count went on from the checkpoint's
+    assert (step_2.policies["writer"]["updates"], step_2.policies["rewriter"]["updates"]) == (2, 2)
     assert again.checkpoint is not None
     writer_2, rewriter_2 = _adapter_b(again.checkpoint, "writer"), _adapter_b(again.checkpoint, "rewriter")
     assert not torch.equal(writer_2, writer_1) and not torch.equal(rewriter_2, rewriter_1)
@@ -297,3 +308,72 @@ def test_a_checkpoint_of_a_shared_policy_does_not_resume_a_run_with_policies(tmp
         Trainer({**shared, "policies": TWO}, overrides=["train.steps=2"]).fit(
             _agent(("writer",)), TASKS[:2], resume=True
         )
+
+
+# -- agl eval on a checkpoint of a run with policies ------------------------------------------------------
+
+EVAL_AGENT = """
+import openai
+
+SEEN = {}
+
+
+def solve(task, llm):
+    for name in ("writer", "planner"):
+        own = llm.for_agent(name)
+        client = openai.OpenAI(base_url=own.base_url, api_key=own.api_key, max_retries=0)
+        client.chat.completions.create(
+            model=own.model, messages=[{"role": "user", "content": name + ": " + task["q"]}], max_tokens=3
+        )
+    SEEN[task["id"]] = SEEN.get(task["id"], 0) + 1
+    return float(SEEN[task["id"]] % 2)
+"""
+
+
+SERVED_BY = (semconv.GEN_AI_AGENT_NAME, semconv.POLICY_NAME, semconv.POLICY_VERSION)
+
+
+def test_eval_serves_each_policys_adapter_from_a_checkpoint_and_refuses_a_config_without_them(tmp_path):
+    import yaml
+
+    from agl_trainer.config import load_config
+    from agl_trainer.evaluate import EvalError, evaluate
+
+    (tmp_path / "policy_agent.py").write_text(EVAL_AGENT)
+    for name, ids in (("train", "t"), ("val", "v")):
+        rows = [f'{{"id": "{ids}{i}", "q": "say {i}"}}\n' for i in range(2)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(rows))
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                **BASE_CONFIG,
+                "agent": "policy_agent:solve",
+                "tasks": {"train": "train.jsonl", "val": "val.jsonl"},
+                "output_dir": str(tmp_path / "run"),
+                "validation": {"before": False, "after": False},
+                "policies": TWO,
+            }
+        )
+    )
+    config = load_config(config_file)
+    trained = Trainer(config).fit()
+    assert trained.checkpoint is not None
+
+    found = evaluate(config, checkpoint=trained.checkpoint, baseline=True, keep_spans=True, limit=2)
+    for score, version in ((found.baseline, 0), (found.score, 1)):
+        assert score is not None
+        served = Counter(
+            tuple(s.attributes[k] for k in SERVED_BY)
+            for spans in score.spans.values()
+            for s in spans
+            if semconv.POLICY_NAME in s.attributes
+        )
+        assert served == {("writer", "writer", version): 2, ("planner", "base", version): 2}
+
+    shared = load_config(config_file, ["policies=[]"])
+    with pytest.raises(EvalError, match=r"one adapter per policy \(rewriter, writer\); evaluate it with"):
+        evaluate(shared, checkpoint=trained.checkpoint, limit=1)
+    renamed = load_config(config_file, ['policies=[{"name": "editor", "agents": ["writer"]}]'])
+    with pytest.raises(EvalError, match="holds no adapter of policy 'editor'"):
+        evaluate(renamed, checkpoint=trained.checkpoint, limit=1)

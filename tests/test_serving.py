@@ -263,3 +263,119 @@ def test_hf_serving_swaps_in_place_and_loads_adapters(tmp_path):
                 serving.publish(model, 2)
     finally:
         serving.close()
+
+
+# -- a policy per agent: vLLM's multi-LoRA ---------------------------------------------------------------
+
+TWO_POLICIES = [{"name": "writer", "agents": ["writer"]}, {"name": "rewriter", "agents": ["re*"]}]
+
+
+def _two_adapter_policy():
+    from peft import LoraConfig, get_peft_model
+
+    from agl_trainer.model import load_policy
+
+    model, tokenizer = load_policy("tiny", seed=0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora, adapter_name="writer")
+    model.add_adapter("rewriter", lora)
+    return model, tokenizer
+
+
+def _move(model, adapter: str, seed: int) -> None:
+    """An optimizer step on one adapter's weights only."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if f".{adapter}." in name and "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+
+
+def test_vllm_serves_each_agent_its_policys_adapter_and_replaces_only_the_one_updated(fake, tmp_path):
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    model, tokenizer = _two_adapter_policy()
+    config = _config(
+        tmp_path,
+        model={"source": "tiny", "lora": {"r": 4, "alpha": 8}},
+        policies=TWO_POLICIES,
+        serving={"backend": "vllm", "vllm": {"url": fake.url + "/v1", "keep_adapters": 2}},
+    )
+    assert vllm_launch_kwargs(config)["extra_args"][4:6] == ["--max-loras", "4"]  # 2 per policy
+    serving = start_serving(config, model, tokenizer)
+    adapters = tmp_path / "run" / "adapters"
+    try:
+        with GatewayServer(serving.backend, renderer=serving.renderer) as gateway:
+            client = httpx.Client(timeout=30)
+
+            def ask(agent: str) -> tuple[str, str, int]:
+                """(the model vLLM was asked for, the span's policy, the span's version) of a call."""
+                r = client.post(
+                    gateway.v1 + "/chat/completions",
+                    json={"model": "agl-policy", "messages": HI},
+                    headers={semconv.HEADER_AGENT_NAME: agent},
+                )
+                assert r.status_code == 200, r.text
+                (span,) = gateway.spans(r.json()["id"])
+                attrs = span.attributes
+                return fake.requests[-1]["model"], attrs[semconv.POLICY_NAME], attrs[semconv.POLICY_VERSION]
+
+            # before any update each policy is its fresh adapter, the base model's weights
+            assert ask("writer") == ("agl-policy", "writer", 0)
+            assert ask("planner") == ("agl-policy", "base", 0)
+
+            _move(model, "writer", seed=1)
+            serving.publish(model, 1, policies=["writer"])
+            assert ask("writer") == ("agl-policy-writer-v1", "writer", 1)
+            assert ask("rewriter") == ("agl-policy", "rewriter", 1)  # not published yet: still the base
+            saved = load_file(str(adapters / "v1" / "writer" / "adapter_model.safetensors"))
+            expected = get_peft_model_state_dict(model, adapter_name="writer")
+            assert saved.keys() == expected.keys()
+            assert all(torch.equal(saved[k], expected[k]) for k in expected)
+            assert not (adapters / "v1" / "rewriter").exists()  # only the updated adapter is written
+
+            _move(model, "rewriter", seed=2)
+            serving.publish(model, 2, policies=["rewriter"])
+            assert ask("rewriter") == ("agl-policy-rewriter-v2", "rewriter", 2)
+            assert ask("writer") == ("agl-policy-writer-v1", "writer", 2)  # writer's adapter unchanged
+
+            for version in (3, 4):
+                _move(model, "writer", seed=version)
+                serving.publish(model, version, policies=["writer"])
+            assert ask("writer") == ("agl-policy-writer-v4", "writer", 4)
+            assert ask("rewriter") == ("agl-policy-rewriter-v2", "rewriter", 4)
+            serving.publish(model, 5, policies=[])  # a step that trained no policy: a new version only
+            assert ask("writer") == ("agl-policy-writer-v4", "writer", 5)
+            client.close()
+        # each policy keeps its serving adapter and the one before; writer's v1 is gone, rewriter's v2
+        # stays loaded and on disk (vLLM may read it again) though it is older than the newest two
+        assert sorted(fake.loras) == [f"agl-policy-{n}" for n in ("rewriter-v2", "writer-v3", "writer-v4")]
+        assert sorted(p.name for p in adapters.iterdir()) == ["v2", "v3", "v4"]
+    finally:
+        serving.close()
+
+
+def test_vllm_refuses_a_call_by_an_agent_two_policies_match(fake, tmp_path):
+    from agl_core.gateway.vllm_backend import VLLMBackend
+    from agl_core.policies import PolicyRouter
+
+    backend = VLLMBackend(fake.url + "/v1", model_name="agl-policy")
+    backend.route = PolicyRouter({"writer": ["w*"], "rewriter": ["*er"]}).policy_for
+    try:
+        with GatewayServer(backend) as gateway:
+            body = {"model": "agl-policy", "messages": HI}
+            refused = httpx.post(
+                gateway.v1 + "/chat/completions", json=body, headers={semconv.HEADER_AGENT_NAME: "writer"}
+            )
+            served = httpx.post(
+                gateway.v1 + "/chat/completions", json=body, headers={semconv.HEADER_AGENT_NAME: "rewrite"}
+            )
+    finally:
+        backend.close()
+    assert refused.status_code == 400
+    assert "'writer' is matched by policies 'writer' and 'rewriter'" in refused.json()["error"]["message"]
+    assert served.status_code == 200

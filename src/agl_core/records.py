@@ -138,6 +138,9 @@ class Transition:
     agent_name: str | None = None
     policy_version: int | None = None
     span_id: str | None = None
+    #: The policy (LoRA adapter) that served the call when each agent has its own (``base``: the base
+    #: model); ``None`` when one policy serves every agent.
+    policy_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.response_logprobs is not None and len(self.response_logprobs) != len(self.response_ids):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from . import semconv
-from .records import Rollout, Span
+from .records import Rollout, Span, Transition
 from .spantree import AGENT, GATEWAY, LLM, TOOL, SpanTree, kind_of, own_agent_name, source_of, tool_name
 from .transitions import spans_to_transitions
 
@@ -62,6 +62,13 @@ def count_llm_calls(spans: Sequence[Span]) -> int:
     return sum(1 for s in spans if kind_of(s) == GATEWAY and semconv.PROMPT_TOKEN_IDS in s.attributes)
 
 
+def _policy(t: Transition) -> str:
+    """What served a call: its policy version, after the policy's name when each agent has its own
+    (``writer v3``, ``base v3``)."""
+    version = "-" if t.policy_version is None else f"v{t.policy_version}"
+    return version if t.policy_name is None else f"{t.policy_name[:20]} {version}"
+
+
 def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout | None = None) -> str:
     """The report of ``rollout_id`` from its spans (as the store returns them); with its ``rollout``
     record, how it ended (status, error, stored traceback) comes first."""
@@ -90,13 +97,12 @@ def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout |
     if result.transitions:
         lines.append(
             f"  {'#':>3}  {'agent':<20} {'prompt':>7} "
-            f"{'response':>9} {'reward':>8} {'policy':>7}  gateway span"
+            f"{'response':>9} {'reward':>8} {'policy':>12}  gateway span"
         )
         for t in result.transitions:
-            policy = "-" if t.policy_version is None else t.policy_version
             lines.append(
                 f"  {t.call_index:>3}  {(t.agent_name or '-'):<20} {len(t.prompt_ids):>7} "
-                f"{len(t.response_ids):>9} {t.reward:>8.3g} {policy:>7}  {t.span_id}"
+                f"{len(t.response_ids):>9} {t.reward:>8.3g} {_policy(t):>12}  {t.span_id}"
             )
     else:
         lines.append("  none")

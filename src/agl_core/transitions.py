@@ -259,6 +259,7 @@ def _rollout_transitions(
         partner = partners.get(g.span_id)
         logprobs = g.attributes.get(semconv.RESPONSE_LOGPROBS)
         version = g.attributes.get(semconv.POLICY_VERSION)
+        policy_name = g.attributes.get(semconv.POLICY_NAME)
         transitions.append(
             Transition(
                 rollout_id=rollout_id,
@@ -272,6 +273,7 @@ def _rollout_transitions(
                 agent_name=tree.agent_name(partner if partner is not None else g),
                 policy_version=int(version) if isinstance(version, int) else None,
                 span_id=g.span_id,
+                policy_name=policy_name if isinstance(policy_name, str) else None,
             )
         )
     return transitions, problems

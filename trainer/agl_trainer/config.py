@@ -526,14 +526,25 @@ class TrainerConfig(_Strict):
                 "with policies:, each policy trains on its own agents' calls; remove algorithm.agents (an"
                 " agent no policy names is served by default_policy and, with base, not trained)"
             )
-        if self.update.backend == "verl" or self.serving.backend != "hf":
+        if self.update.backend == "verl":
             raise ValueError(
-                "policies: (an adapter per agent) trains with update.backend torch and serving.backend hf;"
-                " for vLLM and verl train one shared policy (remove policies:)"
+                "policies: (an adapter per agent) trains with update.backend: torch, serving with hf or"
+                " vllm (multi-LoRA); verl's actor trains one adapter: set update.backend: torch, or remove"
+                " policies: to train one shared policy with verl"
             )
         if self.traces is not None:
             raise ValueError("policies: does not train from stored traces yet; remove traces: or policies:")
         return self
+
+    def trained_agents(self) -> list[str]:
+        """The agent names or globs whose calls train (empty: every agent's): ``algorithm.agents``, or with
+        ``policies`` the agents of every policy (all of them when ``default_policy`` names a policy, since
+        it then serves and trains on the rest)."""
+        if not self.policies:
+            return list(self.algorithm.agents)
+        if self.default_policy != BASE:
+            return []
+        return [pattern for policy in self.policies for pattern in policy.agents]
 
     def router(self) -> PolicyRouter | None:
         """The :class:`agl_core.policies.PolicyRouter` of ``policies`` (``None`` without them)."""

@@ -169,7 +169,8 @@ def _describe(
             unselected, tokenless = len(made) - len(credited), len(credited) - len(trained)
             if unselected:
                 reasons.append(
-                    f"{unselected} LLM call(s) by agents not selected for training (algorithm.agents)"
+                    f"{unselected} LLM call(s) by agents not selected for training (algorithm.agents, or"
+                    " served by the base model with policies:)"
                 )
             if tokenless:
                 reasons.append(f"{tokenless} LLM call(s) recorded no prompt or no response tokens")

@@ -72,6 +72,8 @@ class Checkpoint:
     #: The training step and policy version it was saved at (``None`` for a bare adapter directory).
     step: int | None = None
     policy_version: int | None = None
+    #: A checkpoint of a run with ``policies``: each policy's adapter directory (``adapter/<policy>``).
+    adapters: dict[str, Path] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         return str(self.path) + (
@@ -90,7 +92,13 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
         state = json.loads((path / _STATE_FILE).read_text())
         adapter = path / "adapter"
         weights = path / "model.safetensors"
-        if not (adapter / "adapter_config.json").is_file() and not weights.is_file():
+        # a run with policies: one adapter per policy, in adapter/<policy>/
+        adapters = {
+            child.name: child
+            for child in sorted(adapter.iterdir() if adapter.is_dir() else ())
+            if (child / "adapter_config.json").is_file()
+        }
+        if not (adapter / "adapter_config.json").is_file() and not weights.is_file() and not adapters:
             raise EvalError(f"checkpoint {path} holds neither an adapter/ directory nor model.safetensors")
         return Checkpoint(
             path,
@@ -98,6 +106,7 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
             weights if weights.is_file() else None,
             int(state["step"]) if "step" in state else None,
             int(state["policy_version"]) if "policy_version" in state else None,
+            adapters,
         )
     if (path / "adapter_config.json").is_file():
         return Checkpoint(path, path, None)
@@ -177,6 +186,28 @@ def _choose_tasks(
     return chosen[:limit] if limit else chosen
 
 
+def _check_policies(config: TrainerConfig, checkpoint: Checkpoint) -> None:
+    """Refuse a checkpoint whose adapters do not fit the config's policies (one adapter per policy, or
+    one shared adapter without policies)."""
+    names = [p.name for p in config.policies]
+    if checkpoint.adapters and not names:
+        raise EvalError(
+            f"{checkpoint.path} holds one adapter per policy ({', '.join(checkpoint.adapters)}); evaluate it"
+            " with the config of its run (its policies: route each agent to its adapter)"
+        )
+    if names and not checkpoint.adapters:
+        raise EvalError(
+            f"{checkpoint.path} holds one shared policy, and the config has policies ({', '.join(names)});"
+            " evaluate it with a config without policies:"
+        )
+    missing = [n for n in names if n not in checkpoint.adapters]
+    if missing:
+        raise EvalError(
+            f"{checkpoint.path} holds no adapter of policy {missing[0]!r} (it has"
+            f" {', '.join(checkpoint.adapters)}); evaluate it with the policies of its run"
+        )
+
+
 def _serve_checkpoint(services: Services, checkpoint: Checkpoint) -> None:
     """Serve ``checkpoint`` from the next request on, under its policy version (or the next one)."""
     from agl_core.gateway.backend import PolicyUpdate
@@ -185,7 +216,9 @@ def _serve_checkpoint(services: Services, checkpoint: Checkpoint) -> None:
 
     serving = services.serving
     version = max(checkpoint.policy_version or 0, serving.policy_version + 1)
-    if checkpoint.adapter is not None:
+    if checkpoint.adapters:
+        serving.publish_adapters(checkpoint.adapters, version)
+    elif checkpoint.adapter is not None:
         serving.publish_adapter(checkpoint.adapter, version)
     elif isinstance(serving, HFServing):
         serving.backend.load_policy(PolicyUpdate(version, str(checkpoint.path), "full"))
@@ -237,11 +270,15 @@ def evaluate(
         )
     chosen = _choose_tasks(config, tasks, limit)
     target = find_checkpoint(checkpoint) if checkpoint is not None else None
+    if target is not None:
+        _check_policies(config, target)
     policies: list[tuple[str, Checkpoint | None]] = []
     if baseline is not False:
         if target is None:
             raise EvalError("a baseline is compared with a checkpoint; pass --checkpoint DIR as well")
         base = None if baseline is True else find_checkpoint(baseline)
+        if base is not None:
+            _check_policies(config, base)
         if base is not None and (base.adapter is None) != (target.adapter is None):
             raise EvalError(
                 f"{base.path} and {target.path} hold different kinds of weights (a LoRA adapter and full"

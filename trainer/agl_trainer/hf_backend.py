@@ -333,7 +333,9 @@ class HFBackend:
             raise BackendError(f"{path} is not a directory")
         with self.lock:
             try:
-                if update.kind == "lora":
+                if update.kind == "lora" and update.policy is not None:
+                    self._load_policy_adapter(path, update.policy)
+                elif update.kind == "lora":
                     self._load_adapter(path, update.version)
                 else:
                     self._load_full(path)
@@ -357,6 +359,34 @@ class HFBackend:
                 self.model.delete_adapter(previous)
         else:
             self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
+        self.model.eval()
+
+    def _load_policy_adapter(self, path: Path, policy: str) -> None:
+        """Serve the adapter in ``path`` to ``policy``'s agents (a policy per agent): its weights replace
+        those of the adapter named ``policy``, or it is loaded under that name."""
+        if self.route is None:
+            raise BackendError(
+                f"an adapter for policy {policy!r} was published, but this backend serves one policy to"
+                " every agent; give it the policies (route=...)"
+            )
+        if not (path / "adapter_config.json").is_file():
+            raise BackendError(f"{path} has no adapter_config.json; is it a PEFT LoRA adapter directory?")
+        from peft import PeftModel
+
+        if not isinstance(self.model, PeftModel):
+            self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=policy)
+        elif policy in self.model.peft_config:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            weights = path / "adapter_model.safetensors"
+            if not weights.is_file():
+                raise BackendError(f"{path} has no adapter_model.safetensors")
+            result = set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=policy)
+            if getattr(result, "unexpected_keys", None):
+                raise BackendError(f"{path} does not fit policy {policy!r}'s adapter (other LoRA settings?)")
+        else:
+            self.model.load_adapter(str(path), adapter_name=policy)
         self.model.eval()
 
     def _load_full(self, path: Path) -> None:
@@ -420,9 +450,10 @@ class HFBackend:
 
     def _adapters(self, jobs: Sequence[_Job]) -> dict[str, Any]:
         """The ``adapter_names`` argument of a forward pass over rows of ``jobs`` (none without routing)."""
-        if self.route is None:
-            return {}
-        return {"adapter_names": [job.policy or "__base__" for job in jobs]}
+        loaded = getattr(self.model, "peft_config", None)
+        if self.route is None or not loaded:
+            return {}  # no adapter loaded yet: every policy is still the base model
+        return {"adapter_names": [job.policy if job.policy in loaded else "__base__" for job in jobs]}
 
     def _forward(self, **kwargs: Any) -> Any:
         if self._keep_logits_arg:

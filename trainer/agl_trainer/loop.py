@@ -90,6 +90,8 @@ class _RunLog:
         self.plot_path = config.output_dir / PLOT_FILE
         self.train_curve: list[tuple[int, float]] = []
         self.val_curve: list[tuple[int, float, float]] = []
+        #: With ``policies``: each policy's mean call reward by step.
+        self.policy_curves: dict[str, list[tuple[int, float]]] = {}
         self.history: list[StepMetrics] = []
         self.plot: Path | None = None
         self.scalars = Scalars(config.output_dir / "tensorboard", config.logging.tensorboard)
@@ -99,8 +101,7 @@ class _RunLog:
         self.history.append(metrics)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps({"kind": "train", "time": time.time(), **dataclasses.asdict(metrics)}) + "\n")
-        if metrics.mean_reward is not None:
-            self.train_curve.append((metrics.step, metrics.mean_reward))
+        self._add_point(metrics.step, metrics.mean_reward, metrics.policies)
         self.scalars.add(
             metrics.step,
             {
@@ -116,12 +117,22 @@ class _RunLog:
             self.scalars.add(
                 metrics.step,
                 {
+                    f"policy/{name}/reward": row.get("reward"),
                     f"policy/{name}/loss": row["loss"],
                     f"policy/{name}/grad_norm": row["grad_norm"],
                     f"policy/{name}/trained": float(row["trained"]),
                     f"policy/{name}/calls": float(row["calls"]),
                 },
             )
+
+    def _add_point(
+        self, step: int, mean_reward: float | None, policies: dict[str, dict[str, Any]] | None
+    ) -> None:
+        if mean_reward is not None:
+            self.train_curve.append((step, mean_reward))
+        for name, row in (policies or {}).items():
+            if row.get("reward") is not None and row.get("calls"):
+                self.policy_curves.setdefault(name, []).append((step, float(row["reward"])))
 
     def record_eval(self, result: EvalResult, label: str) -> None:
         self.val_curve.append((result.step, result.mean, result.se))
@@ -137,6 +148,7 @@ class _RunLog:
                 self.train_curve,
                 self.val_curve,
                 title=f"{self.title} ({self.config.algorithm.name})",
+                policies=self.policy_curves,
             )
 
     def replay(self, step: int) -> None:
@@ -155,8 +167,8 @@ class _RunLog:
             kept.append(line)
             if row.get("kind") == "val":
                 self.val_curve.append((row["step"], row["mean"], row["se"]))
-            elif row.get("mean_reward") is not None:
-                self.train_curve.append((row["step"], row["mean_reward"]))
+            else:
+                self._add_point(row["step"], row.get("mean_reward"), row.get("policies"))
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(f"{line}\n" for line in kept))
         tmp.replace(self.metrics_path)
@@ -178,6 +190,8 @@ def _save(
         "before": dataclasses.asdict(before) if before else None,
         "config": config.model_dump(mode="json"),
     }
+    if policy.updates:
+        state["policy_updates"] = dict(policy.updates)
     return save_checkpoint(
         config.output_dir / CHECKPOINTS_DIR,
         step,
@@ -207,6 +221,9 @@ def _restore(
     )
     step = int(state["step"])
     sampler.load_state_dict(state["sampler"])
+    for name, count in (state.get("policy_updates") or {}).items():
+        if name in policy.updates:
+            policy.updates[name] = int(count)
     version = int(state["policy_version"])
     if version > services.serving.policy_version:
         services.serving.publish(policy.model, version)  # serve the restored weights under their version

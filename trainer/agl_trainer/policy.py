@@ -46,6 +46,8 @@ class TrainablePolicy:
     optimizers: Mapping[str, torch.optim.Optimizer] = dataclasses.field(default_factory=dict)
     #: With ``policies``: which policy serves which agent.
     router: PolicyRouter | None = None
+    #: With ``policies``: how many updates each policy has had (saved in checkpoints, restored on resume).
+    updates: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def checkpointed_optimizers(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
@@ -117,7 +119,15 @@ def load_trainable_policy(
         stack.callback(updater.close)
         echo(f"update: verl actor on Ray ({config.model.source})")
     return TrainablePolicy(
-        tokenizer, pad_id, model, optimizer, reference, updater, optimizers, config.router()
+        tokenizer,
+        pad_id,
+        model,
+        optimizer,
+        reference,
+        updater,
+        optimizers,
+        config.router(),
+        dict.fromkeys(optimizers, 0),
     )
 
 
@@ -173,8 +183,8 @@ class TorchLearner:
         self.optimizer = policy.optimizer
         self.optimizers = policy.optimizers
         self.router = policy.router
-        #: Updates so far of each policy (with ``policies``).
-        self.versions: dict[str, int] = dict.fromkeys(policy.optimizers, 0)
+        #: Updates so far of each policy (with ``policies``; the policy's own counts, which resume restores).
+        self.updates = policy.updates
         self.reference = policy.reference
         self.pad_id = policy.pad_id
         self.services = services
@@ -192,9 +202,11 @@ class TorchLearner:
             if self.router is None:
                 assert self.optimizer is not None
                 stats = self._step(self.optimizer, samples)
+                serving.publish(self.model, version)
             else:
                 stats = self._policy_steps(samples)
-            serving.publish(self.model, version)
+                # only the adapters that changed are published (vLLM loads each under its policy's name)
+                serving.publish(self.model, version, policies=list(stats.per_policy))
         self.services.publish()
         return stats
 
@@ -228,8 +240,8 @@ class TorchLearner:
         for name, own in by_policy.items():
             self.model.set_adapter(name)  # the forward pass uses this adapter; only its weights get gradients
             per_policy[name] = self._step(self.optimizers[name], own)
-            self.versions[name] += 1
-        return PolicyStats(per_policy, dict(self.versions))
+            self.updates[name] += 1
+        return PolicyStats(per_policy, dict(self.updates))
 
 
 class VerlLearner:
@@ -253,10 +265,10 @@ class VerlLearner:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyStats:
-    """A step's update of several policies: each one's stats, and each one's update count."""
+    """A step's update of several policies: each one's stats, and each one's update count so far."""
 
     per_policy: dict[str, UpdateStats]
-    versions: dict[str, int]
+    updates: dict[str, int]
 
     @property
     def loss(self) -> float:

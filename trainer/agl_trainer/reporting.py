@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,8 +151,10 @@ def plot_reward_curve(
     val: Sequence[tuple[int, float, float]] = (),
     *,
     title: str = "reward",
+    policies: Mapping[str, Sequence[tuple[int, float]]] | None = None,
 ) -> Path | None:
-    """Draw mean training reward by step and validation mean ± SE into ``path`` (written atomically).
+    """Draw mean training reward by step and validation mean ± SE into ``path`` (written atomically);
+    with ``policies`` (a policy per agent), each policy's mean call reward by step as well.
 
     Returns the path, or ``None`` when matplotlib is missing (logged once).
     """
@@ -169,6 +171,10 @@ def plot_reward_curve(
         if train:
             xs, ys = zip(*train, strict=True)
             ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label="train (mean reward of the step)")
+        for name, points in (policies or {}).items():
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, linestyle="--", marker=".", linewidth=1, label=f"train: {name}'s calls")
         if val:
             xs, ys, errs = zip(*val, strict=True)
             ax.errorbar(
@@ -185,7 +191,7 @@ def plot_reward_curve(
         ax.set_ylabel("reward")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        if train or val:
+        if train or val or policies:
             ax.legend(loc="best", fontsize=8)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.png")
         fig.savefig(tmp)
@@ -217,9 +223,10 @@ def format_step(m: StepMetrics, total_steps: int) -> str:
 
 def _policy_text(name: str, row: dict[str, Any]) -> str:
     agents = ", ".join(row["agents"]) or "no calls"
+    reward = f", reward {row['reward']:.3f}" if row.get("reward") is not None else ""
     if name == BASE:
-        return f"base model served {agents} ({row['calls']} calls, not trained)"
-    text = f"{name} [{agents}] {row['trained']}/{row['calls']} calls trained"
+        return f"base model served {agents} ({row['calls']} calls{reward}, not trained)"
+    text = f"{name} [{agents}] {row['trained']}/{row['calls']} calls trained{reward}"
     if row["loss"] is not None:
         text += f", loss {row['loss']:+.4f}, update {row['updates']}"
     return text

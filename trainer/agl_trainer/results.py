@@ -69,8 +69,8 @@ class StepMetrics:
     exact_transitions: int | None = None
     retokenised_transitions: int | None = None
     #: With ``policies``: per policy (and ``base`` for agents the base model serves), the agents it served
-    #: this step, their LLM calls, the transitions its update trained on, its loss and gradient norm
-    #: (``None`` when it was not updated) and its update count so far.
+    #: this step, their LLM calls and the calls' mean reward (after credit), the transitions its update
+    #: trained on, its loss and gradient norm (``None`` when it was not updated) and its update count so far.
     policies: dict[str, dict[str, Any]] | None = None
 
 

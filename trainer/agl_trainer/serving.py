@@ -1,12 +1,14 @@
 """Serving the policy during training: the gateway's backend, and how each new policy version reaches it.
 
 :func:`start_serving` builds what ``serving:`` in the config asks for and returns a :class:`HFServing` or a
-:class:`VLLMServing`. Both offer the same four things to the training loop:
+:class:`VLLMServing`. Both offer the same five things to the training loop:
 
 * ``backend``: the gateway backend (``create_gateway_app(serving.backend, renderer=serving.renderer)``);
 * ``lock``: held while the trainer changes weights the backend reads (the transformers backend shares the
   trained model object; a vLLM server has its own copy, so there it is a no-op);
-* ``publish(model, version)``: serve ``model``'s current weights as policy ``version`` from the next call;
+* ``publish(model, version, policies=None)``: serve ``model``'s current weights as policy ``version`` from
+  the next call (with a policy per agent, ``policies`` names the adapters that changed; default: all);
+* ``publish_adapters({policy: path}, version)``: serve saved adapters (a checkpoint's) to their policies;
 * ``close()``: stop what :func:`start_serving` started.
 
 vLLM is never imported here: the server is its own process (``vllm serve``), reached over HTTP.
@@ -20,7 +22,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,15 +50,18 @@ def vllm_launch_kwargs(config: TrainerConfig) -> dict[str, Any]:
     """Keyword arguments of :meth:`VLLMBackend.launch` for ``serving.vllm.launch`` (LoRA on, sized for
     ``model.lora.r``; two adapters at once, so calls in flight finish on the previous version)."""
     launch = config.serving.vllm.launch
-    if config.model.lora is None:
+    if config.model.lora is None and not config.policies:
         raise ValueError("serving.backend vllm needs model.lora")
+    loras = [p.lora for p in config.policies] + [config.model.lora]
+    ranks = [lora.r for lora in loras if lora is not None]
     args = [
         "--tensor-parallel-size",
         str(launch.tensor_parallel_size),
         "--gpu-memory-utilization",
         str(launch.gpu_memory_utilization),
         "--max-loras",
-        "2",
+        # each policy's adapter and its previous version (calls in flight), in one batch
+        str(2 * max(1, len(config.policies))),
     ]
     if launch.max_model_len is not None:
         args += ["--max-model-len", str(launch.max_model_len)]
@@ -65,7 +70,7 @@ def vllm_launch_kwargs(config: TrainerConfig) -> dict[str, Any]:
         "model_name": config.model.served_name,
         "tool_call_parser": launch.tool_call_parser,
         "enable_lora": True,
-        "max_lora_rank": vllm_max_lora_rank(config.model.lora.r),
+        "max_lora_rank": vllm_max_lora_rank(max(ranks)),
         "extra_args": [*args, *launch.extra_args],
         "command": tuple(launch.command),
         "env": dict(launch.env),
@@ -89,8 +94,9 @@ class HFServing:
     def policy_version(self) -> int:
         return int(self.backend.policy_version)
 
-    def publish(self, model: Any, version: int) -> None:
-        """Serve ``model`` as policy ``version`` from the next batch on (an in-place swap, no copy)."""
+    def publish(self, model: Any, version: int, policies: Sequence[str] | None = None) -> None:
+        """Serve ``model`` as policy ``version`` from the next batch on (an in-place swap, no copy; every
+        policy's adapter lives in ``model``, so ``policies`` changes nothing here)."""
         _check_version(self.policy_version, version)
         with self.backend.lock:
             if model is not self.backend.model:
@@ -101,6 +107,12 @@ class HFServing:
         """Load the LoRA adapter in ``path`` (a PEFT directory) as policy ``version``."""
         _check_version(self.policy_version, version)
         self.backend.load_policy(PolicyUpdate(version, str(path), "lora"))
+
+    def publish_adapters(self, adapters: Mapping[str, str | Path], version: int) -> None:
+        """Serve each policy's LoRA adapter directory in ``adapters`` to its agents, as policy ``version``."""
+        _check_version(self.policy_version, version)
+        for policy, path in adapters.items():
+            self.backend.load_policy(PolicyUpdate(version, str(path), "lora", policy=policy))
 
     def close(self) -> None:
         self.backend.close()
@@ -126,16 +138,22 @@ class VLLMServing:
         self.adapter_dir = Path(adapter_dir).resolve()
         self.keep = max(2, keep)
         self._loop = _LoopThread("agl-vllm-publish")
+        #: With a policy per agent: each policy's adapter directories vLLM has loaded (the previous one and
+        #: the serving one). vLLM may read an adapter again (its cache is bounded), so pruning keeps them.
+        self._serving: dict[str, list[Path]] = {}
 
     @property
     def policy_version(self) -> int:
         return int(self.backend.policy_version)
 
-    def publish(self, model: Any, version: int) -> None:
+    def publish(self, model: Any, version: int, policies: Sequence[str] | None = None) -> None:
         """Save ``model``'s LoRA adapter and serve it as policy ``version``.
 
-        Raises ``ValueError`` for a model without a LoRA adapter (vLLM would need a restart to load full
-        weights) and :class:`~agl_core.gateway.BackendError` when vLLM refuses the adapter.
+        With a policy per agent, ``model`` holds an adapter per policy, and only those in ``policies`` (all
+        of them when ``None``) are saved and loaded, each replacing its policy's previous adapter; the
+        others keep serving. Raises ``ValueError`` for a model without a LoRA adapter (vLLM would need a
+        restart to load full weights) and :class:`~agl_core.gateway.BackendError` when vLLM refuses the
+        adapter.
         """
         from peft import PeftModel
 
@@ -145,18 +163,46 @@ class VLLMServing:
                 " model.lora set (loading full weights would restart vLLM at every step)"
             )
         _check_version(self.policy_version, version)
+        changed: list[str] = []
+        if self.backend.route is not None:
+            changed = list(model.peft_config) if policies is None else list(policies)
+            if not changed:  # no policy trained this step: the same adapters serve under the new version
+                self.backend.policy_version = version
+                return
         target = self.adapter_dir / f"v{version}"
         self.adapter_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.", dir=self.adapter_dir))
         try:
-            model.save_pretrained(str(tmp))
+            # with several adapters, PEFT writes each to a subdirectory named after it
+            if changed:
+                model.save_pretrained(str(tmp), selected_adapters=changed)
+            else:
+                model.save_pretrained(str(tmp))
             if target.exists():
                 shutil.rmtree(target)
             tmp.rename(target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.publish_adapter(target, version)
+        if changed:
+            self.publish_adapters({name: target / name for name in changed}, version)
+        else:
+            self.publish_adapter(target, version)
+
+    def publish_adapters(self, adapters: Mapping[str, str | Path], version: int) -> None:
+        """Have the server load each policy's adapter directory in ``adapters`` (a policy per agent), each
+        replacing that policy's previous adapter, as policy ``version``."""
+        _check_version(self.policy_version, version)
+        if self.backend.route is None:
+            raise ValueError("adapters per policy need serving with policies: (this server has one policy)")
+        for policy, path in adapters.items():
+            path = Path(path).resolve()
+            if not (path / "adapter_config.json").is_file():
+                raise ValueError(f"{path} is not a LoRA adapter directory (no adapter_config.json)")
+            update = PolicyUpdate(version, str(path), "lora", policy=policy)
+            self._loop.run(self.backend.update_policy(update))
+            self._serving[policy] = [*self._serving.get(policy, [])[-1:], path]
+        self._prune()
 
     def publish_adapter(self, path: str | Path, version: int) -> None:
         """Have the server load the LoRA adapter directory ``path`` as policy ``version``."""
@@ -173,8 +219,10 @@ class VLLMServing:
             found = re.fullmatch(r"v(\d+)", child.name)
             if found and child.is_dir():
                 versions.append((int(found.group(1)), child))
+        in_use = {path.parent for paths in self._serving.values() for path in paths}
         for _, child in sorted(versions)[: -self.keep]:
-            shutil.rmtree(child, ignore_errors=True)
+            if child.resolve() not in in_use:
+                shutil.rmtree(child, ignore_errors=True)
 
     def close(self) -> None:
         """Stop the publishing thread, close the backend's connections and stop a server it launched."""
@@ -240,6 +288,9 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
         )
     else:
         backend = VLLMBackend.launch(**vllm_launch_kwargs(config))
+    router = config.router()
+    if router is not None:
+        backend.route = router.policy_for
     renderer = TemplateRenderer(tokenizer) if tokenizer is not None else None
     return VLLMServing(
         backend, adapter_dir=config.output_dir / vllm.lora_dir, keep=vllm.keep_adapters, renderer=renderer

@@ -113,7 +113,7 @@ def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[
         strategy=algorithm.credit,
         gamma=algorithm.gamma,
         weights=algorithm.reward_weights(),
-        agents=algorithm.agents,
+        agents=config.trained_agents(),
     )
     transitions = trainable_transitions(credit)
     group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
@@ -247,29 +247,45 @@ def policy_metrics(
     config: TrainerConfig, batch: Batch, stats: UpdateStats | None
 ) -> dict[str, dict[str, Any]] | None:
     """The step's metrics per policy (``policies`` in the config; ``None`` without): which agents each
-    served, their calls, what its update trained on and how it went. ``base`` counts the agents the base
-    model served (not trained)."""
+    served, their calls and the calls' mean reward, what its update trained on and how it went. ``base``
+    counts the agents the base model served (not trained)."""
     router = config.router()
     if router is None:
         return None
     out: dict[str, dict[str, Any]] = {
-        name: {"agents": [], "calls": 0, "trained": 0, "loss": None, "grad_norm": None, "updates": 0}
+        name: {
+            "agents": [],
+            "calls": 0,
+            "trained": 0,
+            "reward": None,
+            "loss": None,
+            "grad_norm": None,
+            "updates": 0,
+        }
         for name in (*router.names, BASE)
     }
+    # each call's reward after credit where it was credited (the trained agents), else its episode's
+    credited = {t.span_id: t.reward for t in batch.credit.transitions if t.span_id is not None}
+    rewards: dict[str, list[float]] = {}
     for t in batch.result.transitions:
-        row = out[router.policy_for(t.agent_name) or BASE]
+        policy = router.policy_for(t.agent_name) or BASE
+        row = out[policy]
         row["calls"] += 1
         name = t.agent_name or UNNAMED_AGENT
         if name not in row["agents"]:
             row["agents"].append(name)
+        reward = credited.get(t.span_id, t.reward) if t.span_id is not None else t.reward
+        rewards.setdefault(policy, []).append(reward)
+    for policy, values in rewards.items():
+        out[policy]["reward"] = sum(values) / len(values)
     for s in batch.samples:
-        policy = router.policy_for(s.transition.agent_name)
-        if policy is not None:  # the base model is never updated
-            out[policy]["trained"] += 1
+        trained = router.policy_for(s.transition.agent_name)
+        if trained is not None:  # the base model is never updated
+            out[trained]["trained"] += 1
     per_policy = getattr(stats, "per_policy", None) or {}
     for name, own in per_policy.items():
         out[name]["loss"], out[name]["grad_norm"] = own.loss, own.grad_norm
-    for name, count in (getattr(stats, "versions", None) or {}).items():
+    for name, count in (getattr(stats, "updates", None) or {}).items():
         out[name]["updates"] = count
     return out
 

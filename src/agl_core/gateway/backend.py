@@ -151,11 +151,15 @@ Event: TypeAlias = ChoiceDelta | Completion
 
 @dataclasses.dataclass(frozen=True)
 class PolicyUpdate:
-    """A new policy version for a backend to serve: a LoRA adapter directory or a full model directory."""
+    """A new policy version for a backend to serve: a LoRA adapter directory or a full model directory.
+
+    ``policy`` names the policy the adapter belongs to when the backend serves a policy per agent: the
+    adapter then replaces that policy's previous one only, and the others keep serving their agents."""
 
     version: int
     path: str
     kind: Literal["lora", "full"] = "lora"
+    policy: str | None = None
 
 
 @runtime_checkable

@@ -129,7 +129,7 @@ class OpenAIBackend:
 
     # -- request / response shapes (vLLM overrides the extension points) -------------------------------
 
-    def _served_model(self) -> str:
+    def _served_model(self, request: ChatRequest) -> str:
         return self.upstream_model
 
     def _extensions(self, request: ChatRequest) -> dict[str, Any]:
@@ -181,7 +181,7 @@ class OpenAIBackend:
 
     async def generate(self, model: str, request: ChatRequest) -> AsyncIterator[Event]:
         version = self.policy_version
-        served = self._served_model()
+        served = self._served_model(request)
         path = "/chat/completions" if request.is_chat else "/completions"
         body = self._body(request, served)
         try:

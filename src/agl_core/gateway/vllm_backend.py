@@ -8,6 +8,10 @@
   ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) and requests then name the adapter as
   their model; the adapter before the previous one is unloaded (``POST /v1/unload_lora_adapter``). Full
   weights of a server this backend launched are loaded by restarting it on the new directory.
+* A policy per agent (vLLM's multi-LoRA): with ``route``, each request is served by the adapter of the
+  policy its agent belongs to, loaded under the name ``<model>-<policy>-v<version>``; a new version of one
+  policy replaces that policy's adapter only. A policy whose first adapter has not been published yet is
+  served by the base model, which a fresh LoRA adapter leaves unchanged.
 
 vllm itself is never imported: the server runs in its own process (``vllm serve``), on a GPU machine.
 """
@@ -16,18 +20,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
 
+from ..policies import BASE
 from ._http import ConnectFailed, HTTPFailure, Response
-from .backend import BackendError, BackendUnavailableError, ChatRequest, PolicyUpdate
+from .backend import (
+    BackendError,
+    BackendUnavailableError,
+    ChatRequest,
+    Completion,
+    Event,
+    PolicyUpdate,
+    UpstreamError,
+)
 from .openai_backend import OpenAIBackend, _error_message
 
 __all__ = ["VLLMBackend"]
@@ -54,11 +68,37 @@ class VLLMBackend(OpenAIBackend):
         self._process: subprocess.Popen[bytes] | None = None
         self._launch_args: dict[str, Any] | None = None
         self._update_lock: asyncio.Lock | None = None
+        #: With a policy per agent: the calling agent's name -> its policy (``None``: the base model).
+        self.route: Callable[[str | None], str | None] | None = None
+        #: Per policy, the names of its loaded adapters, the serving one last.
+        self._policy_loaded: dict[str, collections.deque[str]] = {}
 
     # -- wire format ------------------------------------------------------------------------------
 
-    def _served_model(self) -> str:
-        return self._adapter or self.upstream_model
+    def _policy_of(self, request: ChatRequest) -> str | None:
+        assert self.route is not None
+        try:
+            return self.route(request.agent)
+        except ValueError as exc:  # an agent two policies match
+            raise UpstreamError(400, str(exc)) from exc
+
+    def _served_model(self, request: ChatRequest) -> str:
+        if self.route is None:
+            return self._adapter or self.upstream_model
+        policy = self._policy_of(request)
+        loaded = self._policy_loaded.get(policy) if policy is not None else None
+        return loaded[-1] if loaded else self.upstream_model
+
+    async def generate(self, model: str, request: ChatRequest) -> AsyncIterator[Event]:
+        """As :meth:`OpenAIBackend.generate`; with ``route``, each completion names the policy that
+        served it."""
+        policy = BASE
+        if self.route is not None:
+            policy = self._policy_of(request) or BASE
+        async for event in super().generate(model, request):
+            if self.route is not None and isinstance(event, Completion):
+                event = dataclasses.replace(event, policy_name=policy)
+            yield event
 
     def _extensions(self, request: ChatRequest) -> dict[str, Any]:
         if request.is_chat:
@@ -79,6 +119,7 @@ class VLLMBackend(OpenAIBackend):
                 await asyncio.to_thread(self._restart_with, update.path)
                 self._adapter = None
                 self._loaded.clear()
+                self._policy_loaded.clear()
             self.policy_version = update.version
 
     async def _post(self, path: str, body: dict[str, Any]) -> Response:
@@ -90,7 +131,9 @@ class VLLMBackend(OpenAIBackend):
             raise BackendError(f"{self.base_url}: {exc}") from None
 
     async def _load_adapter(self, update: PolicyUpdate) -> None:
-        name = f"{self._names[0]}-v{update.version}"
+        policy = update.policy
+        prefix = self._names[0] if policy is None else f"{self._names[0]}-{policy}"
+        name = f"{prefix}-v{update.version}"
         response = await self._post("load_lora_adapter", {"lora_name": name, "lora_path": update.path})
         # A 404 about the adapter is vLLM's answer; a bare "Not Found" means the route is not there.
         if response.status == 404 and "adapter" not in _error_message(response).lower():
@@ -100,11 +143,15 @@ class VLLMBackend(OpenAIBackend):
             )
         if response.status != 200:
             raise BackendError(f"vLLM refused LoRA adapter {update.path}: {_error_message(response)}")
-        self._adapter = name
-        self._loaded.append(name)
+        if policy is None:
+            self._adapter = name
+            loaded = self._loaded
+        else:
+            loaded = self._policy_loaded.setdefault(policy, collections.deque())
+        loaded.append(name)
         # Keep the previous adapter: requests that started before the switch may still be using it.
-        while len(self._loaded) > 2:
-            old = self._loaded.popleft()
+        while len(loaded) > 2:
+            old = loaded.popleft()
             gone = await self._post("unload_lora_adapter", {"lora_name": old})
             if gone.status != 200:
                 raise BackendError(f"vLLM could not unload LoRA adapter {old}: {_error_message(gone)}")
