@@ -287,6 +287,25 @@ class TrainConfig(_Strict):
     #: fewer than ``tasks_per_step`` groups differ, draw that many more tasks and roll them out, up to this
     #: many extra rounds per step. Each round costs a batch of rollouts; 0 turns it off.
     resample_rounds: int = pydantic.Field(0, ge=0, le=16)
+    #: ``sync``: each step rolls out its groups, then updates while no rollout runs. ``async``: rollouts
+    #: keep running during the update; a step trains on the first ``tasks_per_step`` groups to finish whose
+    #: calls are at most ``max_staleness`` policy versions old (``agl_trainer.pipeline``).
+    mode: Literal["sync", "async"] = "sync"
+    #: With ``mode: async``: how many policy versions a trained call may be behind the policy being
+    #: updated; groups with an older call are dropped (counted in the metrics) and replaced. The pipeline
+    #: keeps ``(max_staleness + 1) x tasks_per_step`` groups in flight.
+    max_staleness: int = pydantic.Field(1, ge=0, le=64)
+
+    @pydantic.model_validator(mode="after")
+    def _async_fits(self) -> TrainConfig:
+        if self.mode == "async" and self.resample_rounds:
+            raise ValueError(
+                "train.resample_rounds redraws tasks within a synchronous step and does not apply with"
+                " train.mode async: set resample_rounds to 0, or train.mode to sync"
+            )
+        if "max_staleness" in self.model_fields_set and self.mode != "async":
+            raise ValueError("train.max_staleness applies with train.mode: async; set the mode, or remove it")
+        return self
 
     @pydantic.model_validator(mode="after")
     def _resampling_needs_groups(self) -> TrainConfig:

@@ -26,6 +26,7 @@ from agl_core.runner import load_agent, resolve_mode
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
 from .data import TaskSampler, load_splits
+from .pipeline import AsyncTrainStep
 from .policy import TrainablePolicy, load_trainable_policy, make_learner
 from .reporting import Display, Scalars, held_out_line, plot_reward_curve, step_lines
 from .results import UNNAMED_AGENT, EvalResult, StepMetrics
@@ -113,6 +114,17 @@ class _RunLog:
                 "train/policy_version": float(metrics.policy_version),
             },
         )
+        if metrics.pipeline is not None:
+            p = metrics.pipeline
+            self.scalars.add(
+                metrics.step,
+                {
+                    "async/dropped_groups": float(p["dropped_groups"]),
+                    "async/mean_staleness": _mean_staleness(p["staleness"]),
+                    "async/finished_during_update": float(p["finished_during_update"]),
+                    "async/wait_s": float(p["wait_s"]),
+                },
+            )
         for name, row in (metrics.policies or {}).items():
             self.scalars.add(
                 metrics.step,
@@ -172,6 +184,11 @@ class _RunLog:
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(f"{line}\n" for line in kept))
         tmp.replace(self.metrics_path)
+
+
+def _mean_staleness(histogram: dict[str, int]) -> float | None:
+    total = sum(histogram.values())
+    return sum(int(k) * n for k, n in histogram.items()) / total if total else None
 
 
 def _save(
@@ -388,7 +405,13 @@ def train(
             flush=services.flush,
             inflight=out / INFLIGHT_FILE,
         )
-        trainer = TrainStep(config, queue, make_learner(config, policy, services))
+        learner = make_learner(config, policy, services)
+        trainer: TrainStep | AsyncTrainStep
+        if config.train.mode == "async":
+            trainer = AsyncTrainStep(config, queue, learner)
+            stack.callback(trainer.close)
+        else:
+            trainer = TrainStep(config, queue, learner)
         start_step = 1
         before: EvalResult | None = None
         if checkpoint is not None:
@@ -430,6 +453,8 @@ def train(
             display.end_step(
                 step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s
             )
+        if isinstance(trainer, AsyncTrainStep):
+            trainer.close()  # the groups still in flight would train no step
         after = None
         if validating and config.validation.after:
             after = _validate(config, queue, steps, val_tasks)

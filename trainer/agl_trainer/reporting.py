@@ -232,6 +232,17 @@ def _policy_text(name: str, row: dict[str, Any]) -> str:
     return text
 
 
+def _pipeline_text(p: dict[str, Any]) -> str:
+    staleness = ", ".join(f"{k} behind: {n}" for k, n in p["staleness"].items()) or "no trained calls"
+    text = f"async: trained calls by staleness ({staleness}; at most {p['max_staleness']})"
+    if p["dropped_groups"]:
+        text += f", {p['dropped_groups']} group(s) dropped as too stale"
+    return (
+        text + f"; {p['in_flight_at_update']} rollouts in flight during the {p['update_s']:.1f}s update,"
+        f" {p['finished_during_update']} finished in it; waited {p['wait_s']:.1f}s for finished groups"
+    )
+
+
 def step_lines(
     outcome: StepOutcome, total_steps: int, *, show_agents: bool, inspect_hint: str = ""
 ) -> list[str]:
@@ -272,6 +283,8 @@ def step_lines(
                 f"{name} {c['trained']}/{c['calls']} calls trained" for name, c in metrics.agents.items()
             )
         )
+    if metrics.pipeline is not None:
+        lines.append("  " + _pipeline_text(metrics.pipeline))
     if metrics.policies is not None:
         served = [_policy_text(n, p) for n, p in metrics.policies.items() if p["calls"] or n != BASE]
         lines.append("  policies: " + "; ".join(served))

@@ -72,6 +72,10 @@ class StepMetrics:
     #: this step, their LLM calls and the calls' mean reward (after credit), the transitions its update
     #: trained on, its loss and gradient norm (``None`` when it was not updated) and its update count so far.
     policies: dict[str, dict[str, Any]] | None = None
+    #: With ``train.mode: async``: the staleness of the trained calls (policy versions behind the one
+    #: updated -> calls), the groups dropped as too stale, the rollouts in flight while the update ran and
+    #: those that finished during it, the update's and the wait's seconds. ``None`` in sync mode.
+    pipeline: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

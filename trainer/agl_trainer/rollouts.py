@@ -96,13 +96,35 @@ class RolloutQueue:
         self.step_timeout_s = step_timeout_s
         self._flush = flush
         self._inflight = inflight
+        #: The rollouts in flight, by who started them (a round, the asynchronous pipeline).
+        self._inflight_ids: dict[str, list[str]] = {}
+
+    def flush(self) -> None:
+        """Export the spans buffered for the store (the gateway's), before reading finished rollouts'."""
+        self._flush()
+
+    def note_inflight(self, owner: str, rollout_ids: Sequence[str]) -> None:
+        """Record ``owner``'s rollouts in flight (all of them; empty when none) in the ``inflight`` file,
+        beside other owners', so a run killed now can cancel them when resumed."""
+        if rollout_ids:
+            self._inflight_ids[owner] = list(rollout_ids)
+        else:
+            self._inflight_ids.pop(owner, None)
+        if self._inflight is None:
+            return
+        ids = [rid for owned in self._inflight_ids.values() for rid in owned]
+        if ids:
+            tmp = self._inflight.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rollout_ids": ids}))
+            tmp.replace(self._inflight)
+        else:
+            self._inflight.unlink(missing_ok=True)
 
     def run(self, label: str, requests: list[dict[str, Any]]) -> RolloutRound:
         """Enqueue ``requests``, wait until all are done or ``step_timeout_s`` passed, cancel the rest."""
         queued = self.client.enqueue_rollouts(requests)
         ids = [r.rollout_id for r in queued]
-        if self._inflight is not None:
-            self._inflight.write_text(json.dumps({"rollout_ids": ids}))
+        self.note_inflight("round", ids)
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             rollouts = self.client.get_rollouts(ids)
@@ -116,8 +138,7 @@ class RolloutQueue:
         if late:
             self.client.cancel_rollouts([r.rollout_id for r in late])
         self._flush()
-        if self._inflight is not None:
-            self._inflight.unlink(missing_ok=True)
+        self.note_inflight("round", [])
         done = [r for r in rollouts if r.status == RolloutStatus.SUCCEEDED]
         failed = [r for r in rollouts if r.status.finished and r.status != RolloutStatus.SUCCEEDED]
         for r in failed[:3]:

@@ -201,6 +201,33 @@ class TrainStep:
             extra_rounds += 1
             tasks = draw(missing)
             drawn += tasks
+        return self.conclude(
+            step,
+            finished,
+            spans,
+            batch,
+            tasks=drawn,
+            redrawn=len(drawn) - first_draw,
+            extra_rounds=extra_rounds,
+            started=step_start,
+        )
+
+    def conclude(
+        self,
+        step: int,
+        finished: RolloutRound,
+        spans: Sequence[Span],
+        batch: Batch,
+        *,
+        tasks: Sequence[Task],
+        redrawn: int = 0,
+        extra_rounds: int = 0,
+        started: float,
+        pipeline: dict[str, Any] | None = None,
+    ) -> StepOutcome:
+        """Update the policy on ``batch`` (built from ``finished``'s episodes and their ``spans``) and
+        measure the step; ``pipeline``: the asynchronous mode's own figures for the metrics."""
+        config = self.config
         rewards = list(rollout_rewards(finished.done, lambda ids: spans).values())
         stats: UpdateStats | None = None
         update_s = 0.0
@@ -233,12 +260,13 @@ class TrainStep:
             untrained=dict(Counter(batch.untrained.values())),
             reward_events=batch.credit.counts(),
             agents=agent_counts(batch.result.transitions, [s.transition for s in batch.samples]),
-            tasks=[t.task_id for t in drawn],
-            redrawn_tasks=len(drawn) - first_draw,
-            seconds=time.monotonic() - step_start,
+            tasks=[t.task_id for t in tasks],
+            redrawn_tasks=redrawn,
+            seconds=time.monotonic() - started,
             rollout_ids=[r.rollout_id for r in finished.done + finished.failed + finished.late],
             warning=warning,
             policies=policy_metrics(config, batch, stats),
+            pipeline=pipeline,
         )
         return StepOutcome(metrics, batch, extra_rounds)
 
