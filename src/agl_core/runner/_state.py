@@ -4,6 +4,7 @@ and reporting outcomes, all waiting out store outages."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -275,7 +276,10 @@ class RunState:
         self.flush()
         ended = self.heartbeats.ended_as(attempt.attempt_id)
         if outcome is None or ended is not None:
-            logger.warning(
+            # a cancelled rollout is one the trainer no longer needs (a step's deadline, the end of an
+            # asynchronous run): expected, so not a warning
+            logger.log(
+                logging.INFO if ended == RolloutStatus.CANCELLED else logging.WARNING,
                 "agl runner: rollout %s attempt %s was ended as %s by the store while the agent ran; its"
                 " result is dropped",
                 rollout.rollout_id,
@@ -294,7 +298,8 @@ class RunState:
                 break
             except StoreError as exc:
                 if not isinstance(exc, StoreUnavailableError):  # e.g. cancelled or reclaimed in the meantime
-                    logger.warning(
+                    logger.log(
+                        logging.INFO if "as 'cancelled'" in str(exc) else logging.WARNING,
                         "agl runner: the store did not take the result of attempt %s: %s",
                         attempt.attempt_id,
                         exc,
