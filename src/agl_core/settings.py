@@ -7,6 +7,8 @@ Precedence everywhere: an explicit argument, then the environment, then the defa
 ``AGL_STORE_TOKEN``         Bearer token sent to the store, when it requires one; ``agl store serve``
                             requires it when it is not set by ``--token``.
 ``AGL_GATEWAY_ADMIN_TOKEN`` The gateway's admin token (``agl gateway serve --admin-token``).
+``AGL_GATEWAY_TOKEN``       The token the trainer's gateway asks of every model request (``gateway.token``);
+                            required when ``gateway.host`` is not a loopback address.
 ``AGL_CACHE_DIR``           Where converted models are cached (default ``~/.cache/agl``).
 ``AGL_GATEWAY_URLS``        Comma-separated base URLs of agl gateways (``agl gateway serve``) that framework
                             adapters may send the calling agent's name to (``x-agl-agent-name``), besides
@@ -31,6 +33,11 @@ def store_url(explicit: str | None = None) -> str:
 
 def store_token(explicit: str | None = None) -> str | None:
     return explicit or os.environ.get("AGL_STORE_TOKEN") or None
+
+
+def gateway_token(explicit: str | None = None) -> str | None:
+    """The token the trainer's gateway asks of model requests: ``explicit``, else ``AGL_GATEWAY_TOKEN``."""
+    return explicit or os.environ.get("AGL_GATEWAY_TOKEN") or None
 
 
 def gateway_urls() -> tuple[str, ...]:

@@ -91,8 +91,32 @@ class StoreConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
+    #: Where the gateway listens. Runners on other machines (``runner.workers: 0`` and ``agl run`` there)
+    #: need an address they reach; beyond localhost, ``token`` is required.
     host: str = "127.0.0.1"
     port: int = pydantic.Field(0, ge=0, le=65535)
+    #: Required of every model request (as the API key); default ``$AGL_GATEWAY_TOKEN``. The runners get it
+    #: from the store with the gateway's URL and hand it to the agent as ``llm.api_key``.
+    token: str | None = pydantic.Field(None, min_length=8)
+    #: The gateway URL runners are told (``http://HOST:PORT``), when ``host`` is not an address they can
+    #: reach as it is (a wildcard such as ``0.0.0.0``, a NAT); default: the address it listens on.
+    advertise_url: str | None = pydantic.Field(None, pattern=r"^https?://[^/]+$")
+
+    @pydantic.model_validator(mode="after")
+    def _reachable_needs_token(self) -> GatewayConfig:
+        from agl_core.settings import gateway_token, is_loopback
+
+        if not is_loopback(self.host) and gateway_token(self.token) is None:
+            raise ValueError(
+                f"gateway.host {self.host!r} is reachable from other machines: set gateway.token (or"
+                " AGL_GATEWAY_TOKEN) to a secret of 8 or more characters; runners pass it to the agent"
+            )
+        if self.host.strip("[]") in ("0.0.0.0", "::") and self.advertise_url is None:
+            raise ValueError(
+                f"gateway.host {self.host!r} listens on every address, and runners need one they reach:"
+                " set gateway.advertise_url (http://HOST:PORT), or gateway.host to that address"
+            )
+        return self
     #: Response length when a request does not say (``serving.backend: hf``; a vLLM server generates up to
     #: the end of its context window).
     default_max_tokens: int = pydantic.Field(256, ge=1)

@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from agl_core.gateway import create_gateway_app
 from agl_core.runner import LLM, LLM_RESOURCE, Runner, run_command
 from agl_core.server import BackgroundServer
+from agl_core.settings import gateway_token
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
 from agl_core.tracing import make_otlp_exporter, setup_tracing
@@ -74,6 +75,10 @@ class Services:
     gateway_provider: TracerProvider
     #: The model name agents send in their requests.
     served_name: str
+    #: The gateway's URL as runners are told it (``gateway.advertise_url``, else where it listens).
+    runner_url: str = ""
+    #: The token the gateway asks of model requests (``gateway.token``), handed to runners; ``None``: none.
+    token: str | None = None
 
     @property
     def client(self) -> StoreClient:
@@ -84,9 +89,10 @@ class Services:
         self.client.put_resource(
             LLM_RESOURCE,
             {
-                "base_url": self.gateway.url,
+                "base_url": self.runner_url or self.gateway.url,
                 "model": self.served_name,
                 "policy_version": self.serving.policy_version,
+                **({"api_key": self.token} if self.token is not None else {}),
             },
         )
 
@@ -131,14 +137,33 @@ def start_services(
     stack.callback(serving.close)
     provider = tracer_provider(store.url, "agl-gateway")
     stack.callback(provider.shutdown)
+    token = gateway_token(config.gateway.token)
     gateway = BackgroundServer(
-        create_gateway_app(serving.backend, tracer_provider=provider, renderer=serving.renderer),
+        create_gateway_app(
+            serving.backend, tracer_provider=provider, renderer=serving.renderer, client_token=token
+        ),
         config.gateway.host,
         config.gateway.port,
     ).start()
     stack.callback(gateway.stop)
-    echo(f"gateway: {gateway.url}/v1 serving {config.model.served_name!r} ({serving.kind} backend)")
-    return Services(store, serving, gateway, provider, config.model.served_name)
+    runner_url = advertised_url(config.gateway.advertise_url, gateway.url)
+    echo(
+        f"gateway: {runner_url}/v1 serving {config.model.served_name!r} ({serving.kind} backend"
+        + (", token required)" if token is not None else ")")
+    )
+    return Services(store, serving, gateway, provider, config.model.served_name, runner_url, token)
+
+
+def advertised_url(advertise: str | None, bound: str) -> str:
+    """The URL runners are told: ``advertise`` (its port, when it names none, the bound one's), else
+    ``bound``, the URL of the listening socket."""
+    if advertise is None:
+        return bound
+    from urllib.parse import urlsplit
+
+    if urlsplit(advertise).port is None:
+        return f"{advertise.rstrip('/')}:{urlsplit(bound).port}"
+    return advertise.rstrip("/")
 
 
 def load_served_model(config: TrainerConfig, *, echo: Callable[[str], None]) -> tuple[Any, Any]:

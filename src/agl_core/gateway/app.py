@@ -326,6 +326,19 @@ class _Gateway:
         self.metrics = metrics
         self.admin_token = admin_token
         self.capture = capture
+        #: Required of every model request when set (``Authorization: Bearer`` or ``x-api-key``).
+        self.client_token: bytes | None = None
+
+    def _authorised(self, request: Request) -> bool:
+        """Whether ``request`` carries the client token (always, when the gateway has none)."""
+        if self.client_token is None:
+            return True
+        # bytes, not str: compare_digest refuses non-ASCII text (a header is latin-1 on the wire)
+        bearer = request.headers.get("authorization", "").encode("latin-1", "replace")
+        api_key = request.headers.get("x-api-key", "").encode("latin-1", "replace")
+        return hmac.compare_digest(bearer, b"Bearer " + self.client_token) or hmac.compare_digest(
+            api_key, self.client_token
+        )
 
     # -- endpoints ------------------------------------------------------------------------------------
 
@@ -334,6 +347,8 @@ class _Gateway:
 
         async def endpoint(request: Request) -> Response:
             door = make()
+            if not self._authorised(request):
+                return self._done(door.endpoint, door.error(401, _NO_TOKEN, "authentication_error"))
             try:
                 agent = agent_name_of(
                     request.path_params.get("agent_name"), request.headers.get(semconv.HEADER_AGENT_NAME)
@@ -347,6 +362,8 @@ class _Gateway:
         return endpoint
 
     async def models(self, request: Request) -> Response:
+        if not self._authorised(request):
+            return openai_error(401, _NO_TOKEN, "authentication_error")
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "agl"}
             for name in self.backend.model_names
@@ -354,6 +371,8 @@ class _Gateway:
         return JSONResponse({"object": "list", "data": data})
 
     async def metrics_text(self, request: Request) -> Response:
+        if not self._authorised(request):
+            return openai_error(401, _NO_TOKEN, "authentication_error")
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
@@ -642,6 +661,12 @@ _DOORS: tuple[tuple[str, Callable[[], FrontDoor]], ...] = (
 )
 
 
+_NO_TOKEN = (
+    "this gateway needs its token: send it as the API key ('Authorization: Bearer TOKEN' or"
+    " 'x-api-key: TOKEN'); agl's runners pass it to the agent as llm.api_key"
+)
+
+
 def create_gateway_app(
     backend: Backend,
     *,
@@ -650,6 +675,7 @@ def create_gateway_app(
     metrics: GatewayMetrics | None = None,
     admin_token: str | None = None,
     capture: Capture | None = None,
+    client_token: str | None = None,
 ) -> Starlette:
     """The ASGI app of the gateway in front of ``backend``; spans go through ``tracer_provider``.
 
@@ -657,11 +683,17 @@ def create_gateway_app(
     with what the backend reports (flagged on the span, counted in ``/metrics``). ``admin_token``, when
     set, is required to publish a new policy version. ``capture`` turns on production capture: calls that
     name no rollout join the rollout of their session, registered in the store (:mod:`.capture`); the
-    caller closes it.
+    caller closes it. ``client_token``, when set, is required of every model request and of ``/metrics``
+    (``Authorization: Bearer TOKEN``, as OpenAI clients send their API key, or ``x-api-key: TOKEN``, as
+    Anthropic's do): a gateway reachable from other machines needs one.
     """
     gateway = _Gateway(
         backend, get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token, capture
     )
+    if client_token is not None:
+        if not client_token:
+            raise ValueError("client_token may not be empty")
+        gateway.client_token = client_token.encode()
     routes = [
         Route("/metrics", gateway.metrics_text, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),

@@ -252,6 +252,8 @@ class RunState:
         return LLM(
             base_url=rollout_base_url(value["base_url"], rollout.rollout_id, attempt.attempt_id),
             model=value["model"],
+            # the gateway's token when it asks for one (a gateway other machines reach)
+            api_key=str(value.get("api_key") or "agl"),
             policy_version=value.get("policy_version"),
             split=_split_of(rollout),
         )

@@ -44,6 +44,7 @@ class GatewayServer:
         metrics: GatewayMetrics | None = None,
         admin_token: str | None = None,
         capture: Capture | None = None,
+        client_token: str | None = None,
     ) -> None:
         from ..gateway.app import create_gateway_app
 
@@ -62,6 +63,7 @@ class GatewayServer:
             metrics=metrics,
             admin_token=admin_token,
             capture=capture,
+            client_token=client_token,
         )
         self.capture = capture
         self._server = BackgroundServer(self.app)
