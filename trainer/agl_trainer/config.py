@@ -117,6 +117,7 @@ class GatewayConfig(_Strict):
                 " set gateway.advertise_url (http://HOST:PORT), or gateway.host to that address"
             )
         return self
+
     #: Response length when a request does not say (``serving.backend: hf``; a vLLM server generates up to
     #: the end of its context window).
     default_max_tokens: int = pydantic.Field(256, ge=1)

@@ -9,6 +9,8 @@ was given, in reverse order.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,6 +28,8 @@ from agl_core.tracing import make_otlp_exporter, setup_tracing
 
 from .config import TrainerConfig
 from .serving import HFServing, VLLMServing, start_serving
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AgentFn",
@@ -114,11 +118,39 @@ def start_store(
         stack.callback(store.close)
         server = BackgroundServer(create_store_app(store)).start()
         stack.callback(server.stop)
+        stack.callback(_reclaim_expired_attempts(store))
         url = server.url
     echo(f"store: {url} ({'remote' if file is None else file})")
     client = StoreClient(url)
     stack.callback(client.close)
     return StoreConnection(url, file, client)
+
+
+def _reclaim_expired_attempts(store: SqliteStore, every_s: float = 2.0) -> Callable[[], None]:
+    """Give back, every ``every_s`` seconds, the attempts of runners that stopped sending heartbeats (an
+    ``agl run`` killed mid-rollout), so their rollouts run again; returns what stops it."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            try:
+                reclaimed = store.reclaim_expired()
+            except Exception as exc:  # a busy database: the next pass tries again
+                logger.debug("agl: reclaiming expired attempts failed: %s", exc)
+                continue
+            if reclaimed:
+                logger.warning(
+                    "agl: %d attempt(s) of a runner that stopped sending heartbeats run again", reclaimed
+                )
+
+    thread = threading.Thread(target=loop, name="agl-store-reclaim", daemon=True)
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join(10)
+
+    return close
 
 
 def start_services(

@@ -117,12 +117,90 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGINT/SIGTERM, seconds running rollouts may take to finish (default: %(default)s)",
     )
     parser.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run the workers as actors on the Ray cluster at ADDRESS ('auto': the one 'ray start' made"
+        " here; 'local': start one for this run); needs pip install 'agl[ray]'",
+    )
+    parser.add_argument(
+        "--actors",
+        type=_workers,
+        default=None,
+        help="with --ray, how many runner actors share --workers (default: one per worker)",
+    )
+    parser.add_argument(
+        "--actor-cpus",
+        type=_seconds(allow_zero=True),
+        default=0.0,
+        metavar="N",
+        help="with --ray, CPUs Ray reserves for each actor (default: %(default)s, place them anywhere)",
+    )
+    parser.add_argument(
         "--report-every",
         type=_seconds(allow_zero=True),
         default=60.0,
         metavar="S",
         help="print counts this often when they changed; 0: only at exit (default: %(default)s)",
     )
+
+
+def _run_on_ray(
+    args: argparse.Namespace, url: str, token: str | None, mode: str, search: list[Path], *, waiting: bool
+) -> int:
+    """``agl run --ray``: the workers as runner actors on a Ray cluster, until SIGINT/SIGTERM."""
+    from ._ray import RayFleet
+
+    actors = args.actors or args.workers
+    if actors > args.workers:
+        return _fail(f"--actors ({actors}) may not exceed --workers ({args.workers})", 2)
+    stop = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            fleet = RayFleet(
+                args.ray,
+                agent=args.agent,
+                store_url=url,
+                token=token,
+                workers=args.workers,
+                actors=actors,
+                mode=mode,
+                rollout_timeout_s=args.rollout_timeout,
+                lease_s=args.lease,
+                paths=[str(p) for p in search],
+                actor_cpus=args.actor_cpus,
+            )
+            fleet.wait_ready()
+            # after ray.init, which puts in handlers of its own that end the process at once
+            for sig in previous:
+                signal.signal(sig, lambda signum, frame: stop.set())
+        except ValueError as exc:
+            return _fail(str(exc), 2)
+        except Exception as exc:  # Ray's own errors: no cluster there, an actor that cannot start
+            return _fail(f"Ray at {args.ray!r}: {type(exc).__name__}: {exc}", 1)
+        print(
+            f"agl run: {args.agent} on {url}, {args.workers} worker(s) in {actors} Ray actor(s) at"
+            f" {args.ray} ({', '.join(map(str, fleet.shares))} each)"
+            + ("; waiting for a trainer" if waiting else "")
+            + "; Ctrl-C or SIGTERM stops it",
+            flush=True,
+        )
+        last = None
+        next_report = time.monotonic() + args.report_every
+        while not stop.wait(0.5):
+            if args.report_every and time.monotonic() >= next_report:
+                next_report = time.monotonic() + args.report_every
+                counts = fleet.counts()
+                if counts != last:
+                    print(f"agl run: {counts.summary()}", flush=True)
+                    last = counts
+        print(f"agl run: stopping the actors; up to {args.grace:g} s for running rollouts", flush=True)
+        print(f"agl run: stopped; {fleet.stop(args.grace).summary()}", flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
 
 
 def _fail(message: str, code: int) -> int:
@@ -177,6 +255,12 @@ def run_agents(args: argparse.Namespace) -> int:
             1,
         )
 
+    if args.ray is not None:
+        client.close()
+        return _run_on_ray(args, url, token, mode, search, waiting=published is None)
+    if args.actors is not None:
+        client.close()
+        return _fail("--actors applies with --ray; remove it, or add --ray ADDRESS", 2)
     provider = setup_tracing(url, token=token, service_name="agl-agent")
     try:
         runner = Runner(
