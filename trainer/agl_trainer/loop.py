@@ -30,7 +30,7 @@ from .pipeline import AsyncTrainStep
 from .policy import TrainablePolicy, load_trainable_policy, make_learner
 from .reporting import Display, Scalars, held_out_line, plot_reward_curve, step_lines
 from .results import UNNAMED_AGENT, EvalResult, StepMetrics
-from .rollouts import RolloutQueue, score_tasks
+from .rollouts import PatientClient, RolloutQueue, score_tasks
 from .services import AgentFn, Services, remote_agent, start_runners, start_services, start_store
 from .step import TIED_GROUPS, TrainStep
 
@@ -399,7 +399,7 @@ def train(
             config, stack, store, model=policy.model, tokenizer=policy.tokenizer, echo=display.line
         )
         queue = RolloutQueue(
-            services.client,
+            PatientClient(services.client, warn=display.line),
             display,
             step_timeout_s=config.runner.step_timeout_s,
             flush=services.flush,

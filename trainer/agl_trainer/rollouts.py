@@ -22,6 +22,7 @@ from agl_core.transitions import episode_rewards
 from .results import EvalResult, mean_se
 
 __all__ = [
+    "PatientClient",
     "Progress",
     "RolloutClient",
     "RolloutQueue",
@@ -45,6 +46,60 @@ class RolloutClient(Protocol):
     def all_spans(self, rollout_ids: Sequence[str]) -> list[Span]: ...
 
     def mark_consumed(self, rollout_ids: Sequence[str]) -> int: ...
+
+
+class PatientClient:
+    """A :class:`RolloutClient` that waits out a store restart: a call that finds the store unreachable
+    (:class:`~agl_core.store.StoreUnavailableError`) is tried again, with backoff, for up to
+    ``patience_s`` seconds, then raises. Other errors go through at once.
+
+    Retrying ``enqueue_rollouts`` after a request that reached the store but lost its answer queues the
+    rollouts twice; the ones the trainer did not get ids for are run by the runners and never trained on.
+    """
+
+    def __init__(
+        self, client: RolloutClient, *, patience_s: float = 300.0, warn: Callable[[str], None] | None = None
+    ) -> None:
+        self.client = client
+        self.patience_s = patience_s
+        self._warn = warn
+
+    def _call(self, name: str, *args: Any) -> Any:
+        from agl_core.store import StoreUnavailableError
+
+        deadline = time.monotonic() + self.patience_s
+        delay = 0.25
+        warned = False
+        while True:
+            try:
+                result = getattr(self.client, name)(*args)
+            except StoreUnavailableError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                if not warned and self._warn is not None:
+                    self._warn(f"  the store is unreachable ({exc}); retrying up to {self.patience_s:g} s")
+                    warned = True
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if warned and self._warn is not None:
+                self._warn("  the store is back")
+            return result
+
+    def enqueue_rollouts(self, requests: Iterable[dict[str, Any]]) -> list[Rollout]:
+        return self._call("enqueue_rollouts", list(requests))  # type: ignore[no-any-return]
+
+    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        return self._call("get_rollouts", rollout_ids)  # type: ignore[no-any-return]
+
+    def cancel_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        return self._call("cancel_rollouts", rollout_ids)  # type: ignore[no-any-return]
+
+    def all_spans(self, rollout_ids: Sequence[str]) -> list[Span]:
+        return self._call("all_spans", rollout_ids)  # type: ignore[no-any-return]
+
+    def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
+        return self._call("mark_consumed", rollout_ids)  # type: ignore[no-any-return]
 
 
 class Progress(Protocol):

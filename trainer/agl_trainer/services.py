@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -88,17 +89,26 @@ class Services:
     def client(self) -> StoreClient:
         return self.store.client
 
-    def publish(self) -> None:
-        """Tell the runners (the store's ``llm`` resource) where the policy is served and its version."""
-        self.client.put_resource(
-            LLM_RESOURCE,
-            {
-                "base_url": self.runner_url or self.gateway.url,
-                "model": self.served_name,
-                "policy_version": self.serving.policy_version,
-                **({"api_key": self.token} if self.token is not None else {}),
-            },
-        )
+    def publish(self, patience_s: float = 300.0) -> None:
+        """Tell the runners (the store's ``llm`` resource) where the policy is served and its version;
+        a store that is unreachable (restarting) is waited for up to ``patience_s`` seconds."""
+        from agl_core.store import StoreUnavailableError
+
+        value = {
+            "base_url": self.runner_url or self.gateway.url,
+            "model": self.served_name,
+            "policy_version": self.serving.policy_version,
+            **({"api_key": self.token} if self.token is not None else {}),
+        }
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                self.client.put_resource(LLM_RESOURCE, value)
+                return
+            except StoreUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     def flush(self) -> None:
         """Export the gateway's buffered spans to the store."""
