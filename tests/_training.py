@@ -95,3 +95,68 @@ class Turns:
         with self._lock:
             self._seen[task["id"]] += 1
             return float(self._seen[task["id"]] % 2)
+
+
+#: A one-step training job on the tiny random model with a LoRA adapter, runners in threads: the base of the
+#: in-process ``Trainer`` tests (each adds its output_dir and what it tests).
+TINY_JOB: dict[str, Any] = {
+    "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
+    "gateway": {"default_max_tokens": 3},
+    "train": {"steps": 1, "tasks_per_step": 2, "rollouts_per_task": 2},
+    "logging": {"plot": False, "tensorboard": False, "progress": "plain"},
+    "runner": {"workers": 4, "mode": "thread"},
+}
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of an ``agl`` subprocess run from this source tree, with ``extra`` variables."""
+    return {**os.environ, "PYTHONPATH": f"{_ROOT / 'src'}:{_ROOT / 'trainer'}", **extra}
+
+
+def marking_agent(pause_s: float) -> str:
+    """The source of an agent module for runners in other processes: one chat call, a ``pause_s`` tool
+    call, a reward from the reply's length. While a rollout runs, a file ``<pid>-<task>-<ns>`` exists in
+    ``$AGL_TEST_MARKS``, so a test can kill the process of a runner in the middle of one."""
+    return f"""
+import os, time
+from pathlib import Path
+
+import openai
+
+
+def solve(task, llm):
+    mark = Path(os.environ["AGL_TEST_MARKS"]) / f"{{os.getpid()}}-{{task['id']}}-{{time.monotonic_ns()}}"
+    mark.touch()
+    try:
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+        reply = client.chat.completions.create(
+            model=llm.model, messages=[{{"role": "user", "content": task["q"]}}], max_tokens=4
+        )
+        time.sleep({pause_s})
+        return float(len(reply.choices[0].message.content or "") % 2)
+    finally:
+        mark.unlink()
+"""
+
+
+def served_by(store_file: Path) -> Counter[tuple[str | None, str]]:
+    """The gateway calls in a run's store by (the agent that made it, the policy that served it)."""
+    from agl_core import semconv
+    from agl_core.store import SqliteStore
+
+    store = SqliteStore(str(store_file))
+    try:
+        spans = [s for s in store.query_spans(limit=100_000) if semconv.POLICY_NAME in s.attributes]
+    finally:
+        store.close()
+    return Counter(
+        (
+            str(s.attributes[semconv.GEN_AI_AGENT_NAME])
+            if semconv.GEN_AI_AGENT_NAME in s.attributes
+            else None,
+            str(s.attributes[semconv.POLICY_NAME]),
+        )
+        for s in spans
+    )

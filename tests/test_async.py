@@ -19,14 +19,11 @@ from agl_core.store import SqliteStore
 from agl_trainer import Trainer
 from agl_trainer.config import ConfigError
 
-from ._training import Turns, metrics_rows
+from ._training import TINY_JOB, Turns, metrics_rows
 
 CONFIG: dict[str, Any] = {
-    "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
-    "gateway": {"default_max_tokens": 3},
+    **TINY_JOB,
     "train": {"steps": 3, "tasks_per_step": 1, "rollouts_per_task": 2, "mode": "async", "max_staleness": 1},
-    "logging": {"plot": False, "tensorboard": False, "progress": "plain"},
-    "runner": {"workers": 4, "mode": "thread"},
 }
 TASKS = [{"id": f"t{i}", "q": f"say {i}"} for i in range(6)]
 

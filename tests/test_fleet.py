@@ -32,7 +32,7 @@ from agl_core.testing import GatewayServer, ScriptedBackend
 from agl_trainer.config import ConfigError, TrainerConfig
 from agl_trainer.services import advertised_url
 
-from ._training import metrics_rows
+from ._training import cli_env, marking_agent, metrics_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 POSTGRES_DSN = os.environ.get("AGL_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
@@ -95,25 +95,7 @@ HOSTS = ("aglh1", "aglh2")
 STORE_TOKEN = "store-token-" + uuid.uuid4().hex[:8]
 GATEWAY_TOKEN = "gateway-token-" + uuid.uuid4().hex[:8]
 
-AGENT = """
-import os, time
-from pathlib import Path
-
-import openai
-
-def solve(task, llm):
-    mark = Path(os.environ["AGL_TEST_MARKS"]) / f"{os.getpid()}-{task['id']}-{time.monotonic_ns()}"
-    mark.touch()  # the test kills a host while one of its rollouts runs
-    try:
-        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
-        reply = client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4
-        )
-        time.sleep(1.5)  # a tool call
-        return float(len(reply.choices[0].message.content or "") % 2)
-    finally:
-        mark.unlink()
-"""
+AGENT = marking_agent(1.5)
 
 
 def _ip(*args: str) -> None:
@@ -211,7 +193,7 @@ def _start(host: str, store_url: str, agent_dir: Path, marks: Path, log: Any) ->
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "AGL_TEST_MARKS": str(marks), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'trainer'}"},
+        env=cli_env(AGL_TEST_MARKS=str(marks)),
     )
 
 

@@ -9,7 +9,6 @@ every rollout it trains on succeeded, and nothing the store acknowledged is lost
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -26,14 +25,12 @@ from agl_core.records import RolloutStatus
 from agl_core.store import SqliteStore, StoreClient, StoreError
 from agl_trainer import Trainer
 
-from ._training import metrics_rows
+from ._training import TINY_JOB, cli_env, metrics_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG: dict[str, Any] = {
-    "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
-    "gateway": {"default_max_tokens": 3},
+    **TINY_JOB,
     "train": {"steps": 3, "tasks_per_step": 2, "rollouts_per_task": 2},
-    "logging": {"plot": False, "tensorboard": False, "progress": "plain"},
     "runner": {"workers": 2, "mode": "thread", "max_attempts": 3, "step_timeout_s": 300},
 }
 TASKS = [{"id": f"t{i}", "q": f"say {i}"} for i in range(8)]
@@ -109,7 +106,7 @@ def _serve(db: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port),
          "--no-grpc"],
-        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'trainer'}"},
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -16,11 +16,10 @@ import torch
 from agl_core import semconv
 from agl_core.gateway.backend import ChatRequest, Completion
 from agl_core.policies import AmbiguousAgentError, PolicyRouter
-from agl_core.store import SqliteStore
 from agl_trainer import Trainer
 from agl_trainer.config import ConfigError
 
-from ._training import Turns, metrics_rows
+from ._training import TINY_JOB, Turns, metrics_rows, served_by
 
 # -- the router -------------------------------------------------------------------------------------------
 
@@ -59,13 +58,7 @@ def test_bad_policies_are_refused(policies, default, message):
 
 # -- the config -------------------------------------------------------------------------------------------
 
-BASE_CONFIG: dict[str, Any] = {
-    "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
-    "gateway": {"default_max_tokens": 3},
-    "train": {"steps": 1, "tasks_per_step": 2, "rollouts_per_task": 2},
-    "logging": {"plot": False, "tensorboard": False},
-    "runner": {"workers": 4, "mode": "thread"},
-}
+BASE_CONFIG: dict[str, Any] = TINY_JOB
 TWO = [{"name": "writer", "agents": ["writer"]}, {"name": "rewriter", "agents": ["rewriter"]}]
 
 
@@ -231,14 +224,7 @@ def test_each_agent_trains_its_own_adapter_and_an_idle_one_does_not_move(tmp_pat
     assert _adapter_b(result.checkpoint, "writer").abs().sum() > 0  # LoRA B starts at zero: it moved
     assert _adapter_b(result.checkpoint, "rewriter").abs().sum() == 0  # no calls: untouched
     assert result.plot is not None and result.plot.stat().st_size > 0  # with writer's and base's curves
-    store = SqliteStore(str(tmp_path / "run" / "store.sqlite"))
-    try:
-        spans = [s for s in store.query_spans(limit=10_000) if semconv.POLICY_NAME in s.attributes]
-    finally:
-        store.close()
-    served = Counter(
-        (s.attributes[semconv.GEN_AI_AGENT_NAME], s.attributes[semconv.POLICY_NAME]) for s in spans
-    )
+    served = served_by(tmp_path / "run" / "store.sqlite")
     assert served == {("writer", "writer"): 4, ("planner", "base"): 4}
     assert [
         r["policies"]["writer"]["trained"] for r in metrics_rows(tmp_path / "run") if r["kind"] == "train"

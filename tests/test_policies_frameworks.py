@@ -7,7 +7,6 @@ first call and train that adapter only; a policy whose agents made no call must 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,12 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from agl_core import semconv
-from agl_core.store import SqliteStore
 from agl_trainer import Trainer
 
 from ._agents import AUTOGEN_MODEL_INFO
-from ._training import Turns
+from ._training import TINY_JOB, Turns, served_by
 
 for module in ("langchain_openai", "langgraph", "agents", "autogen_agentchat", "autogen_ext.models.openai"):
     pytest.importorskip(module)
@@ -32,14 +29,7 @@ POLICIES = [
     {"name": "rewriter", "agents": ["re*"]},
     {"name": "idle", "agents": ["nobody"]},
 ]
-CONFIG: dict[str, Any] = {
-    "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
-    "gateway": {"default_max_tokens": 3},
-    "train": {"steps": 1, "tasks_per_step": 2, "rollouts_per_task": 2},
-    "logging": {"plot": False, "tensorboard": False},
-    "runner": {"workers": 2, "mode": "thread"},
-    "policies": POLICIES,
-}
+CONFIG: dict[str, Any] = {**TINY_JOB, "runner": {"workers": 2, "mode": "thread"}, "policies": POLICIES}
 TASKS = [{"id": f"t{i}", "q": f"Fix the query number {i}."} for i in range(2)]
 
 
@@ -165,14 +155,7 @@ def test_each_agent_is_served_by_and_trains_its_own_adapter(framework, tmp_path)
 
     result = Trainer({**CONFIG, "output_dir": str(tmp_path / "run")}).fit(solve, TASKS)
 
-    store = SqliteStore(str(tmp_path / "run" / "store.sqlite"))
-    try:
-        spans = [s for s in store.query_spans(limit=10_000) if semconv.POLICY_NAME in s.attributes]
-    finally:
-        store.close()
-    served = Counter(
-        (s.attributes.get(semconv.GEN_AI_AGENT_NAME), s.attributes[semconv.POLICY_NAME]) for s in spans
-    )
+    served = served_by(tmp_path / "run" / "store.sqlite")
     # every call, each agent's first included, went to its own policy's adapter (4 rollouts, 1 call each)
     assert served == {("writer", "writer"): 4, ("rewriter", "rewriter"): 4, ("checker", "base"): 4}
 

@@ -26,32 +26,13 @@ from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.service import StoreService
 from agl_trainer import Trainer
 
-from ._training import metrics_rows
+from ._training import cli_env, marking_agent, metrics_rows
 
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parent.parent
 
-AGENT = """
-import os, time
-from pathlib import Path
-
-import openai
-
-
-def solve(task, llm):
-    mark = Path(os.environ["AGL_TEST_MARKS"]) / f"{os.getpid()}-{task['id']}-{time.monotonic_ns()}"
-    mark.touch()
-    try:
-        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
-        reply = client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=4
-        )
-        time.sleep(1.0)
-        return float(len(reply.choices[0].message.content or "") % 2)
-    finally:
-        mark.unlink()
-"""
+AGENT = marking_agent(1.0)
 
 
 def test_workers_are_spread_evenly_over_the_actors():
@@ -95,7 +76,7 @@ def test_ray_actors_serve_a_training_run_and_one_killed_is_replaced(tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "AGL_TEST_MARKS": str(marks), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'trainer'}"},
+        env=cli_env(AGL_TEST_MARKS=str(marks)),
     )
     killed: list[int] = []
     step_1_done = threading.Event()
