@@ -393,6 +393,62 @@ def test_agl_reward_on_a_sqlite_file(tmp_path):
         store.close()
 
 
+def test_agl_reward_file_attaches_many_once_and_reports_each_bad_line(tmp_path):
+    path = tmp_path / "cli.sqlite"
+    store = SqliteStore(path)
+    for i in range(3):
+        _rollout(store, f"ro-{i}")
+    store.close()
+    feedback = tmp_path / "feedback.jsonl"
+    feedback.write_text(
+        "\n".join(
+            [
+                '{"rollout_id": "ro-0", "value": 1}',
+                '{"rollout_id": "ro-1", "value": 0.5, "source": "reviewer", "time": "2025-01-31T12:00:00Z"}',
+                "",
+                "{not json",
+                '{"rollout_id": "ro-2"}',
+                '{"rollout_id": "ro-2", "value": 1, "colour": "red"}',
+                '{"rollout_id": "ro-nope", "value": 1}',
+                '{"rollout_id": "ro-2", "value": "high"}',
+                '{"rollout_id": "ro-2", "value": 0, "id": "mine"}',
+            ]
+        )
+        + "\n"
+    )
+    first = _cli("--file", str(feedback), "--source", "app", "--store", str(path))
+    assert first.returncode == 1  # some lines skipped, the rest attached
+    assert (
+        first.stdout.strip()
+        == "attached 3 reward(s) from " + str(feedback) + " (0 already stored, unchanged); skipped 5 line(s)"
+    )
+    for number, why in (
+        (4, "not JSON"),
+        (5, "no 'value'"),
+        (6, "unknown field 'colour'"),
+        (7, "no rollout 'ro-nope'"),
+        (8, "value: must be a number"),
+    ):
+        assert f"{feedback}:{number}: {why}" in first.stderr, first.stderr
+    again = _cli("--file", str(feedback), "--source", "app", "--store", str(path))
+    assert again.stdout.startswith("attached 0 reward(s)") and "(3 already stored, unchanged)" in again.stdout
+    both = _cli("ro-0", "1", "--file", str(feedback), "--store", str(path))
+    assert both.returncode == 2 and "--file gives every reward's fields; drop ROLLOUT_ID" in both.stderr
+    neither = _cli("--store", str(path))
+    assert neither.returncode == 2 and "give ROLLOUT_ID and VALUE, or --file PATH" in neither.stderr
+    store = SqliteStore(path)
+    try:
+        assert [r.reward for r in store.get_rollouts(["ro-0", "ro-1", "ro-2"])] == [1.0, 0.5, 0.0]
+        sources = {
+            s.attributes.get(R.REWARD_SOURCE)
+            for s in store.query_spans(limit=1000)
+            if s.name == R.SPAN_REWARD
+        }
+        assert sources == {"app", "reviewer"}
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -104,7 +104,7 @@ def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[Step
             StepAudit(
                 step,
                 Counter(t.agent_name for t in result.transitions),
-                trained(algo.agents),
+                trained(config.trained_agents()),  # algorithm.agents, or the policies' agents
                 row,
                 trained([]),
             )

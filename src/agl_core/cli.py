@@ -301,8 +301,17 @@ def _store_serve(args: argparse.Namespace) -> int:
 
 
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rollout_id", metavar="ROLLOUT_ID", help="the rollout the reward is for")
-    parser.add_argument("value", metavar="VALUE", help="the reward, a finite number")
+    parser.add_argument("rollout_id", metavar="ROLLOUT_ID", nargs="?", help="the rollout the reward is for")
+    parser.add_argument("value", metavar="VALUE", nargs="?", help="the reward, a finite number")
+    parser.add_argument(
+        "--file",
+        default=None,
+        metavar="PATH",
+        help="many rewards from a JSON-lines file ('-': stdin), one object per line: 'value' and"
+        " 'rollout_id', 'trace_id' or 'span_id', and optionally 'name', 'source', 'id', 'time' (--name and"
+        " --source are the defaults). A line without 'id' gets one from its content, so importing the file"
+        " again stores nothing twice; a bad line is reported with its number and skipped",
+    )
     parser.add_argument(
         "--name",
         default="episode",
@@ -346,6 +355,21 @@ def _reward(args: argparse.Namespace) -> int:
 
     from .rewards import Reward, format_time, new_reward_id, parse_time
     from .store import SqliteStore, StoreClient, StoreError
+
+    if args.file is not None:
+        given = [f for f, v in (("ROLLOUT_ID", args.rollout_id), ("--id", args.reward_id)) if v is not None]
+        given += [f for f, v in (("--trace", args.trace), ("--span", args.span), ("--time", args.time)) if v]
+        if given:
+            print(f"agl reward: --file gives every reward's fields; drop {', '.join(given)}", file=sys.stderr)
+            return 2
+        from .rewards_file import add_reward_file
+
+        return add_reward_file(
+            args.file, args.store or settings.store_url(), args.token, args.name, args.source
+        )
+    if args.rollout_id is None or args.value is None:
+        print("agl reward: give ROLLOUT_ID and VALUE, or --file PATH", file=sys.stderr)
+        return 2
 
     try:
         value = float(args.value)
