@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -172,6 +173,12 @@ def test_each_way_of_naming_a_session_makes_one_rollout_in_the_store(gateway, co
         spans = collector.spans(rollout_id)
         assert sorted(s.attributes[semconv.GEN_AI_RESPONSE_ID] for s in spans) == sorted(calls)
     assert gateway.capture.registered == len(expected)  # once per session, not per call
+    metrics = httpx.get(f"{gateway.url}/metrics").text  # what capture did, for the operator
+    assert f"agl_gateway_captured_sessions_registered_total {gateway.capture.registered}\n" in metrics
+    assert "agl_gateway_captured_sessions_pending 0\n" in metrics
+    assert "agl_gateway_captured_sessions_dropped_total 0\n" in metrics
+    captured = re.search(r"^agl_gateway_captured_calls_total (\d+)$", metrics, re.M)
+    assert captured is not None and int(captured.group(1)) >= sum(len(c) for c, _, _ in expected.values())
 
 
 def test_a_captured_session_trains_with_a_late_reward(gateway, collector):

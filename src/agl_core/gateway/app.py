@@ -373,7 +373,7 @@ class _Gateway:
     async def metrics_text(self, request: Request) -> Response:
         if not self._authorised(request):
             return openai_error(401, _NO_TOKEN, "authentication_error")
-        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.metrics.render(self.capture), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -469,6 +469,7 @@ class _Gateway:
         session_id = None
         if session is not None and self.capture is not None:
             self.capture.note(session)
+            self.metrics.captured_calls += 1
             session_id = session.session_id
         if agent is not None:
             chat = dataclasses.replace(chat, agent=agent)

@@ -4,8 +4,38 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 __all__ = ["GatewayMetrics"]
+
+
+def _capture_rows(calls: int, capture: Any) -> tuple[tuple[str, str, str, int], ...]:
+    return (
+        (
+            "agl_gateway_captured_calls_total",
+            "counter",
+            "Calls that named no rollout and joined the rollout of their session (production capture).",
+            calls,
+        ),
+        (
+            "agl_gateway_captured_sessions_registered_total",
+            "counter",
+            "Sessions registered as rollouts in the store (or found registered).",
+            int(capture.registered),
+        ),
+        (
+            "agl_gateway_captured_sessions_pending",
+            "gauge",
+            "Sessions waiting to be registered (the store slow or down).",
+            len(capture.pending()),
+        ),
+        (
+            "agl_gateway_captured_sessions_dropped_total",
+            "counter",
+            "Sessions dropped unregistered because too many waited while the store was down.",
+            int(capture.dropped),
+        ),
+    )
 
 
 @dataclasses.dataclass
@@ -21,11 +51,15 @@ class GatewayMetrics:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     inflight: int = 0
+    #: Production capture: calls that named no rollout and joined their session's.
+    captured_calls: int = 0
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
 
-    def render(self) -> str:
+    def render(self, capture: Any = None) -> str:
+        """The counters in the Prometheus text format; with ``capture`` (production capture), its
+        sessions registered as rollouts, waiting to be and dropped as well."""
         lines = [
             "# HELP agl_gateway_requests_total Requests answered, by endpoint and HTTP status.",
             "# TYPE agl_gateway_requests_total counter",
@@ -65,6 +99,7 @@ class GatewayMetrics:
                 self.completion_tokens,
             ),
             ("agl_gateway_inflight_requests", "gauge", "Requests being served now.", self.inflight),
+            *(() if capture is None else _capture_rows(self.captured_calls, capture)),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines) + "\n"
