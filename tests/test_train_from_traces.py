@@ -23,7 +23,7 @@ from agl_core.tracing import emit_reward, rollout_scope
 from agl_core.transitions import NO_LLM_CALL
 from agl_trainer.api import Trainer
 from agl_trainer.config import ConfigError, config_from_dict
-from agl_trainer.traces import NothingSelectedError, prepare_rl, prepare_sft, read_store, select
+from agl_trainer.traces import OTHER_MODEL, NothingSelectedError, prepare_rl, prepare_sft, read_store, select
 
 from .test_import import _record, json_line
 
@@ -178,11 +178,25 @@ def test_off_policy_rl_refuses_the_trace_without_token_ids_and_keeps_recorded_lo
     from agl_trainer.update import batch_loss, response_logprobs
 
     path, imported = trace_store
-    config = config_from_dict(
+    # the gateway served these calls as "scripted": not this policy ("agl-policy", "tiny") unless named
+    other = config_from_dict(
         _config(Path("/tmp"), path, algorithm={"name": "grpo"}, traces={"batch_size": 2}), required=()
     )
+    assert other.traces is not None
+    spans, records = read_store(other.traces.store)
+    refused = prepare_rl(other, select(other.traces, spans, records))
+    assert not refused.samples
+    assert dict(refused.refused) == {
+        **{r: f"{OTHER_MODEL}: 'scripted'" for r, _, _ in RUNS},
+        imported: NO_LLM_CALL,
+    }
+    config = config_from_dict(
+        _config(
+            Path("/tmp"), path, algorithm={"name": "grpo"}, traces={"batch_size": 2, "models": ["scripted"]}
+        ),
+        required=(),
+    )
     assert config.traces is not None
-    spans, records = read_store(config.traces.store)
     data = prepare_rl(config, select(config.traces, spans, records))
     assert dict(data.refused) == {imported: NO_LLM_CALL}
     assert {s.transition.rollout_id for s in data.samples} == {r for r, _, _ in RUNS}
@@ -239,7 +253,12 @@ def test_sft_run_trains_lora_from_exact_and_retokenised_calls(trace_store, tmp_p
 
 def test_off_policy_grpo_run_trains_on_the_gateway_rollouts(trace_store, tmp_path):
     path, imported = trace_store
-    config = _config(tmp_path, path, algorithm={"name": "grpo"}, traces={"batch_size": 2, "epochs": 1})
+    config = _config(
+        tmp_path,
+        path,
+        algorithm={"name": "grpo"},
+        traces={"batch_size": 2, "epochs": 1, "models": ["scripted"]},  # the test gateway's model name
+    )
     config["train"] = {}
     result = Trainer(config, echo=lambda _: None).fit()
     assert result.steps == 1 and result.checkpoint is not None

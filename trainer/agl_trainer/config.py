@@ -252,6 +252,10 @@ class TracesConfig(_Strict):
     #: Passes over the selected data; when set, the number of steps follows from it and ``train.steps``
     #: may not be set. Unset: ``train.steps`` steps, the data reshuffled at each new pass.
     epochs: int | None = pydantic.Field(None, ge=1, le=1000)
+    #: Off-policy RL trains only on calls served by this policy (``model.served_name``, or one of its
+    #: versions ``<served_name>-...``) or its base model (``model.source``); other names the same weights
+    #: were served under (a production gateway's model name, say) are listed here.
+    models: list[str] = []
 
 
 class TasksConfig(_Strict):

@@ -45,6 +45,12 @@ __all__ = [
 
 #: Why a rollout is refused for off-policy RL: a call has token ids but no behaviour logprobs.
 NO_LOGPROBS = "an LLM call recorded token ids but no logprobs (off-policy RL needs the behaviour logprobs)"
+#: Why a rollout is refused for off-policy RL: a call was served by another model than the policy.
+OTHER_MODEL = (
+    "an LLM call was served by another model than this policy or its versions (off-policy RL needs the"
+    " policy's own behaviour logprobs; list other names of the same weights in traces.models, or train on"
+    " any model's calls with algorithm: sft)"
+)
 _PAGE = 10_000
 
 
@@ -244,9 +250,11 @@ def prepare_rl(config: TrainerConfig, selection: Selection) -> RlData:
     algorithm = config.algorithm
     agents = (config.traces.filter.agents if config.traces else []) or algorithm.agents
     full = spans_to_transitions(selection.spans, timeout_reward=algorithm.rewards.timeout_episode_reward)
-    no_logprobs = {t.rollout_id for t in full.transitions if t.response_logprobs is None}
+    other_model = _served_by_others(config, selection.spans)
+    no_logprobs = {t.rollout_id for t in full.transitions if t.response_logprobs is None} - set(other_model)
+    excluded = no_logprobs | set(other_model)
     result = dataclasses.replace(
-        full, transitions=tuple(t for t in full.transitions if t.rollout_id not in no_logprobs)
+        full, transitions=tuple(t for t in full.transitions if t.rollout_id not in excluded)
     )
     credit = assign_rewards(
         result,
@@ -260,14 +268,33 @@ def prepare_rl(config: TrainerConfig, selection: Selection) -> RlData:
     group_of = {r.rollout_id: r.task_id for r in selection.rollouts}
     samples, report = compute_advantages(transitions, group_of, algorithm.name, scores=credit.scores)
     refused = {rid: NO_LOGPROBS for rid in no_logprobs}
+    refused.update((rid, f"{OTHER_MODEL}: {model!r}") for rid, model in other_model.items())
     refused.update(
         (rid, why)
         for rid, why in explain_untrained(
             [r.rollout_id for r in selection.rollouts], result, transitions
         ).items()
-        if rid not in no_logprobs
+        if rid not in excluded
     )
     return RlData(result, credit, tuple(samples), report, group_of, refused)
+
+
+def _served_by_others(config: TrainerConfig, spans: Sequence[Span]) -> dict[str, str]:
+    """Rollout id -> the first model name among its gateway calls that is not this policy's: neither
+    ``model.served_name`` (or a version of it, ``<served_name>-...``), ``model.source`` nor one of
+    ``traces.models``. A call that recorded no model name is taken as the policy's."""
+    own = config.model.served_name
+    accepted = {own, config.model.source, *(config.traces.models if config.traces else ())}
+    found: dict[str, str] = {}
+    for span in spans:
+        if span.rollout_id is None or span.rollout_id in found or kind_of(span) != GATEWAY:
+            continue
+        model = span.attributes.get(semconv.GEN_AI_RESPONSE_MODEL) or span.attributes.get(
+            semconv.GEN_AI_REQUEST_MODEL
+        )
+        if isinstance(model, str) and model not in accepted and not model.startswith(own + "-"):
+            found[span.rollout_id] = model
+    return found
 
 
 def minibatches(items: Sequence[Any], key: Any, batch_size: int, steps: int, seed: int) -> list[list[Any]]:
