@@ -122,7 +122,13 @@ def _openinference_session(session: str, traces: int = 2) -> Callable[[Any], Non
     return build
 
 
-def _write(path: Path, data: bytes, *, gz: bool = False) -> Path:
+def _write(path: Path, data: bytes, *, gz: bool = False, zstd: bool = False) -> Path:
+    if zstd:  # as the Collector's file exporter writes with compression: zstd, a frame per write
+        import zstandard
+
+        half = len(data) // 2
+        compressor = zstandard.ZstdCompressor()
+        data = compressor.compress(data[:half]) + compressor.compress(data[half:])
     path.write_bytes(gzip.compress(data) if gz else data)
     return path
 
@@ -143,7 +149,9 @@ class _open:
 
 
 # --- formats ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["json", "proto", "bare", "json-gzip", "proto-gzip", "document"])
+@pytest.mark.parametrize(
+    "kind", ["json", "proto", "bare", "json-gzip", "proto-gzip", "json-zstd", "proto-zstd", "document"]
+)
 def test_exporter_files_import_as_rollouts(tmp_path, sqlite_store, kind):
     first, second = _record(_agent_run("ro-a")), _record(_agent_run("ro-b"))
     if kind.startswith("json"):
@@ -154,7 +162,7 @@ def test_exporter_files_import_as_rollouts(tmp_path, sqlite_store, kind):
         data = encode_spans(first + second).SerializeToString()
     else:  # one pretty-printed OTLP/JSON document
         data = json.dumps(_hex_ids(MessageToDict(encode_spans(first + second))), indent=2).encode()
-    path = _write(tmp_path / "traces.out", data, gz=kind.endswith("gzip"))
+    path = _write(tmp_path / "traces.out", data, gz=kind.endswith("gzip"), zstd=kind.endswith("zstd"))
 
     summary = import_traces([path], sqlite_store)
 
@@ -293,6 +301,19 @@ def test_truncated_gzip_is_reported(tmp_path, capsys):
     path = _write(tmp_path / "cut.jsonl.gz", data[: len(data) - 20])
     assert main(["import", str(path), "--store", str(tmp_path / "s.sqlite")]) == 1
     assert "the gzip data is truncated or corrupt" in capsys.readouterr().err
+
+
+def test_truncated_zstd_is_reported_and_a_missing_zstandard_named(tmp_path, capsys, monkeypatch):
+    import zstandard
+
+    data = zstandard.ZstdCompressor().compress(json_line(_record(_agent_run("ro-1"))) * 50)
+    path = _write(tmp_path / "cut.jsonl.zst", data[: len(data) - 20])
+    assert main(["import", str(path), "--store", str(tmp_path / "s.sqlite")]) == 1
+    assert "the zstd data is truncated or corrupt" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as without the package
+    whole = _write(tmp_path / "whole.jsonl.zst", data)
+    assert main(["import", str(whole), "--store", str(tmp_path / "t.sqlite")]) == 1
+    assert "pip install 'agl[zstd]'" in capsys.readouterr().err
 
 
 def test_bad_arguments_stop_before_anything_is_written(tmp_path, capsys):

@@ -4,7 +4,8 @@
   exporter's default); a file holding one pretty-printed object is read as one record too.
 * ``otlp-proto``: the exporter's ``format: proto``, each message preceded by its size as a 4-byte
   big-endian integer; or a single bare protobuf message (the whole file).
-* either compressed with gzip (recognised by its magic bytes, whatever the file is called).
+* either compressed with gzip or zstd (the Collector's ``compression: zstd``; needs the ``zstandard``
+  package, ``pip install 'agl[zstd]'``), recognised by their magic bytes, whatever the file is called.
 
 ``auto`` looks at the content: a ``{`` first (after blanks) is JSON; a protobuf message starts with the
 tag of its first field, ``0x0A``, where a length prefix of a message under 160 MiB cannot; anything else
@@ -21,7 +22,7 @@ import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -31,6 +32,7 @@ __all__ = ["FORMATS", "BadRecord", "Record", "TraceFile", "split_request"]
 
 FORMATS = ("auto", "otlp-json", "otlp-proto")
 _GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: A length prefix above this is taken for corruption (no exporter writes one message this large).
 _MAX_RECORD_BYTES = 256 * 1024 * 1024
 #: A JSON file whose first line is not a whole object is tried as one document up to this size.
@@ -81,22 +83,37 @@ class TraceFile:
     def records(self) -> Iterator[Record | BadRecord]:
         with open(self.path, "rb") as raw:
             self._raw = raw
-            compressed = raw.read(2) == _GZIP_MAGIC
+            magic = raw.read(4)
             raw.seek(0)
-            stream: io.BufferedReader = (
-                io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), 1 << 20)
-                if compressed
-                else io.BufferedReader(raw, 1 << 20)
-            )
+            compression = "gzip" if magic[:2] == _GZIP_MAGIC else "zstd" if magic == _ZSTD_MAGIC else ""
+            errors: tuple[type[BaseException], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
+            stream: io.BufferedReader[Any]
+            if compression == "gzip":
+                stream = io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), 1 << 20)
+            elif compression == "zstd":
+                try:
+                    import zstandard
+                except ImportError:
+                    yield BadRecord(
+                        "byte 0",
+                        "the file is compressed with zstd, and the zstandard package is not installed:"
+                        " pip install 'agl[zstd]' (or zstandard), or decompress it first (zstd -d)",
+                    )
+                    return
+                stream = io.BufferedReader(_ZstdFrames(raw, zstandard), 1 << 20)
+                errors += (zstandard.ZstdError,)
+            else:
+                stream = io.BufferedReader(raw, 1 << 20)
             try:
-                yield from self._read(stream, compressed)
-            except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+                yield from self._read(stream, compression)
+            except errors as exc:
                 yield BadRecord(
                     f"byte {raw.tell()}",
-                    f"the gzip data is truncated or corrupt ({exc}); the rest of the file is skipped",
+                    f"the {compression} data is truncated or corrupt ({exc}); the rest of the file is"
+                    " skipped",
                 )
 
-    def _read(self, stream: io.BufferedReader, compressed: bool) -> Iterator[Record | BadRecord]:
+    def _read(self, stream: io.BufferedReader[Any], compression: str) -> Iterator[Record | BadRecord]:
         head = stream.peek(64)[:64].lstrip()
         fmt = self.format
         if fmt == "auto":
@@ -105,14 +122,53 @@ class TraceFile:
                 return
             fmt = "otlp-json" if head[:1] == b"{" else "otlp-proto"
         if fmt == "otlp-json":
-            self.detected = "otlp-json" + (" (gzip)" if compressed else "")
+            self.detected = "otlp-json" + (f" ({compression})" if compression else "")
             yield from _json_records(stream)
         elif stream.peek(1)[:1] == b"\x0a":
-            self.detected = "otlp-proto, one message" + (" (gzip)" if compressed else "")
+            self.detected = "otlp-proto, one message" + (f" ({compression})" if compression else "")
             yield from _bare_records(stream)
         else:
-            self.detected = "otlp-proto, length-prefixed" + (" (gzip)" if compressed else "")
+            self.detected = "otlp-proto, length-prefixed" + (f" ({compression})" if compression else "")
             yield from _prefixed_records(stream)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a file of zstd frames, one after another (a frame per write of the
+    Collector's exporter); a file that ends inside a frame raises ``zstandard.ZstdError``."""
+
+    def __init__(self, raw: BinaryIO, zstandard: Any) -> None:
+        self._raw = raw
+        self._zstd = zstandard
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame = False
+        self._out = bytearray()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._out:
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise self._zstd.ZstdError("the file ends inside a zstd frame")
+                return 0
+            self._feed(chunk)
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        del self._out[:n]
+        return n
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            self._in_frame = True
+            self._out += self._frame.decompress(data)
+            if not self._frame.eof:
+                return
+            data = self._frame.unused_data  # the next frame starts here
+            self._frame = self._decompressor.decompressobj()
+            self._in_frame = False
 
 
 def _json_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]:
