@@ -363,3 +363,23 @@ def test_eval_serves_each_policys_adapter_from_a_checkpoint_and_refuses_a_config
     renamed = load_config(config_file, ['policies=[{"name": "editor", "agents": ["writer"]}]'])
     with pytest.raises(EvalError, match="holds no adapter of policy 'editor'"):
         evaluate(renamed, checkpoint=trained.checkpoint, limit=1)
+
+
+def test_a_step_that_trains_nothing_still_reports_each_policys_update_count(tmp_path):
+    turns = Turns()
+
+    def solve(task: dict[str, Any], llm: Any) -> float:
+        own = llm.for_agent("writer")
+        client = openai.OpenAI(base_url=own.base_url, api_key=own.api_key, max_retries=0)
+        client.chat.completions.create(
+            model=own.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=3
+        )
+        return turns.reward(task) if llm.policy_version == 0 else 1.0  # step 2: every group ties
+
+    config = {**BASE_CONFIG, "output_dir": str(tmp_path / "run"), "policies": TWO, "train": {"steps": 2}}
+    lines: list[str] = []
+    result = Trainer(config, echo=lines.append).fit(solve, TASKS[:2])
+    first, second = (m.policies for m in result.history)
+    assert first is not None and second is not None
+    assert (first["writer"]["updates"], second["writer"]["updates"]) == (1, 1)
+    assert second["writer"]["loss"] is None and second["rewriter"]["updates"] == 0

@@ -65,6 +65,11 @@ class _WatchedLearner:
     def policy_version(self) -> int:
         return self._learner.policy_version
 
+    @property
+    def updates(self) -> Mapping[str, int] | None:
+        """Each policy's update count, with ``policies`` (see :class:`~agl_trainer.policy.TorchLearner`)."""
+        return getattr(self._learner, "updates", None)
+
     def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> UpdateStats:
         self._before()
         try:

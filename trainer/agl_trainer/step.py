@@ -265,14 +265,17 @@ class TrainStep:
             seconds=time.monotonic() - started,
             rollout_ids=[r.rollout_id for r in finished.done + finished.failed + finished.late],
             warning=warning,
-            policies=policy_metrics(config, batch, stats),
+            policies=policy_metrics(config, batch, stats, getattr(self.learner, "updates", None)),
             pipeline=pipeline,
         )
         return StepOutcome(metrics, batch, extra_rounds)
 
 
 def policy_metrics(
-    config: TrainerConfig, batch: Batch, stats: UpdateStats | None
+    config: TrainerConfig,
+    batch: Batch,
+    stats: UpdateStats | None,
+    updates: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, Any]] | None:
     """The step's metrics per policy (``policies`` in the config; ``None`` without): which agents each
     served, their calls and the calls' mean reward, what its update trained on and how it went. ``base``
@@ -313,8 +316,10 @@ def policy_metrics(
     per_policy = getattr(stats, "per_policy", None) or {}
     for name, own in per_policy.items():
         out[name]["loss"], out[name]["grad_norm"] = own.loss, own.grad_norm
-    for name, count in (getattr(stats, "updates", None) or {}).items():
-        out[name]["updates"] = count
+    # each policy's updates so far: the update's count, else the learner's (a step that trained nothing)
+    for name, count in (getattr(stats, "updates", None) or updates or {}).items():
+        if name in out:
+            out[name]["updates"] = count
     return out
 
 
