@@ -351,10 +351,9 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reward(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .rewards import Reward, format_time, new_reward_id, parse_time
-    from .store import SqliteStore, StoreClient, StoreError
+    from .rewards_file import add_reward_file, open_reward_store
+    from .store import StoreError
 
     if args.file is not None:
         given = [f for f, v in (("ROLLOUT_ID", args.rollout_id), ("--id", args.reward_id)) if v is not None]
@@ -362,8 +361,6 @@ def _reward(args: argparse.Namespace) -> int:
         if given:
             print(f"agl reward: --file gives every reward's fields; drop {', '.join(given)}", file=sys.stderr)
             return 2
-        from .rewards_file import add_reward_file
-
         return add_reward_file(
             args.file, args.store or settings.store_url(), args.token, args.name, args.source
         )
@@ -393,26 +390,18 @@ def _reward(args: argparse.Namespace) -> int:
         flag.update({"name": "--name", "source": "--source", "time": "--time"})
         print(f"agl reward: {flag.get(option, option)}:{str(exc).split(':', 1)[-1]}", file=sys.stderr)
         return 2
-    target = args.store or settings.store_url()
     try:
-        if target.startswith(("http://", "https://")):
-            with StoreClient(target, token=args.token) as client:
-                (stored,) = client.add_rewards([reward])
-        else:
-            if not Path(target).is_file():
-                print(
-                    f"agl reward: {target} is neither a store URL (http://...) nor an existing SQLite file",
-                    file=sys.stderr,
-                )
-                return 2
-            store = SqliteStore(target)
-            try:
-                (stored,) = store.add_rewards([reward])
-            finally:
-                store.close()
+        store = open_reward_store(args.store or settings.store_url(), args.token)
+    except ValueError as exc:
+        print(f"agl reward: {exc}", file=sys.stderr)
+        return 2
+    try:
+        (stored,) = store.add_rewards([reward])
     except StoreError as exc:
         print(f"agl reward: {exc}", file=sys.stderr)
         return 1
+    finally:
+        store.close()
     what = "attached" if stored.created else "already stored, unchanged:"
     print(
         f"{what} reward {stored.reward_id} ({stored.name} = {stored.value:g}, source {reward.source!r}) to"

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from .rewards import Reward, parse_time
 
-__all__ = ["add_reward_file", "read_reward_lines"]
+__all__ = ["add_reward_file", "open_reward_store", "read_reward_lines"]
 
 #: Rewards per request to the store.
 BATCH = 500
@@ -73,22 +73,32 @@ def read_reward_lines(
         yield number, reward, None
 
 
+def open_reward_store(target: str, token: str | None) -> Any:
+    """The store rewards go to: a running store at the URL ``target`` (with ``token``), or the SQLite file
+    ``target``; ``ValueError`` when it is neither. The caller closes it."""
+    from .store import SqliteStore, StoreClient
+
+    if target.startswith(("http://", "https://")):
+        return StoreClient(target, token=token)
+    if not Path(target).is_file():
+        raise ValueError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
+    return SqliteStore(target)
+
+
 def add_reward_file(path: str, target: str, token: str | None, name: str, source: str) -> int:
     """Attach the rewards of the file at ``path`` (``-``: stdin) to the store at ``target`` (a URL or a
     SQLite file); prints what happened. Exit status: 0 all attached, 1 some lines skipped or refused,
     2 the file or store could not be used at all."""
-    from .store import SqliteStore, StoreClient, StoreError, StoreUnavailableError
+    from .store import StoreError, StoreUnavailableError
 
     if path != "-" and not Path(path).is_file():
         print(f"agl reward: --file {path}: no such file", file=sys.stderr)
         return 2
-    if not target.startswith(("http://", "https://")) and not Path(target).is_file():
-        print(
-            f"agl reward: {target} is neither a store URL (http://...) nor an existing SQLite file",
-            file=sys.stderr,
-        )
+    try:
+        store = open_reward_store(target, token)
+    except ValueError as exc:
+        print(f"agl reward: {exc}", file=sys.stderr)
         return 2
-    store: Any = StoreClient(target, token=token) if target.startswith("http") else SqliteStore(target)
     created = unchanged = skipped = 0
 
     def bad(number: int, why: str) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .model import load_adapter_weights
+
 __all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
 _PREFIX = "step-"
@@ -106,11 +108,7 @@ def load_checkpoint(
                 f"{path} holds full model weights, but this run trains a LoRA adapter; resume with the "
                 "checkpoint's model.lora setting"
             )
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        result = set_peft_model_state_dict(model, load_file(str(adapter)))
-        unexpected = getattr(result, "unexpected_keys", None)
+        unexpected = load_adapter_weights(model, adapter)
         if unexpected:
             raise CheckpointError(
                 f"{path}: the adapter does not fit this model (unexpected keys {unexpected[:3]})"
@@ -136,9 +134,6 @@ def load_checkpoint(
 
 def _load_policies(path: Path, model: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
     """Each policy's adapter and optimizer state from a checkpoint of a run with ``policies``."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
     saved = torch.load(path / "optimizer.pt", weights_only=True)
     if not isinstance(saved, dict) or not all(
         isinstance(k, str) and isinstance(v, dict) for k, v in saved.items()
@@ -156,8 +151,7 @@ def _load_policies(path: Path, model: Any, optimizers: Mapping[str, torch.optim.
         adapter = path / "adapter" / name / "adapter_model.safetensors"
         if not adapter.is_file():
             raise CheckpointError(f"{path}: the adapter of policy {name!r} is missing ({adapter})")
-        result = set_peft_model_state_dict(model, load_file(str(adapter)), adapter_name=name)
-        unexpected = getattr(result, "unexpected_keys", None)
+        unexpected = load_adapter_weights(model, adapter, name)
         if unexpected:
             raise CheckpointError(
                 f"{path}: policy {name!r}'s adapter does not fit this model ({unexpected[:3]})"

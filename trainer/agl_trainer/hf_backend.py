@@ -376,14 +376,12 @@ class HFBackend:
         if not isinstance(self.model, PeftModel):
             self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=policy)
         elif policy in self.model.peft_config:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
+            from .model import load_adapter_weights
 
             weights = path / "adapter_model.safetensors"
             if not weights.is_file():
                 raise BackendError(f"{path} has no adapter_model.safetensors")
-            result = set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=policy)
-            if getattr(result, "unexpected_keys", None):
+            if load_adapter_weights(self.model, weights, policy):
                 raise BackendError(f"{path} does not fit policy {policy!r}'s adapter (other LoRA settings?)")
         else:
             self.model.load_adapter(str(path), adapter_name=policy)

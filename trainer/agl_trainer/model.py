@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ModelNotFoundError",
+    "load_adapter_weights",
     "load_policy",
     "load_tokenizer",
     "smollm2_gguf_path",
@@ -155,3 +156,13 @@ def torch_device(name: str = "auto") -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"update.device is {name!r} but torch sees {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+def load_adapter_weights(model: Any, weights: Path, adapter_name: str = "default") -> list[str]:
+    """Load a PEFT adapter's ``adapter_model.safetensors`` into the adapter ``adapter_name`` of the PEFT
+    ``model``, in place; returns the keys that fit none of its weights (empty when it fits)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(str(weights)), adapter_name=adapter_name)
+    return list(getattr(result, "unexpected_keys", None) or [])

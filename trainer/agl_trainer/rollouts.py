@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 from agl_core.transitions import episode_rewards
@@ -31,6 +31,7 @@ __all__ = [
     "ScoredRollout",
     "rollout_rewards",
     "score_tasks",
+    "wait_for_store",
 ]
 
 
@@ -46,6 +47,38 @@ class RolloutClient(Protocol):
     def all_spans(self, rollout_ids: Sequence[str]) -> list[Span]: ...
 
     def mark_consumed(self, rollout_ids: Sequence[str]) -> int: ...
+
+
+T = TypeVar("T")
+
+
+def wait_for_store(
+    call: Callable[[], T], *, patience_s: float, warn: Callable[[str], None] | None = None
+) -> T:
+    """``call()``, tried again with backoff while the store is unreachable
+    (:class:`~agl_core.store.StoreUnavailableError`, a store restarting) for up to ``patience_s`` seconds,
+    then raising; other errors go through at once. ``warn`` gets a line when the store first fails and
+    one when it answers again."""
+    from agl_core.store import StoreUnavailableError
+
+    deadline = time.monotonic() + patience_s
+    delay = 0.25
+    warned = False
+    while True:
+        try:
+            result = call()
+        except StoreUnavailableError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            if not warned and warn is not None:
+                warn(f"  the store is unreachable ({exc}); retrying up to {patience_s:g} s")
+                warned = True
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            continue
+        if warned and warn is not None:
+            warn("  the store is back")
+        return result
 
 
 class PatientClient:
@@ -65,26 +98,9 @@ class PatientClient:
         self._warn = warn
 
     def _call(self, name: str, *args: Any) -> Any:
-        from agl_core.store import StoreUnavailableError
-
-        deadline = time.monotonic() + self.patience_s
-        delay = 0.25
-        warned = False
-        while True:
-            try:
-                result = getattr(self.client, name)(*args)
-            except StoreUnavailableError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                if not warned and self._warn is not None:
-                    self._warn(f"  the store is unreachable ({exc}); retrying up to {self.patience_s:g} s")
-                    warned = True
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            if warned and self._warn is not None:
-                self._warn("  the store is back")
-            return result
+        return wait_for_store(
+            lambda: getattr(self.client, name)(*args), patience_s=self.patience_s, warn=self._warn
+        )
 
     def enqueue_rollouts(self, requests: Iterable[dict[str, Any]]) -> list[Rollout]:
         return self._call("enqueue_rollouts", list(requests))  # type: ignore[no-any-return]

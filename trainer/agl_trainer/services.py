@@ -9,9 +9,6 @@ was given, in reverse order.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import threading
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,13 +21,12 @@ from agl_core.runner import LLM, LLM_RESOURCE, Runner, run_command
 from agl_core.server import BackgroundServer
 from agl_core.settings import gateway_token
 from agl_core.store import SqliteStore, StoreClient
-from agl_core.store.server import create_store_app
+from agl_core.store.service import StoreService
 from agl_core.tracing import make_otlp_exporter, setup_tracing
 
 from .config import TrainerConfig
+from .rollouts import wait_for_store
 from .serving import HFServing, VLLMServing, start_serving
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "AgentFn",
@@ -92,23 +88,13 @@ class Services:
     def publish(self, patience_s: float = 300.0) -> None:
         """Tell the runners (the store's ``llm`` resource) where the policy is served and its version;
         a store that is unreachable (restarting) is waited for up to ``patience_s`` seconds."""
-        from agl_core.store import StoreUnavailableError
-
         value = {
             "base_url": self.runner_url or self.gateway.url,
             "model": self.served_name,
             "policy_version": self.serving.policy_version,
             **({"api_key": self.token} if self.token is not None else {}),
         }
-        deadline = time.monotonic() + patience_s
-        while True:
-            try:
-                self.client.put_resource(LLM_RESOURCE, value)
-                return
-            except StoreUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
+        wait_for_store(lambda: self.client.put_resource(LLM_RESOURCE, value), patience_s=patience_s)
 
     def flush(self) -> None:
         """Export the gateway's buffered spans to the store."""
@@ -126,41 +112,16 @@ def start_store(
             raise ValueError("the embedded store needs a file (or set store.url)")
         store = SqliteStore(file)
         stack.callback(store.close)
-        server = BackgroundServer(create_store_app(store)).start()
-        stack.callback(server.stop)
-        stack.callback(_reclaim_expired_attempts(store))
-        url = server.url
+        # as `agl store serve` runs it: the attempts of runners that stopped sending heartbeats (an
+        # `agl run` killed mid-rollout) are reclaimed, so their rollouts run again
+        service = StoreService(store, maintenance_interval_s=2.0)
+        url = service.start_http_background()
+        service.start_maintenance()
+        stack.callback(service.close)
     echo(f"store: {url} ({'remote' if file is None else file})")
     client = StoreClient(url)
     stack.callback(client.close)
     return StoreConnection(url, file, client)
-
-
-def _reclaim_expired_attempts(store: SqliteStore, every_s: float = 2.0) -> Callable[[], None]:
-    """Give back, every ``every_s`` seconds, the attempts of runners that stopped sending heartbeats (an
-    ``agl run`` killed mid-rollout), so their rollouts run again; returns what stops it."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(every_s):
-            try:
-                reclaimed = store.reclaim_expired()
-            except Exception as exc:  # a busy database: the next pass tries again
-                logger.debug("agl: reclaiming expired attempts failed: %s", exc)
-                continue
-            if reclaimed:
-                logger.warning(
-                    "agl: %d attempt(s) of a runner that stopped sending heartbeats run again", reclaimed
-                )
-
-    thread = threading.Thread(target=loop, name="agl-store-reclaim", daemon=True)
-    thread.start()
-
-    def close() -> None:
-        stop.set()
-        thread.join(10)
-
-    return close
 
 
 def start_services(

@@ -333,11 +333,8 @@ class _Gateway:
         """Whether ``request`` carries the client token (always, when the gateway has none)."""
         if self.client_token is None:
             return True
-        # bytes, not str: compare_digest refuses non-ASCII text (a header is latin-1 on the wire)
-        bearer = request.headers.get("authorization", "").encode("latin-1", "replace")
-        api_key = request.headers.get("x-api-key", "").encode("latin-1", "replace")
-        return hmac.compare_digest(bearer, b"Bearer " + self.client_token) or hmac.compare_digest(
-            api_key, self.client_token
+        return _header_is(request, "authorization", b"Bearer " + self.client_token) or _header_is(
+            request, "x-api-key", self.client_token
         )
 
     # -- endpoints ------------------------------------------------------------------------------------
@@ -382,9 +379,7 @@ class _Gateway:
         if request.method == "GET":
             return JSONResponse({"policy_version": getattr(self.backend, "policy_version", None)})
         if self.admin_token is not None:
-            # Bytes, not str: compare_digest refuses non-ASCII text (a header is latin-1 on the wire).
-            given = request.headers.get("authorization", "").encode("latin-1", "replace")
-            if not hmac.compare_digest(given, b"Bearer " + self.admin_token.encode()):
+            if not _header_is(request, "authorization", b"Bearer " + self.admin_token.encode()):
                 return openai_error(
                     401,
                     "publishing a policy needs 'Authorization: Bearer <admin token>'",
@@ -660,6 +655,12 @@ _DOORS: tuple[tuple[str, Callable[[], FrontDoor]], ...] = (
     ("/v1/messages", MessagesDoor),
     ("/v1/messages/count_tokens", CountTokensDoor),
 )
+
+
+def _header_is(request: Request, name: str, expected: bytes) -> bool:
+    """Whether header ``name`` of ``request`` is exactly ``expected``, compared in constant time. Bytes,
+    not str: compare_digest refuses non-ASCII text (a header is latin-1 on the wire)."""
+    return hmac.compare_digest(request.headers.get(name, "").encode("latin-1", "replace"), expected)
 
 
 _NO_TOKEN = (

@@ -127,7 +127,7 @@ class RayFleet:
                 got = self._ray.get(actor.counts.remote(), timeout=timeout_s)
             except Exception:  # dead, restarting, or slow to answer: left out of this report
                 continue
-            total = RunnerCounts(**{k: getattr(total, k) + int(got.get(k, 0)) for k in got})
+            total = _plus(total, got)
         return total
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -144,8 +144,13 @@ class RayFleet:
                 got: dict[str, Any] = self._ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
             except Exception:
                 continue
-            total = RunnerCounts(**{k: getattr(total, k) + int(got.get(k, 0)) for k in got})
+            total = _plus(total, got)
         for actor in self.actors:
             self._ray.kill(actor, no_restart=True)
         self._ray.shutdown()
         return total
+
+
+def _plus(total: RunnerCounts, got: dict[str, Any]) -> RunnerCounts:
+    """``total`` with an actor's counts (a :class:`RunnerCounts` as a dict) added."""
+    return RunnerCounts(**{k: getattr(total, k) + int(v) for k, v in got.items()})
