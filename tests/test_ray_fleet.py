@@ -144,3 +144,43 @@ def test_ray_actors_serve_a_training_run_and_one_killed_is_replaced(tmp_path):
     assert len(runners) >= 2  # both actors ran rollouts (a restarted actor is a runner of its own)
     retried = [r for r in rollouts if len(r.attempts) > 1]
     assert retried and all(r.status == RolloutStatus.SUCCEEDED for r in retried)
+
+
+def test_ray_flags_that_do_not_fit_are_refused_before_ray_starts(tmp_path):
+    (tmp_path / "ray_agent.py").write_text(AGENT)
+    store = SqliteStore(str(tmp_path / "store.sqlite"))
+    service = StoreService(store, parse_workers=0)
+    url = service.start_http_background("127.0.0.1", 0)
+    try:
+        runs = {
+            flags: subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "agl_core.cli",
+                    "run",
+                    "ray_agent:solve",
+                    "--store",
+                    url,
+                    "--path",
+                    str(tmp_path),
+                    *flags,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=cli_env(),
+            )  # fmt: skip
+            for flags in (
+                ("--workers", "2", "--actors", "3", "--ray", "local"),
+                ("--workers", "2", "--actors", "2"),
+                ("--workers", "2", "--ray", "local", "--actor-cpus", "-1"),
+            )
+        }
+    finally:
+        service.close()
+        store.close()
+    too_many, without_ray, negative = runs.values()
+    assert too_many.returncode == 2 and "--actors (3) may not exceed --workers (2)" in too_many.stderr
+    assert without_ray.returncode == 2 and "--actors applies with --ray" in without_ray.stderr
+    assert negative.returncode == 2 and "--actor-cpus" in negative.stderr
