@@ -296,6 +296,31 @@ def test_a_truncated_protobuf_file_keeps_its_whole_records(tmp_path, capsys):
         assert _rollout_ids(store) == ["ro-1"]
 
 
+def test_problems_of_json_and_protobuf_files_come_once_in_the_files_order(tmp_path, capsys):
+    # Protobuf files are read twice (scanned for grouping, then decoded while the writer commits) and
+    # JSON files once: each problem is still reported once, in the order the files were given.
+    garbage = b"\xff\xff\xff"  # a record whose body is no protobuf message
+    pb_first = _write(
+        tmp_path / "a.pb",
+        proto_record(_record(_agent_run("ro-a"))) + len(garbage).to_bytes(4, "big") + garbage,
+    )
+    js = _write(tmp_path / "b.jsonl", json_line(_record(_agent_run("ro-b"))) + b"not json\n")
+    pb_last = _write(tmp_path / "c.pb", proto_record(_record(_agent_run("ro-c"))) + b"\x00\x00")
+    db = tmp_path / "s.sqlite"
+
+    assert main(["import", str(pb_first), str(js), str(pb_last), "--store", str(db)]) == 1
+
+    prefix = "agl import: skipped "
+    problems = [
+        line[len(prefix) :] for line in capsys.readouterr().err.splitlines() if line.startswith(prefix)
+    ]
+    assert [line.split(": ")[0] for line in problems] == [str(pb_first), str(js), str(pb_last)], problems
+    assert "record 1 (byte " in problems[0] and "line 2" in problems[1] and "length prefix" in problems[2]
+    with _open(db) as store:
+        assert _rollout_ids(store) == ["ro-a", "ro-b", "ro-c"]
+        assert all(len(_by_rollout(store, r)) == 3 for r in ("ro-a", "ro-b", "ro-c"))
+
+
 def test_truncated_gzip_is_reported(tmp_path, capsys):
     data = gzip.compress(json_line(_record(_agent_run("ro-1"))) * 50)
     path = _write(tmp_path / "cut.jsonl.gz", data[: len(data) - 20])

@@ -2,10 +2,11 @@
 
 A span's rollout can depend on spans read after it (a session named on a later span of its trace), so
 nothing is written before every file has been read. Into a store written directly, each record is
-decoded once, by the store's own ingest (in worker processes for large imports): the first phase reads
-the files, parses every record and learns the grouping from the parsed rows, keeping the rows in a
-temporary spill (in memory up to 64 MiB, on disk beyond); the second reads the spill back, gives each
-row without a rollout id its rollout, and hands the rows to the store's writer. Into a running store, a
+decoded by the store's own ingest: the first phase reads the files and learns the grouping (a JSON
+record is parsed there, in worker processes for large imports, and its rows kept in a temporary spill, in
+memory up to 64 MiB and on disk beyond; a protobuf record is only scanned); the second gives each row
+without a rollout id its rollout and hands the rows to the store's writer (the spilled rows read back, the
+protobuf files read again and decoded while the writer commits). Into a running store, a
 first reading of the files learns the grouping from the records, and a second sends them over OTLP/HTTP.
 """
 
@@ -178,10 +179,16 @@ def _write_all(
 
 
 class _Embedded:
-    """Spans through the store's own ingest pipeline (decoding, validation, redaction, group commit),
-    decoded in worker processes for large imports, in two phases: :meth:`read_all` parses every record
-    and learns the grouping from the parsed rows, spilling them; :meth:`write_all` gives the rows their
-    rollouts and writes them."""
+    """Spans through the store's own ingest pipeline (decoding, validation, redaction, group commit), in
+    two phases: :meth:`read_all` learns the grouping, :meth:`write_all` gives each row its rollout and
+    writes it.
+
+    A JSON record costs ten times more to decode than a protobuf one, so it is decoded once: in phase 1
+    (in worker processes for large imports), its rows spilled and read back in phase 2. A protobuf file
+    is read twice instead: phase 1 only scans its records for grouping keys, and phase 2 decodes each
+    record again while the store's writer thread commits the previous ones, so decoding and writing
+    overlap (spilling the decoded rows and reading them back costs more than decoding them twice). With
+    a redactor every record goes the JSON way: its redacted rows are what is written."""
 
     def __init__(
         self,
@@ -196,49 +203,55 @@ class _Embedded:
         self.pipeline = IngestPipeline(store, redactor=redactor, parse_workers=workers)
         # A redactor may drop or mask the very attributes that group spans (a session id that looks like
         # an e-mail address, say), and the parsed rows are redacted: then the grouping is learnt from the
-        # records as read, as it was before redaction. Redacting is also what makes decoding a protobuf
-        # record cost more than shipping its rows back from a worker (see _parse).
+        # records as read, as it was before redaction.
         self.redacting = bool(redactor)
         self.in_flight = 2 * workers + 2
-        # in file order: a record being parsed (future, record, file, where), or a part of a file that
-        # could not be read as a record (None, None, file, problem), so problems keep the files' order
-        self.parsing: collections.deque[tuple[Future[ParsedBatch] | None, Record | None, str, str]] = (
+        # in file order: a record being parsed (future, record, file index, file, where), or a part of a
+        # file that could not be read as a record (None, None, file index, file, problem)
+        self.parsing: collections.deque[tuple[Future[ParsedBatch] | None, Record | None, int, str, str]] = (
             collections.deque()
         )
         self.writing: collections.deque[Future[int]] = collections.deque()
         self.spill = tempfile.SpooledTemporaryFile(max_size=_SPILL_MEMORY_BYTES)
+        #: (file index, problem): put in the files' order at the end, whichever phase found them
+        self.problems: list[tuple[int, str]] = []
+        self.files: list[TraceFile] = []
+        #: indexes of the protobuf files that phase 2 reads again
+        self.reread: set[int] = set()
+        # trace id -> (rollout id, what it was grouped by, the attribute naming it), once per trace
+        self.assigned: dict[bytes, tuple[str, dict[str, Any], bytes]] = {}
 
-    # --- phase 1: read, parse, learn the grouping, spill --------------------------------------------
+    def _second_reading(self, f: TraceFile) -> bool:
+        return not self.redacting and f.detected.startswith("otlp-proto")
+
+    # --- phase 1: learn the grouping; decode and spill the JSON records -----------------------------
     def read_all(self, files: list[TraceFile], total: int, progress: Progress | None) -> None:
+        self.files = files
         done = 0
-        for f in files:
+        for index, f in enumerate(files):
             name = str(f.path)
             for record in f.records():
-                if isinstance(record, BadRecord):
-                    self.parsing.append((None, None, name, f"{name}: {record.where}: {record.problem}"))
+                if self._second_reading(f):  # its problems are reported when it is read again
+                    if isinstance(record, Record):
+                        self.summary.records += 1
+                        self.grouping.scan(record)
+                elif isinstance(record, BadRecord):
+                    self.parsing.append(
+                        (None, None, index, name, f"{name}: {record.where}: {record.problem}")
+                    )
                     continue
-                self.summary.records += 1
-                self._parse(record, name)
+                else:
+                    self.summary.records += 1
+                    self._parse(record, index, name)
                 if progress is not None:
                     progress("scan", name, done + f.position, total, 0)
+            if self._second_reading(f):
+                self.reread.add(index)
             done += f.size
         while self.parsing:
             self._finish_parse()
 
-    def _parse(self, record: Record, file: str) -> None:
-        if not record.json and not self.redacting:
-            # Nothing is written while the files are read, so a worker would only save this process the
-            # decoding; for protobuf that costs less than taking the rows back from a worker (unpickling
-            # them, never mind spawning it). JSON decoding costs ten times more: it goes to the workers.
-            future: Future[ParsedBatch] = Future()
-            try:
-                future.set_result(self.pipeline.parse(record.body))
-            except Exception as exc:  # raised by _finish_parse, in the files' order, as parse_async's
-                future.set_exception(exc)
-            self.parsing.append((future, record, file, record.where))
-            while self.parsing:
-                self._finish_parse()
-            return
+    def _parse(self, record: Record, index: int, file: str) -> None:
         while True:
             try:
                 future = self.pipeline.parse_async(record.body, json_body=record.json)
@@ -248,78 +261,113 @@ class _Embedded:
                     self._finish_parse()
                 else:
                     time.sleep(0.01)
-        self.parsing.append((future, record, file, record.where))
+        self.parsing.append((future, record, index, file, record.where))
         while self.parsing and (
             len(self.parsing) > self.in_flight or self.parsing[0][0] is None or self.parsing[0][0].done()
         ):
             self._finish_parse()
 
     def _finish_parse(self) -> None:
-        grouping, summary = self.grouping, self.summary
-        future, record, file, where = self.parsing.popleft()
+        grouping = self.grouping
+        future, record, index, file, where = self.parsing.popleft()
         if future is None or record is None:
-            summary.problems.append(where)
+            self.problems.append((index, where))
             return
         try:
             batch = future.result()
         except OtlpDecodeError as exc:
-            summary.problems.append(f"{file}: {where}: {exc}")
+            self.problems.append((index, f"{file}: {where}: {exc}"))
             grouping.scan(record)  # what can be read of it still groups the others, as it always did
             return
-        _note_refused(batch.rejected, batch.error_message, file, where, summary)
+        self._note_refused(batch, index, file, where)
         if self.redacting or batch.rejected:
             grouping.scan(record)  # refused spans are not in the rows, but their attributes group
         else:
             grouping.learn(batch.rows)
         if batch.rows:
             pickle.dump(
-                (batch.rows, batch.scopes, batch.rejected, batch.error_message, file, where),
+                (index, batch.rows, batch.scopes, batch.rejected, batch.error_message),
                 self.spill,
                 pickle.HIGHEST_PROTOCOL,
             )
 
+    def _note_refused(self, batch: ParsedBatch, index: int, file: str, where: str) -> None:
+        problem = _refused(batch.rejected, batch.error_message, file, where, self.summary)
+        if problem:
+            self.problems.append((index, problem))
+
     # --- phase 2: rollouts, writes ---------------------------------------------------------------------
     def write_all(self, progress: Progress | None) -> None:
-        grouping, rollouts, summary, spill = self.grouping, self.rollouts, self.summary, self.spill
-        total = spill.tell()
+        spill = self.spill
+        spilled = spill.tell()
+        total = spilled + sum(self.files[i].size for i in self.reread)
         spill.seek(0)
-        # trace id -> (rollout id, what it was grouped by, the attribute naming it), once per trace
-        assigned: dict[bytes, tuple[str, dict[str, Any], bytes]] = {}
-        while spill.tell() < total:
-            parsed, scopes, rejected, error_message, file, _ = pickle.load(spill)
-            rows: list[SpanRow] = []
-            for row in parsed:
-                rollout_id = row[7]
-                if rollout_id is None:
-                    trace_id = row[0]
-                    known = assigned.get(trace_id)
-                    if known is None:
-                        rollout_id, grouped_by = grouping.rollout_of(trace_id)
-                        known = assigned[trace_id] = (
-                            rollout_id,
-                            grouped_by,
-                            grouping.attribute_bytes(rollout_id),
-                        )
-                    rollout_id, grouped_by, attribute = known
-                    row = (*row[:7], rollout_id, row[8], row[9], row[10] + attribute)
-                else:
-                    grouped_by = {}
-                rollouts.note(rollout_id, file, grouped_by)
-                rows.append(row)
-            summary.spans += len(rows)
-            batch = ParsedBatch(rows, scopes, rejected, error_message)
-            while True:
-                try:
-                    self.writing.append(self.pipeline.submit(batch))
-                    break
-                except Overloaded:
-                    self._wait_write()
-            while self.writing and self.writing[0].done():
-                self.writing.popleft().result()  # raises what the write raised
-            if progress is not None:
-                progress("import", file, spill.tell(), total, summary.spans)
+        done = 0  # bytes of the files read again, before the current one
+        pending = pickle.load(spill) if spilled else None
+        for index, f in enumerate(self.files):
+            name = str(f.path)
+            if index in self.reread:
+                for record in f.records():
+                    if isinstance(record, BadRecord):
+                        self.problems.append((index, f"{name}: {record.where}: {record.problem}"))
+                        continue
+                    try:
+                        # decoded here: a worker process would save the decoding, but taking its rows
+                        # back (unpickling them) costs this process about as much
+                        batch = self.pipeline.parse(record.body)
+                    except OtlpDecodeError as exc:
+                        self.problems.append((index, f"{name}: {record.where}: {exc}"))
+                        continue
+                    self._note_refused(batch, index, name, record.where)
+                    self._write(batch, name)
+                    if progress is not None:
+                        progress("import", name, spill.tell() + done + f.position, total, self.summary.spans)
+                done += f.size
+                continue
+            while pending is not None and pending[0] == index:
+                _, rows, scopes, rejected, error_message = pending
+                self._write(ParsedBatch(rows, scopes, rejected, error_message), name)
+                pending = pickle.load(spill) if spill.tell() < spilled else None
+                if progress is not None:
+                    progress("import", name, spill.tell() + done, total, self.summary.spans)
         while self.writing:
             self.writing.popleft().result()
+        self.summary.problems.extend(problem for _, problem in sorted(self.problems, key=lambda p: p[0]))
+
+    def _write(self, batch: ParsedBatch, file: str) -> None:
+        """Give each row without a rollout id its rollout, and hand the batch to the store's writer."""
+        grouping, rollouts, assigned = self.grouping, self.rollouts, self.assigned
+        rows: list[SpanRow] = []
+        for row in batch.rows:
+            rollout_id = row[7]
+            if rollout_id is None:
+                trace_id = row[0]
+                known = assigned.get(trace_id)
+                if known is None:
+                    rollout_id, grouped_by = grouping.rollout_of(trace_id)
+                    known = assigned[trace_id] = (
+                        rollout_id,
+                        grouped_by,
+                        grouping.attribute_bytes(rollout_id),
+                    )
+                rollout_id, grouped_by, attribute = known
+                row = (*row[:7], rollout_id, row[8], row[9], row[10] + attribute)
+            else:
+                grouped_by = {}
+            rollouts.note(rollout_id, file, grouped_by)
+            rows.append(row)
+        if not rows:
+            return
+        self.summary.spans += len(rows)
+        batch = ParsedBatch(rows, batch.scopes, batch.rejected, batch.error_message)
+        while True:
+            try:
+                self.writing.append(self.pipeline.submit(batch))
+                break
+            except Overloaded:
+                self._wait_write()
+        while self.writing and self.writing[0].done():
+            self.writing.popleft().result()  # raises what the write raised
 
     def _wait_write(self) -> None:
         if self.writing:
@@ -334,10 +382,12 @@ class _Embedded:
             self.spill.close()
 
 
-def _note_refused(count: int, reason: str, file: str, where: str, summary: ImportSummary) -> None:
-    if count:
-        summary.refused_spans += count
-        summary.problems.append(f"{file}: {where}: the store refused {count} span(s): {reason}")
+def _refused(count: int, reason: str, file: str, where: str, summary: ImportSummary) -> str | None:
+    """Count ``count`` spans the store refused; the problem line to report, or None when there were none."""
+    if not count:
+        return None
+    summary.refused_spans += count
+    return f"{file}: {where}: the store refused {count} span(s): {reason}"
 
 
 class _Remote:
@@ -394,7 +444,9 @@ class _Remote:
             if refused < 0:  # the store refused the whole request; the reason is in problems
                 continue
             summary.spans += sent - refused
-            _note_refused(refused, reason, file, record.where, summary)
+            problem = _refused(refused, reason, file, record.where, summary)
+            if problem:
+                summary.problems.append(problem)
 
     def _post(self, body: bytes, file: str, where: str, summary: ImportSummary) -> tuple[int, str]:
         """Send one request, retrying while the store says "later". Returns (spans refused, why), or
