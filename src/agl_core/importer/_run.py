@@ -6,7 +6,7 @@ decoded by the store's own ingest: the first phase reads the files and learns th
 record is parsed there, in worker processes for large imports, and its rows kept in a temporary spill, in
 memory up to 64 MiB and on disk beyond; a protobuf record is only scanned); the second gives each row
 without a rollout id its rollout and hands the rows to the store's writer (the spilled rows read back, the
-protobuf files read again and decoded while the writer commits). Into a running store, a
+protobuf files read again and decoded). Into a running store, a
 first reading of the files learns the grouping from the records, and a second sends them over OTLP/HTTP.
 """
 
@@ -186,9 +186,12 @@ class _Embedded:
     A JSON record costs ten times more to decode than a protobuf one, so it is decoded once: in phase 1
     (in worker processes for large imports), its rows spilled and read back in phase 2. A protobuf file
     is read twice instead: phase 1 only scans its records for grouping keys, and phase 2 decodes each
-    record again while the store's writer thread commits the previous ones, so decoding and writing
-    overlap (spilling the decoded rows and reading them back costs more than decoding them twice). With
-    a redactor every record goes the JSON way: its redacted rows are what is written."""
+    record again, here, and hands its rows to the store's writer thread. Pickling the decoded rows to a
+    spill and reading them back cost more than the scan; decoding in worker processes costs about as
+    much as it saves (unpickling their rows, and two more processes on the cores the writer needs); and
+    the writer thread's SQLite inserts hold Python's lock for most of their time, so decoding and writing
+    in one process add up rather than overlap. With a redactor every record goes the JSON way: its
+    redacted rows are what is written."""
 
     def __init__(
         self,
