@@ -615,3 +615,55 @@ def test_agents_are_told_which_split_a_rollout_is_for(store_server, client, mode
     rewards = episode_rewards(client.query_spans(rollout_ids=[r.rollout_id for r in done]))
     assert {r.task_id: rewards[r.rollout_id] for r in done} == {"a": 1.0, "b": 0.5, "c": 0.0, "d": 0.0}
     provider.shutdown()
+
+
+class _SlowFlushes:
+    """A tracer provider whose force_flush takes 50 ms and records when each one began and ended."""
+
+    def __init__(self) -> None:
+        self.flushes: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        began = time.monotonic()
+        time.sleep(0.05)
+        with self._lock:
+            self.flushes.append((began, time.monotonic()))
+        return True
+
+
+def test_workers_finishing_together_share_span_exports_and_each_waits_for_one_begun_after_it():
+    from agl_core.runner._state import RunState
+
+    provider = _SlowFlushes()
+    state = RunState(
+        lambda task, llm: 1.0,
+        StoreClient("http://127.0.0.1:9"),  # never called here
+        provider,  # type: ignore[arg-type]
+        workers=12,
+        rollout_timeout_s=None,
+        poll_s=0.1,
+        lease_s=30.0,
+    )
+    calls: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def finish() -> None:
+        asked = time.monotonic()
+        state.flush()
+        with lock:
+            calls.append((asked, time.monotonic()))
+
+    threads = [threading.Thread(target=finish) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+
+    assert len(calls) == 12
+    # one export per worker would take 12 x 50 ms; together they need at most two
+    assert len(provider.flushes) <= 3, provider.flushes
+    # each worker's spans were exported by a flush that began after it asked
+    for asked, returned in calls:
+        covered = [(b, e) for b, e in provider.flushes if asked <= b and e <= returned]
+        assert covered, (asked, returned, provider.flushes)

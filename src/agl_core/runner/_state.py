@@ -166,7 +166,11 @@ class RunState:
         self.halt = threading.Event()
         self.heartbeats = Heartbeats(store, lease_s)
         self._lock = threading.Lock()
-        self._flush_lock = threading.Lock()
+        # flushes, shared: one force_flush exports the spans of every worker that asked before it began
+        self._flush_cond = threading.Condition()
+        self._flushes_started = 0
+        self._flushes_done = 0
+        self._flushing = False
         self._counts: dict[str, int] = {
             "succeeded": 0,
             "failed": 0,
@@ -259,11 +263,29 @@ class RunState:
         )
 
     def flush(self) -> None:
-        with self._flush_lock:
-            try:
-                self.tracer_provider.force_flush()
-            except Exception as exc:
-                logger.warning("agl runner: flushing spans failed: %s", exc)
+        """Export every span ended before this call. Workers finishing together share one export: a
+        flush that began before the call does not count (it may have missed this worker's spans), and
+        the next one covers every worker that asked meanwhile, so a burst of finishing rollouts costs
+        two exports, not one each."""
+        with self._flush_cond:
+            needed = self._flushes_started + 1
+            while self._flushes_done < needed:
+                if self._flushing:
+                    self._flush_cond.wait()
+                    continue
+                self._flushing = True
+                self._flushes_started += 1
+                number = self._flushes_started
+                self._flush_cond.release()
+                try:
+                    self.tracer_provider.force_flush()
+                except Exception as exc:
+                    logger.warning("agl runner: flushing spans failed: %s", exc)
+                finally:
+                    self._flush_cond.acquire()
+                    self._flushing = False
+                    self._flushes_done = number
+                    self._flush_cond.notify_all()
 
     def finish(self, rollout: Rollout, attempt: Attempt, outcome: Outcome | None) -> None:
         """Flush the spans, then report ``outcome`` to the store (``None``: the result is dropped). A
