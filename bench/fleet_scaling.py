@@ -15,8 +15,8 @@ per rollout.
 
 Reference (DESIGN.md, same machine kind): Agent Lightning 0.3.0 ran about 14 rollouts/s end to end with 2
 runners and a fake LLM (its changelog's best: 57/s). Target: at least 10x, 140 rollouts/s. Measured on
-2 cores: 105 / 145 / 208 rollouts/s with 1 / 16 / 64 workers (41 / 55 with 16 / 64 and a client per
-rollout).
+2 cores (``--repeats 3``, medians): 103 / 130 / 140 / 207 rollouts/s with 1 / 4 / 16 / 64 workers (41 / 55
+with 16 / 64 and a client per rollout).
 
     python bench/fleet_scaling.py [--workers 1,4,16,64] [--rollouts 400] [--per-process 16]
 """
