@@ -63,6 +63,15 @@ def test_fit_trains_a_function_defined_in_the_test_in_thread_mode(tmp_path):
     (step,) = result.history
     assert step.trained_transitions == 4 and step.policy_version == 1 and step.warning is None
     assert set(step.tasks) <= {"t0", "t1", "t2", "t3"}  # the validation tasks are held out
+    # where the step's time went: the backend generated 4 calls of up to 4 tokens inside the rollouts
+    (row,) = metrics_rows(out, "train")
+    phases = row["phases"]
+    assert set(phases) == {"rollouts", "generation", "transitions", "update", "publish"}, phases
+    assert 0 < phases["generation"] <= phases["rollouts"] + 0.05
+    assert phases["update"] > 0 and phases["publish"] >= 0
+    assert sum(phases.values()) - phases["generation"] <= row["seconds"] + 0.05
+    assert row["generation_tokens_per_s"] > 0 and row["peak_rss_mb"] > 100
+    assert any(line.startswith("  time: rollouts ") and "generating" in line for line in lines), lines
     assert result.before is not None and result.after is not None
     assert (result.before.mean, result.before.n, result.after.mean, result.after.n) == (1.0, 2, 0.0, 2)
     assert (result.change, result.change_se) == (-1.0, 0.0)

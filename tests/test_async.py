@@ -89,6 +89,8 @@ def test_a_slow_group_holds_no_step_back_and_is_dropped_when_too_stale(tmp_path)
     assert any(line.startswith("  async: trained calls by staleness (0 behind: 2") for line in lines)
     rows = [r for r in metrics_rows(out) if r["kind"] == "train"]
     assert [r["pipeline"]["dropped_groups"] for r in rows] == [0, 0, 1]
+    # the rollouts phase of an asynchronous step is its wait for finished groups
+    assert [r["phases"]["rollouts"] for r in rows] == [r["pipeline"]["wait_s"] for r in rows]
     assert not (out / "inflight.json").exists()  # the groups left in flight were cancelled at the end
 
 

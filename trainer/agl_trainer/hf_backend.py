@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,10 @@ class HFBackend:
         self._keep_logits_arg = True
         #: Largest number of sequences decoded together so far (for tests and tuning).
         self.peak_batch = 0
+        #: Seconds spent in batches of generation, and the tokens they generated (the step metrics'
+        #: generation phase and tokens/s); written by the generation thread only.
+        self.generation_s = 0.0
+        self.generated_tokens = 0
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -435,6 +440,7 @@ class HFBackend:
             if not jobs:
                 continue
             self.lock.acquire_for_batch()
+            started = time.perf_counter()
             try:
                 with torch.no_grad():
                     self._batch(jobs)
@@ -444,6 +450,7 @@ class HFBackend:
                     if job.open_choices:
                         job.sink(BackendError(f"generation failed: {type(exc).__name__}: {exc}"))
             finally:
+                self.generation_s += time.perf_counter() - started
                 self.lock.release()
 
     def _adapters(self, jobs: Sequence[_Job]) -> dict[str, Any]:
@@ -544,6 +551,7 @@ class HFBackend:
         lp = float(logp[token])
         row.response.append(token)
         row.logprobs.append(lp)
+        self.generated_tokens += 1
         top: tuple[tuple[str, float], ...] = ()
         if request.top_logprobs:
             values, indices = torch.topk(logp, request.top_logprobs)

@@ -437,15 +437,20 @@ def train(
                 outcome, steps, show_agents=bool(config.algorithm.agents), inspect_hint=where
             ):
                 display.line(line)
-            log.record_step(metrics)
             if metrics.warning is not None:
                 display.line(f"  warning: step {step} trained nothing: {metrics.warning}")
                 warnings_seen.append(metrics.warning)
             else:
                 trained_any = True
             every = config.validation.every_steps
+            during = None
             if validating and every and step % every == 0 and step != steps:
-                log.record_eval(_validate(config, queue, step, val_tasks), "during training")
+                t0 = time.monotonic()
+                during = _validate(config, queue, step, val_tasks)
+                metrics.phases["validation"] = round(time.monotonic() - t0, 3)
+            log.record_step(metrics)
+            if during is not None:
+                log.record_eval(during, "during training")
             every = config.checkpoint.every_steps
             if trained_any and (step == steps or (every and step % every == 0)):
                 last_saved = _save(config, policy, services, step, sampler, before) or last_saved

@@ -33,7 +33,7 @@ from agl_core.records import Rollout, RolloutStatus, Span, Task
 from .algo import Advantaged
 from .config import TrainerConfig
 from .rollouts import RolloutQueue, RolloutRound
-from .step import Learner, StepOutcome, TrainStep, UpdateStats, build_batch, episodes
+from .step import Learner, Meter, StepOutcome, TrainStep, UpdateStats, build_batch, episodes
 
 __all__ = ["AsyncTrainStep"]
 
@@ -69,6 +69,11 @@ class _WatchedLearner:
     def updates(self) -> Mapping[str, int] | None:
         """Each policy's update count, with ``policies`` (see :class:`~agl_trainer.policy.TorchLearner`)."""
         return getattr(self._learner, "updates", None)
+
+    @property
+    def meter(self) -> Meter | None:
+        """The learner's publish and generation counters (see :class:`~agl_trainer.step.Meter`)."""
+        return getattr(self._learner, "meter", None)
 
     def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> UpdateStats:
         self._before()
@@ -189,6 +194,7 @@ class AsyncTrainStep:
         recent enough to train, update on them and measure the step."""
         config = self.config
         started = time.monotonic()
+        self.steps.begin()
         self._fill(step, tasks, draw)
         wanted = config.train.tasks_per_step
         finished = RolloutRound([], [], [])
@@ -238,7 +244,16 @@ class AsyncTrainStep:
             "update_s": 0.0,
         }
         return self.steps.conclude(
-            step, finished, spans, batch, tasks=taken, started=started, pipeline=self._figures
+            step,
+            finished,
+            spans,
+            batch,
+            tasks=taken,
+            started=started,
+            pipeline=self._figures,
+            # the update overlaps the next groups' rollouts: the wait for this step's groups is what
+            # the step spent on rollouts
+            phases={"rollouts": waited},
         )
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .algo import Advantaged
 from .config import LoraConfig, TrainerConfig
 from .services import Services
+from .step import Meter
 
 if TYPE_CHECKING:
     import torch
@@ -188,6 +189,7 @@ class TorchLearner:
         self.reference = policy.reference
         self.pad_id = policy.pad_id
         self.services = services
+        self.meter = Meter(generation=getattr(services.serving, "generation_counters", None))
 
     @property
     def policy_version(self) -> int:
@@ -202,12 +204,15 @@ class TorchLearner:
             if self.router is None:
                 assert self.optimizer is not None
                 stats = self._step(self.optimizer, samples)
+                t0 = time.monotonic()
                 serving.publish(self.model, version)
             else:
                 stats = self._policy_steps(samples)
+                t0 = time.monotonic()
                 # only the adapters that changed are published (vLLM loads each under its policy's name)
                 serving.publish(self.model, version, policies=list(stats.per_policy))
         self.services.publish()
+        self.meter.publish_s += time.monotonic() - t0
         return stats
 
     def _step(self, optimizer: torch.optim.Optimizer, samples: Sequence[Advantaged]) -> UpdateStats:
@@ -250,6 +255,7 @@ class VerlLearner:
     def __init__(self, updater: VerlUpdater, services: Services) -> None:
         self.updater = updater
         self.services = services
+        self.meter = Meter(generation=getattr(services.serving, "generation_counters", None))
 
     @property
     def policy_version(self) -> int:
@@ -258,8 +264,10 @@ class VerlLearner:
     def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> UpdateStats:
         version = self.policy_version + 1
         stats: UpdateStats = self.updater.update(samples, group_of=group_of)
+        t0 = time.monotonic()
         self.services.serving.publish_adapter(self.updater.export_adapter(version), version)
         self.services.publish()
+        self.meter.publish_s += time.monotonic() - t0
         return stats
 
 

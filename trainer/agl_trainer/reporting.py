@@ -243,6 +243,22 @@ def _pipeline_text(p: dict[str, Any]) -> str:
     )
 
 
+def _phases_text(metrics: StepMetrics) -> str:
+    """``time: rollouts 41.2s (generating 35.0s, 52 tok/s), transitions 0.3s, update 12.1s, ...``."""
+    phases = metrics.phases
+    parts = []
+    for name in ("rollouts", "transitions", "update", "publish"):
+        if name not in phases:
+            continue
+        text = f"{name} {phases[name]:.1f}s"
+        if name == "rollouts" and "generation" in phases:
+            rate = metrics.generation_tokens_per_s
+            text += f" (generating {phases['generation']:.1f}s" + (f", {rate:.0f} tok/s)" if rate else ")")
+        parts.append(text)
+    rss = f"; peak RSS {metrics.peak_rss_mb / 1024:.1f} GB" if metrics.peak_rss_mb else ""
+    return "time: " + ", ".join(parts) + rss
+
+
 def step_lines(
     outcome: StepOutcome, total_steps: int, *, show_agents: bool, inspect_hint: str = ""
 ) -> list[str]:
@@ -285,6 +301,8 @@ def step_lines(
         )
     if metrics.pipeline is not None:
         lines.append("  " + _pipeline_text(metrics.pipeline))
+    if metrics.phases:
+        lines.append("  " + _phases_text(metrics))
     if metrics.policies is not None:
         served = [_policy_text(n, p) for n, p in metrics.policies.items() if p["calls"] or n != BASE]
         lines.append("  policies: " + "; ".join(served))

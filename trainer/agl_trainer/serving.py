@@ -94,6 +94,10 @@ class HFServing:
     def policy_version(self) -> int:
         return int(self.backend.policy_version)
 
+    def generation_counters(self) -> tuple[float, int]:
+        """Seconds the backend has spent generating, and the tokens it generated, since it started."""
+        return float(self.backend.generation_s), int(self.backend.generated_tokens)
+
     def publish(self, model: Any, version: int, policies: Sequence[str] | None = None) -> None:
         """Serve ``model`` as policy ``version`` from the next batch on (an in-place swap, no copy; every
         policy's adapter lives in ``model``, so ``policies`` changes nothing here)."""

@@ -8,6 +8,7 @@ the torch or verl update (:mod:`agl_trainer.policy`), a test a recording fake.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +60,29 @@ class Learner(Protocol):
     def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> UpdateStats:
         """Train on ``samples`` (``group_of``: rollout id -> group id) and serve the result as the next
         policy version before returning."""
+
+
+@dataclasses.dataclass
+class Meter:
+    """Running totals a learner keeps for the step metrics: seconds spent publishing new weights, and the
+    serving backend's generation counters (``generation()``: seconds generating and tokens generated so
+    far; None when the backend does not count them, as with vLLM)."""
+
+    publish_s: float = 0.0
+    generation: Callable[[], tuple[float, int]] | None = None
+
+    def reading(self) -> tuple[float, tuple[float, int] | None]:
+        return self.publish_s, (self.generation() if self.generation is not None else None)
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory so far, in MB (None where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +183,13 @@ class TrainStep:
         self.config = config
         self.queue = queue
         self.learner = learner
+        meter = getattr(learner, "meter", None)
+        self.meter: Meter = meter if isinstance(meter, Meter) else Meter()
+        self._mark = self.meter.reading()
+
+    def begin(self) -> None:
+        """Start measuring a step: the publish and generation counters as they are now."""
+        self._mark = self.meter.reading()
 
     def _episodes(self, finished: RolloutRound) -> tuple[list[Rollout], list[Span]]:
         return episodes(self.config, finished, self.queue.client.all_spans)
@@ -171,6 +202,8 @@ class TrainStep:
         groups have differing rewards."""
         config = self.config
         step_start = time.monotonic()
+        self.begin()
+        rollouts_s = transitions_s = 0.0
         finished = RolloutRound([], [], [])
         used: list[Rollout] = []
         spans: list[Span] = []
@@ -189,12 +222,15 @@ class TrainStep:
                 for _ in range(config.train.rollouts_per_task)
             ]
             label = f"rollouts of step {step}" + (f" (redraw {extra_rounds})" if extra_rounds else "")
+            t0 = time.monotonic()
             this_round = self.queue.run(label, requests)
+            t1 = time.monotonic()
             finished += this_round
             # each round fetches only its own spans; the batch is rebuilt over all rounds' episodes
             round_used, round_spans = self._episodes(this_round)
             used, spans = used + round_used, spans + round_spans
             batch = build_batch(config, used, spans)
+            rollouts_s, transitions_s = rollouts_s + t1 - t0, transitions_s + time.monotonic() - t1
             missing = config.train.tasks_per_step - batch.signal_groups
             if draw is None or missing <= 0 or extra_rounds >= config.train.resample_rounds:
                 break
@@ -210,6 +246,7 @@ class TrainStep:
             redrawn=len(drawn) - first_draw,
             extra_rounds=extra_rounds,
             started=step_start,
+            phases={"rollouts": rollouts_s, "transitions": transitions_s},
         )
 
     def conclude(
@@ -224,9 +261,11 @@ class TrainStep:
         extra_rounds: int = 0,
         started: float,
         pipeline: dict[str, Any] | None = None,
+        phases: Mapping[str, float] | None = None,
     ) -> StepOutcome:
         """Update the policy on ``batch`` (built from ``finished``'s episodes and their ``spans``) and
-        measure the step; ``pipeline``: the asynchronous mode's own figures for the metrics."""
+        measure the step; ``pipeline``: the asynchronous mode's own figures for the metrics; ``phases``:
+        the seconds the caller measured (rollouts, transitions) since :meth:`begin`."""
         config = self.config
         rewards = list(rollout_rewards(finished.done, lambda ids: spans).values())
         stats: UpdateStats | None = None
@@ -235,6 +274,18 @@ class TrainStep:
             t0 = time.monotonic()
             stats = self.learner.update(batch.samples, batch.group_of)
             update_s = time.monotonic() - t0
+        publish_before, generation_before = self._mark
+        publish_now, generation_now = self.meter.reading()
+        publish_s = publish_now - publish_before
+        timing = {name: round(v, 3) for name, v in (phases or {}).items()}
+        generation_tps = None
+        if generation_before is not None and generation_now is not None:
+            generation_s = generation_now[0] - generation_before[0]
+            timing["generation"] = round(generation_s, 3)
+            if generation_s > 0:
+                generation_tps = round((generation_now[1] - generation_before[1]) / generation_s, 1)
+        timing["update"] = round(max(update_s - publish_s, 0.0), 3)
+        timing["publish"] = round(publish_s, 3)
         # lets `agl store serve --retention consumed` drop spans that training has used
         self.queue.client.mark_consumed(finished.finished_ids)
         report = batch.report
@@ -254,7 +305,7 @@ class TrainStep:
             loss=stats.loss if stats else None,
             grad_norm=stats.grad_norm if stats else None,
             tokens=stats.tokens if stats else 0,
-            tokens_per_s=(stats.tokens / update_s) if stats and update_s > 0 else 0.0,
+            tokens_per_s=(stats.tokens / (update_s - publish_s)) if stats and update_s > publish_s else 0.0,
             groups_skipped=report.skipped_no_variance + report.skipped_singleton,
             problems=problems,
             untrained=dict(Counter(batch.untrained.values())),
@@ -267,6 +318,9 @@ class TrainStep:
             warning=warning,
             policies=policy_metrics(config, batch, stats, getattr(self.learner, "updates", None)),
             pipeline=pipeline,
+            phases=timing,
+            generation_tokens_per_s=generation_tps,
+            peak_rss_mb=peak_rss_mb(),
         )
         return StepOutcome(metrics, batch, extra_rounds)
 
