@@ -273,6 +273,10 @@ def test_evaluate_reports_the_operators_the_model_wrote_per_reference_operation(
 
 
 # --- the reduced training run with the real SmolLM2 -------------------------------------------------------
+#: The peak RSS of the trainer process in test_train_calc_example_end_to_end_on_cpu, measured 2026-11-25.
+RECORDED_PEAK_RSS_MB = 2550
+
+
 @pytest.mark.slow
 def test_train_calc_example_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("autogen_agentchat")
@@ -301,6 +305,12 @@ def test_train_calc_example_end_to_end_on_cpu(tmp_path):
 
     rows = metrics_rows(out)
     train = metrics_rows(out, "train")
+    # memory: the trainer process's peak resident memory, recorded at the end of each step, must not grow
+    # by more than a quarter over the figure this run measured (the main job peaked at 11 GB before the
+    # update went micro-batch by micro-batch of 512 tokens)
+    peak = max(r["peak_rss_mb"] for r in train)
+    print(f"peak RSS {peak:.0f} MB")
+    assert peak <= 1.25 * RECORDED_PEAK_RSS_MB, f"peak RSS {peak:.0f} MB, recorded {RECORDED_PEAK_RSS_MB} MB"
     assert [(r["kind"], r["step"]) for r in rows] == [("val", 0), ("train", 1), ("train", 2), ("val", 2)]
     # two tasks a step, plus those the config's resample_rounds redrew for groups that tied
     assert all(

@@ -28,6 +28,11 @@ __all__ = [
 ]
 
 
+#: Default ``algorithm.micro_batch_tokens`` on CPU and on a GPU.
+CPU_MICRO_BATCH_TOKENS = 512
+GPU_MICRO_BATCH_TOKENS = 16384
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the file and every bad key."""
 
@@ -185,10 +190,20 @@ class AlgorithmConfig(_Strict):
     clip_eps: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
     learning_rate: float = pydantic.Field(1e-4, gt=0.0, lt=1.0)
     max_grad_norm: float = pydantic.Field(1.0, gt=0.0)
-    #: Padded tokens per forward/backward pass; larger batches are split and gradients accumulated.
-    micro_batch_tokens: int = pydantic.Field(4096, ge=64)
+    #: Padded tokens per forward/backward pass; larger batches are split and gradients accumulated (the
+    #: result is the same). Unset: 512 on CPU, where a larger pass is no faster and its activations cost
+    #: about 1.3 MB of memory per token for a 135M model (4096 tokens peaked at 11 GB, 512 at 2 GB, each
+    #: step in the same time); 16384 on a GPU (and verl's ``ppo_max_token_len_per_gpu``).
+    micro_batch_tokens: int | None = pydantic.Field(None, ge=64)
     #: Train only the calls of agents whose names match one of these globs (all when empty).
     agents: list[str] = []
+
+    def micro_batch_tokens_on(self, device: Any) -> int:
+        """``micro_batch_tokens``, or its default for ``device`` (a ``torch.device`` or its type name)."""
+        if self.micro_batch_tokens is not None:
+            return self.micro_batch_tokens
+        on_cpu = str(getattr(device, "type", device)) == "cpu"
+        return CPU_MICRO_BATCH_TOKENS if on_cpu else GPU_MICRO_BATCH_TOKENS
 
     @pydantic.model_validator(mode="after")
     def _per_call_needs_rewards(self) -> AlgorithmConfig:

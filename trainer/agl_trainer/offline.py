@@ -233,7 +233,9 @@ def train_from_traces(
                         batch,
                         pad_id=policy.pad_id,
                         max_grad_norm=config.algorithm.max_grad_norm,
-                        micro_batch_tokens=config.algorithm.micro_batch_tokens,
+                        micro_batch_tokens=config.algorithm.micro_batch_tokens_on(
+                            next(model.parameters()).device
+                        ),
                         bf16=config.update.bf16,
                     )
                 exact = sum(exact_of[(t.rollout_id, t.call_index)] for t in batch)
@@ -249,7 +251,9 @@ def train_from_traces(
                         clip_eps=config.algorithm.clip_eps,
                         pad_id=policy.pad_id,
                         max_grad_norm=config.algorithm.max_grad_norm,
-                        micro_batch_tokens=config.algorithm.micro_batch_tokens,
+                        micro_batch_tokens=config.algorithm.micro_batch_tokens_on(
+                            next(model.parameters()).device
+                        ),
                         kl_coef=config.algorithm.kl_coef,
                         reference=policy.reference,
                         bf16=config.update.bf16,

@@ -226,7 +226,7 @@ class TorchLearner:
             clip_eps=algorithm.clip_eps,
             pad_id=self.pad_id,
             max_grad_norm=algorithm.max_grad_norm,
-            micro_batch_tokens=algorithm.micro_batch_tokens,
+            micro_batch_tokens=algorithm.micro_batch_tokens_on(next(self.model.parameters()).device),
             kl_coef=algorithm.kl_coef,
             reference=self.reference,
             bf16=self.config.update.bf16,

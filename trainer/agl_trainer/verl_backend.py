@@ -261,7 +261,7 @@ def verl_overrides(config: TrainerConfig) -> dict[str, Any]:
                 "clip_ratio_high": algo.clip_eps,
                 "use_kl_loss": algo.kl_coef > 0,
                 "kl_loss_coef": algo.kl_coef,
-                "ppo_max_token_len_per_gpu": algo.micro_batch_tokens,
+                "ppo_max_token_len_per_gpu": algo.micro_batch_tokens_on("cuda"),
             },
         }
     }
