@@ -191,3 +191,50 @@ def test_kl_penalty_uses_the_adapter_free_model_as_reference():
     assert info["kl_to_reference"] > 1e-6
     with pytest.raises(ValueError, match="needs a reference"):
         batch_loss(model, samples, clip_eps=0.2, pad_id=0, kl_coef=0.1)
+
+
+def test_a_prompt_shared_by_a_group_runs_once_with_the_same_loss_and_gradients(monkeypatch):
+    """A task group's rollouts share their prompt: the update runs it once and the responses on its keys
+    and values. Loss and gradients must equal running every sequence whole."""
+    from peft import LoraConfig, get_peft_model
+
+    from agl_trainer import update
+    from agl_trainer.model import tiny_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        tiny_model(256, seed=2),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    for name, p in model.named_parameters():  # LoRA B starts at zero: give the adapter a gradient path
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    for g in range(2):  # two groups, each one prompt and responses of different lengths
+        prompt = torch.randint(1, 256, (9 + g,), generator=gen).tolist()
+        for k in range(3):
+            response = torch.randint(1, 256, (2 + k,), generator=gen).tolist()
+            logprobs = tuple(-1.0 - 0.1 * j for j in range(len(response)))
+            samples.append(Advantaged(_t(f"r{g}{k}", 0, 0.0, prompt, response, logprobs), 1.0 - k))
+    samples.append(Advantaged(_t("alone", 0, 0.0, (7, 8, 9), (10, 11), (-2.0, -2.0)), 0.5))
+
+    def loss_and_grads() -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss, _ = batch_loss(model, samples, clip_eps=0.2, pad_id=0, backward=True)
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    runs = []
+    real = update._shared_prompt_logprobs
+    monkeypatch.setattr(
+        update, "_shared_prompt_logprobs", lambda *a, **k: runs.append(len(a[1])) or real(*a, **k)
+    )
+    shared_loss, shared_grads = loss_and_grads()
+    assert sorted(runs) == [3, 3]  # each group's prompt ran once, for its three responses
+    monkeypatch.setattr(update, "_shared_prompt_logprobs", lambda *a, **k: None)  # every sequence whole
+    whole_loss, whole_grads = loss_and_grads()
+
+    assert shared_loss == pytest.approx(whole_loss, abs=1e-5)
+    assert shared_grads.keys() == whole_grads.keys() and shared_grads
+    for name, grad in whole_grads.items():
+        assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-4), name

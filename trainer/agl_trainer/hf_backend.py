@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -47,19 +46,11 @@ from agl_core.gateway.tools import ToolFormat, forced_prefix
 from agl_core.plugins import ServedBackend
 from agl_core.policies import BASE
 
+from .model import cache_key
+
 __all__ = ["HFBackend", "LogitsProcessor", "serve_with_transformers"]
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _cache_key() -> str:
-    """The name transformers gives the KV cache, as a ``forward()`` argument and an output field:
-    ``cache`` from transformers 5.24 on (where ``past_key_values`` warns that it is deprecated),
-    ``past_key_values`` before."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 #: ``processor(prompt_ids, response_ids_so_far, logits) -> logits`` reshapes the distribution a token is
@@ -487,7 +478,7 @@ class HFBackend:
                 use_cache=True,
                 **self._adapters(jobs),
             )
-            past = out[_cache_key()]
+            past = out[cache_key()]
             logits = out.logits[:, -1].float()
             rows = [_Row(self, job, c) for job in jobs for c in range(job.request.n)]
             owner = [i for i, job in enumerate(jobs) for _ in range(job.request.n)]
@@ -517,10 +508,10 @@ class HFBackend:
                     attention_mask=mask,
                     position_ids=positions[:, None],
                     use_cache=True,
-                    **{_cache_key(): past},
+                    **{cache_key(): past},
                     **self._adapters([row.job for row in rows]),
                 )
-                past = out[_cache_key()]
+                past = out[cache_key()]
                 logits = out.logits[:, -1].float()
                 positions = positions + 1
         finally:

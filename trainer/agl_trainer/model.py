@@ -3,6 +3,7 @@ directory, or a tiny random model of the same architecture for tests. Nothing is
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -35,6 +36,16 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelNotFoundError(RuntimeError):
     pass
+
+
+@functools.cache
+def cache_key() -> str:
+    """The name transformers gives the KV cache, as a ``forward()`` argument and an output field:
+    ``cache`` from transformers 5.24 on (where ``past_key_values`` warns that it is deprecated),
+    ``past_key_values`` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def smollm2_gguf_path() -> Path:

@@ -165,6 +165,90 @@ def response_logprobs(
     return list(torch.split(logprobs, [len(s.transition.response_ids) for s in samples]))
 
 
+def _shared_prompt_logprobs(
+    model: torch.nn.Module, samples: Sequence[Advantaged], pad_id: int, *, bf16: bool = False
+) -> list[torch.Tensor] | None:
+    """:func:`response_logprobs` for samples that share one prompt (a task group's rollouts), with the
+    prompt run through the model once: its keys and values, computed with gradients, are repeated for each
+    response, and the responses run as one batch on top of them. The same numbers as running each sequence
+    whole (attention over the prompt is the same), the prompt's gradients summed over the responses, for
+    a fraction of the work when the prompt is long and the responses short. None when the model does not
+    take a cache this way (the caller then runs the sequences whole)."""
+    from transformers import DynamicCache
+
+    from .model import cache_key
+
+    device = _device(model)
+    prompt = list(samples[0].transition.prompt_ids)
+    responses = [list(s.transition.response_ids) for s in samples]
+    width = max(len(r) for r in responses)
+    k, start = len(samples), len(prompt)
+    with _autocast(device, bf16):
+        key = cache_key()
+        try:
+            head = model(
+                input_ids=torch.tensor([prompt], device=device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{key: DynamicCache()},
+            )
+        except TypeError:
+            return None
+        cache = getattr(head, key, None)
+        if not isinstance(cache, DynamicCache) or cache.get_seq_length() != start:
+            return None
+        cache.batch_repeat_interleave(k)
+        ids = torch.full((k, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((k, start + width), dtype=torch.long)
+        mask[:, :start] = 1
+        for i, r in enumerate(responses):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, start : start + len(r)] = 1
+        positions = torch.arange(start, start + width)[None, :].expand(k, width)
+        tail = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+            **{key: cache},
+        ).logits
+    first = head.logits[:, -1].float()  # predicts every response's first token
+    out = []
+    for i, r in enumerate(responses):
+        # response token j > 0 is predicted by the logits at response position j - 1
+        logits = torch.cat([first, tail[i, : len(r) - 1].float()])
+        targets = torch.tensor(r, dtype=torch.long, device=device)
+        out.append(logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1))
+    return out
+
+
+def _prompt_groups(
+    samples: Sequence[Advantaged], max_tokens: int
+) -> tuple[list[list[Advantaged]], list[Advantaged]]:
+    """The samples that share their prompt with others, in micro-batches of one prompt each, and the
+    samples whose prompt is their own. The prompt runs once, like one whole sequence of the other
+    micro-batches; its padded responses together stay within ``max_tokens`` (a prompt with more is split)."""
+    by_prompt: dict[tuple[int, ...], list[Advantaged]] = {}
+    for s in samples:
+        by_prompt.setdefault(tuple(s.transition.prompt_ids), []).append(s)
+    shared: list[list[Advantaged]] = []
+    alone: list[Advantaged] = []
+    for prompt, group in by_prompt.items():
+        if len(group) < 2 or not prompt:
+            alone.extend(group)
+            continue
+        group = sorted(group, key=lambda s: -len(s.transition.response_ids))
+        current: list[Advantaged] = []
+        for s in group:
+            width = len(current[0].transition.response_ids) if current else len(s.transition.response_ids)
+            if current and width * (len(current) + 1) > max_tokens:
+                shared.append(current)
+                current = []
+            current.append(s)
+        shared.append(current)
+    return [m for m in shared if len(m) > 1], alone + [m[0] for m in shared if len(m) == 1]
+
+
 def reference_logprobs_fn(
     model: torch.nn.Module, pad_id: int, reference: torch.nn.Module | None = None, *, bf16: bool = False
 ) -> ReferenceFn:
@@ -226,9 +310,15 @@ def batch_loss(
     total = 0.0
     tokens = clipped = 0
     kl_sum = ref_kl_sum = 0.0
-    for micro in _micro_batches(samples, micro_batch_tokens):
+    shared, alone = _prompt_groups(samples, micro_batch_tokens)
+    micro_batches = [(m, True) for m in shared] + [
+        (m, False) for m in _micro_batches(alone, micro_batch_tokens)
+    ]
+    for micro, one_prompt in micro_batches:
         ref = reference(micro) if kl_coef > 0 and reference is not None else None
-        new = response_logprobs(model, micro, pad_id, bf16=bf16)
+        new = _shared_prompt_logprobs(model, micro, pad_id, bf16=bf16) if one_prompt else None
+        if new is None:
+            new = response_logprobs(model, micro, pad_id, bf16=bf16)
         losses = []
         for i, (s, lp) in enumerate(zip(micro, new, strict=True)):
             behaviour = s.transition.response_logprobs
