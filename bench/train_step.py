@@ -30,7 +30,12 @@ through forward and backward on both sides); the completion-token rate is shown 
 ``--repeats`` steps after ``--warmup`` steps, wall-clock and, as a check less sensitive to other load on a
 shared machine, the CPU time of the side's process. Both sides must change their LoRA weights (checked).
 
-Headline: agl's tokens/s over TRL's; target >= 1.0 (agl not slower). Exits non-zero when missed.
+agl runs the prompt a group's completions share once, its keys and values (with gradients) under every
+completion (the same loss and gradients; tests/test_update.py checks it), where TRL runs each sequence
+whole: part of the difference is that.
+
+Headline: agl's tokens/s over TRL's, wall-clock and per CPU second; target >= 1.5x on both. Exits non-zero
+when missed. Measured 2026-11-25 on 2 cores: 247 against 141 tokens/s, 1.74x (1.75x per CPU second).
 
     bash bench/setup_trl_env.sh [AGL_PYTHON]      # once: TRL in .venv-trl, beside agl's environment
     python bench/train_step.py [--sequences 8] [--group-size 4] [--prompt-tokens 64] [--completion-tokens 64]
@@ -52,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TARGET_RATIO = 1.0
+TARGET_RATIO = 1.5
 ROOT = Path(__file__).resolve().parent.parent
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 #: Lines of the TRL worker meant for this script (the libraries may print on stdout too).
@@ -558,10 +563,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}")
     agl_rate, trl_rate = step_tokens / wall["agl"], step_tokens / wall["trl"]
     ratio = agl_rate / trl_rate
-    ok = ratio >= TARGET_RATIO and not problems
+    worst = min(ratio, cpu["trl"] / cpu["agl"])
+    ok = worst >= TARGET_RATIO and not problems
+    verdict = "ok" if ok else f"missed by {TARGET_RATIO - worst:.2f}x" if not problems else "missed"
     print(
         f"train step: {agl_rate:.0f} tokens/s (agl) vs {trl_rate:.0f} (TRL GRPOTrainer), ratio {ratio:.2f}x, "
-        f"target >= {TARGET_RATIO}x: {'ok' if ok else 'missed'}"
+        f"target >= {TARGET_RATIO}x wall and per CPU second: {verdict}"
     )
     return 0 if ok else 1
 
