@@ -185,7 +185,7 @@ class TrainStep:
         self.learner = learner
         meter = getattr(learner, "meter", None)
         self.meter: Meter = meter if isinstance(meter, Meter) else Meter()
-        self._mark = self.meter.reading()
+        self.begin()
 
     def begin(self) -> None:
         """Start measuring a step: the publish and generation counters as they are now."""

@@ -155,11 +155,18 @@ def response_logprobs(
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
         keep[i, start - 1 : len(seq) - 1] = True
-    targets = torch.tensor(
-        [t for s in samples for t in s.transition.response_ids], dtype=torch.long, device=device
-    )
     with _autocast(device, bf16):
-        logits = _logits_at(model, ids.to(device), mask.to(device), keep.to(device)).float()
+        logits = _logits_at(model, ids.to(device), mask.to(device), keep.to(device))
+    return _response_token_logprobs(logits, samples)
+
+
+def _response_token_logprobs(logits: torch.Tensor, samples: Sequence[Advantaged]) -> list[torch.Tensor]:
+    """Each sample's response-token logprobs from ``logits``: one row per response token, the samples'
+    responses one after another (the row predicting each token)."""
+    targets = torch.tensor(
+        [t for s in samples for t in s.transition.response_ids], dtype=torch.long, device=logits.device
+    )
+    logits = logits.float()
     # log_softmax(logits)[target] without a second (positions, vocab) tensor kept for the backward pass
     logprobs = logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
     return list(torch.split(logprobs, [len(s.transition.response_ids) for s in samples]))
@@ -212,14 +219,10 @@ def _shared_prompt_logprobs(
             use_cache=True,
             **{key: cache},
         ).logits
-    first = head.logits[:, -1].float()  # predicts every response's first token
-    out = []
-    for i, r in enumerate(responses):
-        # response token j > 0 is predicted by the logits at response position j - 1
-        logits = torch.cat([first, tail[i, : len(r) - 1].float()])
-        targets = torch.tensor(r, dtype=torch.long, device=device)
-        out.append(logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1))
-    return out
+    first = head.logits[:, -1]  # predicts every response's first token
+    # response token j > 0 is predicted by the logits at response position j - 1
+    rows = [torch.cat([first, tail[i, : len(r) - 1]]) for i, r in enumerate(responses)]
+    return _response_token_logprobs(torch.cat(rows), samples)
 
 
 def _prompt_groups(

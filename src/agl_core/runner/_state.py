@@ -169,8 +169,7 @@ class RunState:
         # flushes, shared: one force_flush exports the spans of every worker that asked before it began
         self._flush_cond = threading.Condition()
         self._flushes_started = 0
-        self._flushes_done = 0
-        self._flushing = False
+        self._flushes_done = 0  # one flush at a time: a flush is running while started > done
         self._counts: dict[str, int] = {
             "succeeded": 0,
             "failed": 0,
@@ -270,10 +269,9 @@ class RunState:
         with self._flush_cond:
             needed = self._flushes_started + 1
             while self._flushes_done < needed:
-                if self._flushing:
+                if self._flushes_started > self._flushes_done:  # another worker's flush is running
                     self._flush_cond.wait()
                     continue
-                self._flushing = True
                 self._flushes_started += 1
                 number = self._flushes_started
                 self._flush_cond.release()
@@ -283,7 +281,6 @@ class RunState:
                     logger.warning("agl runner: flushing spans failed: %s", exc)
                 finally:
                     self._flush_cond.acquire()
-                    self._flushing = False
                     self._flushes_done = number
                     self._flush_cond.notify_all()
 
