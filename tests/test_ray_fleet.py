@@ -42,6 +42,12 @@ def test_workers_are_spread_evenly_over_the_actors():
         split_workers(2, 3)
 
 
+def _agl_run(store_url: str, path: Path, *flags: str) -> list[str]:
+    """``agl run`` of the test's agent (in ``path``) for the store at ``store_url``, then ``flags``."""
+    agent = ["run", "ray_agent:solve", "--store", store_url, "--path", str(path)]
+    return [sys.executable, "-m", "agl_core.cli", *agent, *flags]
+
+
 def test_ray_actors_serve_a_training_run_and_one_killed_is_replaced(tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -52,27 +58,7 @@ def test_ray_actors_serve_a_training_run_and_one_killed_is_replaced(tmp_path):
     service.start_maintenance()
     log = (tmp_path / "agl-run.log").open("w")
     fleet = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agl_core.cli",
-            "run",
-            "ray_agent:solve",
-            "--store",
-            url,
-            "--ray",
-            "local",
-            "--workers",
-            "4",
-            "--actors",
-            "2",
-            "--lease",
-            "3",
-            "--path",
-            str(tmp_path),
-            "--report-every",
-            "0",
-        ],  # fmt: skip
+        _agl_run(url, tmp_path, *"--ray local --workers 4 --actors 2 --lease 3 --report-every 0".split()),
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
@@ -154,23 +140,8 @@ def test_ray_flags_that_do_not_fit_are_refused_before_ray_starts(tmp_path):
     try:
         runs = {
             flags: subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "agl_core.cli",
-                    "run",
-                    "ray_agent:solve",
-                    "--store",
-                    url,
-                    "--path",
-                    str(tmp_path),
-                    *flags,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                env=cli_env(),
-            )  # fmt: skip
+                _agl_run(url, tmp_path, *flags), capture_output=True, text=True, timeout=120, env=cli_env()
+            )
             for flags in (
                 ("--workers", "2", "--actors", "3", "--ray", "local"),
                 ("--workers", "2", "--actors", "2"),
