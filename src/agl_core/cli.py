@@ -7,6 +7,7 @@
 ``agl inspect ID``    a rollout's span tree, its transitions, and why any LLM call made none
 ``agl import PATH``   import OTLP trace files (the Collector's file exporter) into a store, as rollouts
 ``agl reward ID V``   attach a reward to a rollout (or one of its traces or spans) after the fact
+``agl dashboard``     the web dashboard over a store and training runs
 
 Other packages add commands through the ``agl.commands`` entry-point group (:mod:`agl_core.plugins`);
 agl's trainer adds ``agl train CONFIG``, ``agl eval CONFIG`` and ``agl dev CONFIG`` that way (they need the
@@ -40,7 +41,7 @@ def _port(text: str) -> int:
     return value
 
 
-_BUILT_IN_COMMANDS = frozenset({"store", "gateway", "run", "inspect", "reward", "import"})
+_BUILT_IN_COMMANDS = frozenset({"store", "gateway", "run", "inspect", "reward", "import", "dashboard"})
 
 
 def _checked_arguments(command: plugins.CliCommand) -> plugins.CliCommand:
@@ -168,6 +169,16 @@ def _parser() -> argparse.ArgumentParser:
             description="Attach a reward to a finished rollout (or to one of its traces or spans) as an"
             " agl.reward span; credit reads it exactly as a reward emitted during the rollout.",
         )
+    )
+    from .dashboard._cli import add_dashboard_arguments
+
+    add_dashboard_arguments(
+        commands.add_parser(
+            "dashboard",
+            help="the web dashboard: runs, live curves, rollouts and what one rollout did",
+            description="Serve the dashboard over a store and training run directories until SIGINT/SIGTERM.",
+        ),
+        _port,
     )
 
     for command in plugins.command_plugins(reserved=_BUILT_IN_COMMANDS):
@@ -456,6 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_agents(args)
     if args.command == "reward":
         return _reward(args)
+    if args.command == "dashboard":
+        from .dashboard._cli import run_dashboard
+
+        return run_dashboard(args)
     if args.command == "import":
         from .importer._cli import run_import
 

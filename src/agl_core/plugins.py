@@ -1,12 +1,15 @@
 """Commands and gateway backends that other packages add to ``agl``, found through entry points.
 
-Two entry-point groups, read from the installed distributions' metadata at each ``agl`` start:
+Three entry-point groups, read from the installed distributions' metadata at each ``agl`` start:
 
 ``agl.commands``
     ``NAME = "module:OBJECT [extra]"``: an object satisfying :class:`CliCommand` becomes ``agl NAME``.
 ``agl.gateway_backends``
     ``NAME = "module:FACTORY [extra]"``: a :class:`GatewayBackendFactory` becomes
     ``agl gateway serve --backend NAME``.
+``agl.rollout_explainers``
+    ``NAME = "module:OBJECT [extra]"``: a :class:`RolloutExplainer` the dashboard uses to show a rollout's
+    calls as a trainer sees them (credit, advantages, decoded tokens); the first by name that loads wins.
 
 The ``[extra]`` of the entry point names the pip extra its module needs; ``agl`` puts it in the install
 hint (``pip install 'DIST[extra]'``) when the module cannot be imported. Built-in names win over
@@ -19,16 +22,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from importlib.metadata import EntryPoint, distributions
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from .gateway.backend import Backend
     from .gateway.render import TemplateRenderer
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "COMMANDS_GROUP",
     "GATEWAY_BACKENDS_GROUP",
+    "ROLLOUT_EXPLAINERS_GROUP",
+    "RolloutExplainer",
     "CliCommand",
     "GatewayBackendFactory",
     "PluginError",
@@ -38,11 +48,13 @@ __all__ = [
     "gateway_backend_names",
     "install_hint",
     "load_gateway_backend",
+    "load_rollout_explainer",
     "missing_requirement",
 ]
 
 COMMANDS_GROUP = "agl.commands"
 GATEWAY_BACKENDS_GROUP = "agl.gateway_backends"
+ROLLOUT_EXPLAINERS_GROUP = "agl.rollout_explainers"
 
 
 class CliCommand(Protocol):
@@ -226,6 +238,36 @@ class _ReportMissing:
             raise PluginError(
                 missing_requirement(f"--backend {self.name}", exc, self.extra, self.dist)
             ) from None
+
+
+class RolloutExplainer(Protocol):
+    """How a trainer would train on a group of rollouts (group ``agl.rollout_explainers``)."""
+
+    def explain(
+        self, rollouts: Sequence[Any], spans: Sequence[Any], config: Mapping[str, Any] | None
+    ) -> tuple[Sequence[Any], dict[tuple[str, int], float], dict[str, str]]:
+        """``(rollouts of a group, their spans, the run's config as JSON)`` -> the credited transitions,
+        the advantage of each trained call by ``(rollout id, call index)``, and why each rollout with no
+        trained call did not train."""
+        ...
+
+    def tokenizer(self, config: Mapping[str, Any] | None) -> Any:
+        """The run's tokenizer when it is on this machine (never downloaded), else ``None``."""
+        ...
+
+
+def load_rollout_explainer() -> RolloutExplainer | None:
+    """The first explainer of group ``agl.rollout_explainers`` that loads, or ``None``."""
+    for ep in _entry_points(ROLLOUT_EXPLAINERS_GROUP):
+        try:
+            found = ep.load()
+        except Exception as exc:  # the trainer extra missing: the dashboard explains less
+            logger.info("%s", _load_failure(f"rollout explainer {ep.name}", ep, exc))
+            continue
+        if callable(getattr(found, "explain", None)) and callable(getattr(found, "tokenizer", None)):
+            return found  # type: ignore[no-any-return]
+        logger.warning("rollout explainer %s (%s) lacks explain() or tokenizer()", ep.name, _target(ep))
+    return None
 
 
 def missing_requirement(what: str, exc: ImportError, extra: str, dist: str = "agl") -> str:

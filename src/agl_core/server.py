@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -93,7 +94,9 @@ class BackgroundServer:
         self.stop()
 
 
-def serve_forever(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
+def serve_forever(
+    app: Any, host: str, port: int, *, log_level: str = "info", on_bound: Callable[[int], None] | None = None
+) -> None:
     """Serve ``app`` on ``host:port`` in the foreground; returns once SIGINT / SIGTERM stopped uvicorn.
 
     Raises :class:`OSError` naming the address when it cannot be bound. uvicorn installs its own
@@ -101,4 +104,6 @@ def serve_forever(app: Any, host: str, port: int, *, log_level: str = "info") ->
     afterwards, so install a handler that returns first if the caller must clean up after it.
     """
     sock = _bind(host, port)
+    if on_bound is not None:  # the port chosen, when 0 asked for any
+        on_bound(sock.getsockname()[1])
     uvicorn.Server(_config(app, log_level)).run(sockets=[sock])

@@ -6,6 +6,7 @@ Precedence everywhere: an explicit argument, then the environment, then the defa
 ``AGL_STORE_URL``           Base URL of the collector-store (default ``http://127.0.0.1:4318``).
 ``AGL_STORE_TOKEN``         Bearer token sent to the store, when it requires one; ``agl store serve``
                             requires it when it is not set by ``--token``.
+``AGL_DASHBOARD_TOKEN``     The token the dashboard asks of visitors (else the store's token).
 ``AGL_GATEWAY_ADMIN_TOKEN`` The gateway's admin token (``agl gateway serve --admin-token``).
 ``AGL_GATEWAY_TOKEN``       The token the trainer's gateway asks of every model request (``gateway.token``);
                             required when ``gateway.host`` is not a loopback address.

@@ -28,11 +28,21 @@ from .config import TrainerConfig
 from .data import TaskSampler, load_splits
 from .pipeline import AsyncTrainStep
 from .policy import TrainablePolicy, load_trainable_policy, make_learner
-from .reporting import Display, Scalars, held_out_line, plot_reward_curve, step_lines
+from .reporting import Display, held_out_line, plot_reward_curve, step_lines
 from .results import UNNAMED_AGENT, EvalResult, StepMetrics
 from .rollouts import PatientClient, RolloutQueue, score_tasks
-from .services import AgentFn, Services, remote_agent, start_runners, start_services, start_store
+from .runfile import RUN_FILE, RunFile
+from .services import (
+    AgentFn,
+    Services,
+    remote_agent,
+    start_run_dashboard,
+    start_runners,
+    start_services,
+    start_store,
+)
 from .step import TIED_GROUPS, TrainStep
+from .trackers import Trackers, masked_config, open_trackers
 
 __all__ = [
     "UNNAMED_AGENT",
@@ -80,8 +90,10 @@ class RunResult:
 
 
 class _RunLog:
-    """What a run leaves in ``output_dir`` as it goes: ``metrics.jsonl``, the reward curve, TensorBoard
-    scalars, and the lines on the display."""
+    """What a run leaves in ``output_dir`` as it goes: ``metrics.jsonl``, the reward curve, the scalars
+    in the experiment trackers (``logging.tensorboard``, ``logging.trackers``), and the lines on the
+    display. The trackers start here, before any rollout, and end when ``stack`` closes, after getting
+    the last reward curve."""
 
     def __init__(self, config: TrainerConfig, display: Display, stack: ExitStack, *, title: str) -> None:
         self.config = config
@@ -95,15 +107,28 @@ class _RunLog:
         self.policy_curves: dict[str, list[tuple[int, float]]] = {}
         self.history: list[StepMetrics] = []
         self.plot: Path | None = None
-        self.scalars = Scalars(config.output_dir / "tensorboard", config.logging.tensorboard)
-        stack.callback(self.scalars.close)
+        self.trackers: Trackers = open_trackers(config, warn=lambda text: display.line(f"warning: {text}"))
+        stack.push(self._exit)
+        for tracker in self.trackers:
+            if tracker.name != "tensorboard":  # train() prints the TensorBoard command at the end
+                display.line(tracker.hint)
+
+    def _exit(self, exc_type: type[BaseException] | None, *_: object) -> bool:
+        self.close(failed=exc_type is not None)
+        return False
+
+    def close(self, *, failed: bool = False) -> None:
+        """Give the trackers the last reward curve and end their runs (failed when ``failed``)."""
+        if self.plot is not None and self.plot.is_file():
+            self.trackers.log_artifact(self.plot)
+        self.trackers.close(failed=failed)
 
     def record_step(self, metrics: StepMetrics) -> None:
         self.history.append(metrics)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps({"kind": "train", "time": time.time(), **dataclasses.asdict(metrics)}) + "\n")
         self._add_point(metrics.step, metrics.mean_reward, metrics.policies)
-        self.scalars.add(
+        self.trackers.add(
             metrics.step,
             {
                 "train/mean_reward": metrics.mean_reward,
@@ -116,7 +141,7 @@ class _RunLog:
         )
         if metrics.pipeline is not None:
             p = metrics.pipeline
-            self.scalars.add(
+            self.trackers.add(
                 metrics.step,
                 {
                     "async/dropped_groups": float(p["dropped_groups"]),
@@ -126,7 +151,7 @@ class _RunLog:
                 },
             )
         for name, row in (metrics.policies or {}).items():
-            self.scalars.add(
+            self.trackers.add(
                 metrics.step,
                 {
                     f"policy/{name}/reward": row.get("reward"),
@@ -150,7 +175,7 @@ class _RunLog:
         self.val_curve.append((result.step, result.mean, result.se))
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps({"kind": "val", "time": time.time(), **dataclasses.asdict(result)}) + "\n")
-        self.scalars.add(result.step, {"val/mean_reward": result.mean, "val/se": result.se})
+        self.trackers.add(result.step, {"val/mean_reward": result.mean, "val/se": result.se})
         self.display.line(f"validation ({label}, step {result.step}): {result.describe()}")
 
     def redraw(self) -> None:
@@ -284,7 +309,7 @@ def _prepare_output(out: Path, *, resume: bool, overwrite: bool, store_file: str
             " (--set output_dir=...)"
         )
     if overwrite:
-        for name in (METRICS_FILE, PLOT_FILE, INFLIGHT_FILE):
+        for name in (METRICS_FILE, PLOT_FILE, INFLIGHT_FILE, RUN_FILE):
             (out / name).unlink(missing_ok=True)
         for name in (CHECKPOINTS_DIR, "tensorboard"):
             shutil.rmtree(out / name, ignore_errors=True)
@@ -383,8 +408,18 @@ def train(
         config.validation.before or config.validation.after or config.validation.every_steps
     )
 
+    title = config.agent or agent_name(agent_fn)
     with ExitStack() as stack, Display(config.logging.progress, steps, echo=echo) as display:
-        log = _RunLog(config, display, stack, title=config.agent or agent_name(agent_fn))
+        stack.push(
+            RunFile(
+                out,
+                title=title,
+                config=masked_config(config.model_dump(mode="json")),
+                steps=steps,
+                resumed=checkpoint is not None,
+            )
+        )
+        log = _RunLog(config, display, stack, title=title)
         display.line(
             f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
             + (
@@ -394,6 +429,8 @@ def train(
             )
         )
         store = start_store(config, stack, file=out / config.store.path, echo=display.line)
+        if config.logging.dashboard:
+            display.line(f"dashboard: {start_run_dashboard(config, stack, store)}")
         policy = load_trainable_policy(config, stack, echo=display.line)
         services = start_services(
             config, stack, store, model=policy.model, tokenizer=policy.tokenizer, echo=display.line
@@ -471,7 +508,7 @@ def train(
             display.line(f"checkpoint: {last_saved}")
         if log.plot is not None:
             display.line(f"reward curve: {log.plot}")
-        if log.scalars.enabled:
+        if "tensorboard" in log.trackers:
             display.line(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
         display.line(
             f"done: metrics in {log.metrics_path}"

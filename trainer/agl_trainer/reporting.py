@@ -4,7 +4,6 @@ before/after summary, the reward curve, TensorBoard scalars; and the report of a
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ from agl_core.policies import BASE
 
 from .results import DevResult, EvalResult, StepMetrics, mean_se
 from .step import StepOutcome
+from .trackers import Trackers, tensorboard_tracker
 
 __all__ = [
     "Display",
@@ -111,38 +111,22 @@ class Display:
 
 class Scalars:
     """TensorBoard scalars under ``log_dir`` when tensorboard is installed (``mode`` ``auto``), or
-    required (``True``); nothing when ``False``."""
+    required (``True``); nothing when ``False``. The trainer now uses :mod:`agl_trainer.trackers`, of which
+    this is the TensorBoard part with the old interface."""
 
     def __init__(self, log_dir: Path, mode: Any) -> None:
-        self._writer: Any = None
-        if mode is False:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            if mode is True:
-                raise RuntimeError(
-                    "logging.tensorboard is true but tensorboard is not installed:"
-                    " pip install 'tensorboard<2.20' (or set logging.tensorboard: auto)"
-                ) from None
-            return
-        self._writer = SummaryWriter(str(log_dir))
+        tracker = tensorboard_tracker(log_dir, mode)
+        self._trackers = Trackers([tracker] if tracker is not None else [])
 
     @property
     def enabled(self) -> bool:
-        return self._writer is not None
+        return "tensorboard" in self._trackers
 
     def add(self, step: int, values: dict[str, float | None]) -> None:
-        if self._writer is None:
-            return
-        for name, value in values.items():
-            if value is not None and math.isfinite(value):
-                self._writer.add_scalar(name, value, step)
-        self._writer.flush()
+        self._trackers.add(step, values)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        self._trackers.close()
 
 
 def plot_reward_curve(

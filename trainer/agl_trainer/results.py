@@ -85,6 +85,12 @@ class StepMetrics:
     generation_tokens_per_s: float | None = None
     #: The trainer process's peak resident memory so far, in MB (the kernel's high-water mark).
     peak_rss_mb: float | None = None
+    #: The update's KL to the reference model (``algorithm.kl_coef`` > 0; k3 estimator), its approximate
+    #: KL to the behaviour policy, and the fraction of tokens whose ratio was clipped (``None`` without an
+    #: update).
+    kl: float | None = None
+    approx_kl: float | None = None
+    clip_fraction: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,23 @@ def start_store(
     return StoreConnection(url, file, client)
 
 
+def start_run_dashboard(config: TrainerConfig, stack: ExitStack, store: StoreConnection) -> str:
+    """Serve the dashboard over this run and its store until ``stack`` closes; returns the URL to open.
+    The token is ``logging.dashboard_token``, else ``AGL_DASHBOARD_TOKEN``, else the store's."""
+    import os
+
+    from agl_core.dashboard import start_dashboard
+    from agl_core.settings import store_token
+
+    log = config.logging
+    token = log.dashboard_token or os.environ.get("AGL_DASHBOARD_TOKEN") or store_token()
+    client = StoreClient(store.url, token=store_token())
+    stack.callback(client.close)
+    return start_dashboard(
+        stack, client, [config.output_dir], host=log.dashboard_host, port=log.dashboard_port, token=token
+    )
+
+
 def start_services(
     config: TrainerConfig,
     stack: ExitStack,

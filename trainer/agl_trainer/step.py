@@ -321,8 +321,17 @@ class TrainStep:
             phases=timing,
             generation_tokens_per_s=generation_tps,
             peak_rss_mb=peak_rss_mb(),
+            kl=_stat(stats, "kl_to_reference"),
+            approx_kl=_stat(stats, "approx_kl"),
+            clip_fraction=_stat(stats, "clip_fraction"),
         )
         return StepOutcome(metrics, batch, extra_rounds)
+
+
+def _stat(stats: UpdateStats | None, name: str) -> float | None:
+    """An optional figure of an update (``None`` without an update, or when its backend has none)."""
+    value = getattr(stats, name, None) if stats is not None else None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def policy_metrics(

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from .base import NotFoundError, RolloutRequest, Store, StoreError, StoreUnavailableError
+from .base import (
+    NotFoundError,
+    RolloutFilter,
+    RolloutPage,
+    RolloutRequest,
+    Store,
+    StoreError,
+    StoreUnavailableError,
+)
 from .client import AsyncStoreClient, StoreClient
 from .sqlite import SqliteStore
 
 __all__ = [
     "AsyncStoreClient",
     "NotFoundError",
+    "RolloutFilter",
+    "RolloutPage",
     "RolloutRequest",
     "SqliteStore",
     "Store",

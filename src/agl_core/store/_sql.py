@@ -15,17 +15,38 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
 from .. import semconv
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ..rewards import EPISODE, Reward, StoredReward
 from ..transitions import episode_rewards
 from ._otlp import SpanRow, extract_rows, records_to_request, resource_attributes, row_to_span
 from ._rewards import LEDGER_COLUMNS, RewardPlacer, ledger_row
-from .base import NotFoundError, RolloutRequest, StoreError, StoreUnavailableError
+from .base import (
+    AGENT_COUNT_CAP,
+    COUNT_CAP,
+    MAX_PAGE,
+    NotFoundError,
+    RolloutFilter,
+    RolloutPage,
+    RolloutRequest,
+    StoreError,
+    StoreUnavailableError,
+)
 
 __all__ = ["SqlStore"]
 
 _Q, _R = RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value
+#: Attributes that name the agent a span belongs to, as :meth:`SqlStore.list_rollouts` looks for them.
+AGENT_NAME_KEYS = (semconv.GEN_AI_AGENT_NAME, semconv.OI_AGENT_NAME)
+
+
+def agent_attribute_bytes(key: str, name: str) -> bytes:
+    """The bytes of attribute ``key = name`` (a string) inside an encoded span."""
+    return KeyValue(key=key, value=AnyValue(string_value=name)).SerializeToString()
+
+
 _SPAN_COLUMNS = (
     "trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id,"
     " scope_key, body"
@@ -198,6 +219,14 @@ class SqlStore(Generic[_C]):
 
     def _in(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
         return f"{column} IN ({','.join('?' * len(values))})", list(values)
+
+    def _metadata_is(self, key: str, value: Any) -> tuple[str, list[Any]]:
+        """SQL true when the rollout's JSON ``metadata[key]`` equals ``value`` (``key`` is a constant)."""
+        return f"json_extract(metadata, '$.{key}') = ?", [value]
+
+    def _contains_bytes(self, column: str) -> str:
+        """SQL true when the blob ``column`` contains the bytes of one parameter."""
+        return f"instr({column}, ?) > 0"
 
     # --- plumbing ------------------------------------------------------------------------------------
     def _exec(self, conn: _C, sql: str, args: Sequence[Any] = ()) -> Cursor:
@@ -575,6 +604,89 @@ class SqlStore(Generic[_C]):
         if missing:
             raise NotFoundError(f"no rollout(s) {sorted(missing)[:5]!r}")
         return found
+
+    def list_rollouts(
+        self, where: RolloutFilter | None = None, *, before: int | None = None, limit: int = 50
+    ) -> RolloutPage:
+        where = where or RolloutFilter()
+        limit = max(1, min(int(limit), MAX_PAGE))
+        clauses: list[str] = []
+        args: list[Any] = []
+        if where.statuses:
+            clause, values = self._in("status", list(where.statuses))
+            clauses.append(clause)
+            args += values
+        for column, value in (("task_id", where.task_id), ("group_id", where.group_id)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                args.append(value)
+        metadata: list[tuple[str, Any]] = [("step", where.step), ("split", where.split)]
+        for key, value in metadata:
+            if value is not None:
+                clause, values = self._metadata_is(key, value)
+                clauses.append(clause)
+                args += values
+        if where.reward_min is not None:
+            clauses.append("reward >= ?")
+            args.append(float(where.reward_min))
+        if where.reward_max is not None:
+            clauses.append("reward <= ?")
+            args.append(float(where.reward_max))
+        if where.agent is not None:
+            # the span's own encoding holds each attribute as its encoded KeyValue; look for those bytes
+            contains = self._contains_bytes("s.body")
+            clauses.append(
+                "EXISTS (SELECT 1 FROM spans s WHERE s.rollout_id = rollouts.rollout_id"
+                f" AND ({contains} OR {contains}))"
+            )
+            args += [agent_attribute_bytes(key, where.agent) for key in AGENT_NAME_KEYS]
+        matched = " AND ".join(clauses) or "1 = 1"
+        try:
+            conn = self._reader()
+            page_where, page_args = matched, list(args)
+            if before is not None:
+                page_where += " AND seq < ?"
+                page_args.append(int(before))
+            rows = self._exec(
+                conn,
+                f"SELECT seq, rollout_id FROM rollouts WHERE {page_where} ORDER BY seq DESC LIMIT ?",
+                [*page_args, limit + 1],
+            ).fetchall()
+            more = len(rows) > limit
+            rows = rows[:limit]
+            ids = [r[1] for r in rows]
+            cap = COUNT_CAP if where.agent is None else AGENT_COUNT_CAP
+            total = self._exec(
+                conn,
+                f"SELECT COUNT(*) FROM (SELECT 1 FROM rollouts WHERE {matched} LIMIT ?) AS m",
+                [*args, cap + 1],
+            ).fetchone()[0]
+            counts: dict[str, int] = {}
+            if ids:
+                clause, values = self._in("rollout_id", ids)
+                counts = {
+                    r[0]: int(r[1])
+                    for r in self._exec(
+                        conn,
+                        f"SELECT rollout_id, COUNT(*) FROM spans WHERE {clause} GROUP BY rollout_id",
+                        values,
+                    ).fetchall()
+                }
+            rollouts = self._load_rollouts(conn, ids)
+        except StoreError:
+            raise
+        except Exception as exc:
+            if self._unavailable(exc):
+                raise self._retryable(exc, "read") from exc
+            raise
+        return RolloutPage(
+            rollouts=rollouts,
+            seqs=[int(r[0]) for r in rows],
+            span_counts=counts,
+            before=int(rows[-1][0]) if more else None,
+            total=min(int(total), cap),
+            total_capped=int(total) > cap,
+        )
 
     def _load_attempt(self, conn: _C, attempt_id: str) -> Attempt:
         a = self._exec(

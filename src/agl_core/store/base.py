@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ..rewards import Reward, StoredReward
 
-__all__ = ["NotFoundError", "RolloutRequest", "Store", "StoreError", "StoreUnavailableError"]
+__all__ = [
+    "NotFoundError",
+    "RolloutFilter",
+    "RolloutPage",
+    "RolloutRequest",
+    "Store",
+    "StoreError",
+    "StoreUnavailableError",
+]
 
 
 class StoreError(Exception):
@@ -26,6 +35,48 @@ class StoreUnavailableError(StoreError):
 RolloutRequest = dict[str, Any]
 """``{"task_id": str, "input": Any, "group_id"?: str, "rollout_id"?: str, "metadata"?: dict,
 "max_attempts"?: int}``"""
+
+
+#: Most rollouts one page of :meth:`Store.list_rollouts` holds.
+MAX_PAGE = 500
+#: Matching rollouts are counted up to this many; beyond it the total reads "at least". With an agent
+#: filter, which reads span bodies, up to ``AGENT_COUNT_CAP``.
+COUNT_CAP = 100_000
+AGENT_COUNT_CAP = 1_000
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutFilter:
+    """Which rollouts :meth:`Store.list_rollouts` lists; every given field must match.
+
+    ``step`` and ``split`` are the trainer's ``metadata["step"]`` / ``metadata["split"]``; ``agent``
+    matches rollouts with a span naming that agent (``gen_ai.agent.name`` or OpenInference's
+    ``agent.name``); the reward bounds are inclusive and leave out rollouts without a reward.
+    """
+
+    statuses: tuple[str, ...] = ()
+    task_id: str | None = None
+    group_id: str | None = None
+    step: int | None = None
+    split: str | None = None
+    agent: str | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutPage:
+    """One page of rollouts, newest first. ``before`` continues the listing (``None`` at its end);
+    ``total`` counts every match up to :data:`COUNT_CAP` (:data:`AGENT_COUNT_CAP` with an agent filter;
+    ``total_capped`` when there are more)."""
+
+    rollouts: list[Rollout]
+    #: store order of each listed rollout, and its stored span count
+    seqs: list[int]
+    span_counts: dict[str, int]
+    before: int | None
+    total: int
+    total_capped: bool
 
 
 class Store(Protocol):
@@ -89,6 +140,12 @@ class Store(Protocol):
     def reclaim_expired(self, now: float | None = None) -> int: ...
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]: ...
+
+    def list_rollouts(
+        self, where: RolloutFilter | None = None, *, before: int | None = None, limit: int = 50
+    ) -> RolloutPage:
+        """A page of the rollouts matching ``where``, newest first, starting below store order
+        ``before`` (keyset paging: a page costs the same on a store of any size)."""
 
     def put_resource(self, name: str, value: Any) -> Resource:
         """Publish a new version of a named resource (versions count up from 1)."""

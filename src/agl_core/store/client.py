@@ -17,7 +17,7 @@ from .. import settings
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ..rewards import EPISODE, Reward, StoredReward, make_reward
 from . import _wire
-from .base import NotFoundError, RolloutRequest, StoreError, StoreUnavailableError
+from .base import NotFoundError, RolloutFilter, RolloutPage, RolloutRequest, StoreError, StoreUnavailableError
 
 __all__ = ["AsyncStoreClient", "StoreClient"]
 
@@ -235,6 +235,14 @@ class StoreClient:
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
         return [r for ids in _chunks(rollout_ids) for r in self._run(_ids_call(_QUERY, ids, _rollouts))]
+
+    def list_rollouts(
+        self, where: RolloutFilter | None = None, *, before: int | None = None, limit: int = 50
+    ) -> RolloutPage:
+        body: dict[str, Any] = {**_wire.filter_to_json(where or RolloutFilter()), "limit": limit}
+        if before is not None:
+            body["before"] = before
+        return self._run(_Call("POST", "/api/rollouts/list", body, _wire.page_from_json))
 
     def wait_for_rollouts(
         self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2

@@ -7,6 +7,7 @@ database (``seq`` then orders spans per server commit, not globally).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,12 @@ class PostgresStore(SqlStore[_Conn]):
 
     def _in(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
         return f"{column} = ANY(?)", [list(values)]
+
+    def _metadata_is(self, key: str, value: Any) -> tuple[str, list[Any]]:
+        return f"(metadata::jsonb -> '{key}') = ?::jsonb", [json.dumps(value)]
+
+    def _contains_bytes(self, column: str) -> str:
+        return f"position(?::bytea in {column}) > 0"
 
     def _insert_spans(self, conn: _Conn, rows: Sequence[SpanRow]) -> int:
         columns = list(zip(*rows, strict=True))  # every row has the same 11 columns

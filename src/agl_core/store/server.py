@@ -9,6 +9,11 @@ Endpoints (JSON unless noted):
 ``POST /api/rollouts/dequeue``                 ``{"worker_id", "lease_s"?}`` -> ``{"rollout", "attempt"}``
                                                or 204
 ``POST /api/rollouts/query``                   ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
+``POST /api/rollouts/list``                    ``{"statuses"?, "task_id"?, "group_id"?, "step"?, "split"?,
+                                               "agent"?, "reward_min"?, "reward_max"?, "before"?, "limit"?}``
+                                               -> a
+                                               page, newest first (``{"rollouts", "seqs", "span_counts",
+                                               "before", "total", "total_capped"}``)
 ``POST /api/rollouts/cancel``                  ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/consumed``                ``{"rollout_ids": [...]}`` -> ``{"marked": n}``
 ``POST /api/rollouts/observed``                record finished rollouts that ran outside the queue
@@ -61,7 +66,7 @@ from ..rewards import EPISODE, MAX_REWARD_ID, MAX_ROLLOUT_ID, MAX_SOURCE, Reward
 from . import _wire
 from ._ingest import IngestPipeline, Overloaded
 from ._otlp import OtlpDecodeError, encode_export_response
-from .base import NotFoundError, Store, StoreError, StoreUnavailableError
+from .base import MAX_PAGE, NotFoundError, RolloutFilter, Store, StoreError, StoreUnavailableError
 from .redact import MASK, Redactor
 
 __all__ = ["create_store_app", "MAX_BODY_BYTES"]
@@ -116,6 +121,37 @@ class _HeartbeatIn(_Strict):
 
 class _RolloutQueryIn(_Strict):
     rollout_ids: list[_Id] = pydantic.Field(max_length=MAX_IDS_PER_CALL)
+
+
+class _ListIn(_Strict):
+    statuses: list[RolloutStatus] = pydantic.Field(default=[], max_length=8)
+    task_id: _Id | None = None
+    group_id: _Id | None = None
+    step: int | None = pydantic.Field(default=None, ge=0, le=_INT64)
+    split: Annotated[_Id, pydantic.Field(max_length=64)] | None = None
+    agent: Annotated[_Id, pydantic.Field(max_length=256)] | None = None
+    reward_min: float | None = pydantic.Field(default=None, allow_inf_nan=False)
+    reward_max: float | None = pydantic.Field(default=None, allow_inf_nan=False)
+    before: int | None = pydantic.Field(default=None, ge=0, le=_INT64)
+    limit: int = pydantic.Field(default=50, ge=1, le=MAX_PAGE)
+
+    @pydantic.model_validator(mode="after")
+    def _range(self) -> _ListIn:
+        if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
+            raise ValueError(f"reward_min ({self.reward_min}) is above reward_max ({self.reward_max})")
+        return self
+
+    def filter(self) -> RolloutFilter:
+        return RolloutFilter(
+            statuses=tuple(s.value for s in self.statuses),
+            task_id=self.task_id,
+            group_id=self.group_id,
+            step=self.step,
+            split=self.split,
+            agent=self.agent,
+            reward_min=self.reward_min,
+            reward_max=self.reward_max,
+        )
 
 
 class _CompleteIn(_Strict):
@@ -391,6 +427,13 @@ def create_store_app(
         rollouts = await run_in_threadpool(store.get_rollouts, body.rollout_ids)
         return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
 
+    async def list_rollouts(request: Request) -> Response:
+        body = await _json_body(request, _ListIn)
+        page = await run_in_threadpool(
+            lambda: store.list_rollouts(body.filter(), before=body.before, limit=body.limit)
+        )
+        return JSONResponse(_wire.page_to_json(page))
+
     async def cancel(request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
         rollouts = await run_in_threadpool(store.cancel_rollouts, body.rollout_ids)
@@ -490,6 +533,7 @@ def create_store_app(
             Route("/api/rollouts", api(enqueue), methods=["POST"]),
             Route("/api/rollouts/dequeue", api(dequeue), methods=["POST"]),
             Route("/api/rollouts/query", api(query_rollouts), methods=["POST"]),
+            Route("/api/rollouts/list", api(list_rollouts), methods=["POST"]),
             Route("/api/rollouts/cancel", api(cancel), methods=["POST"]),
             Route("/api/rollouts/consumed", api(consumed), methods=["POST"]),
             Route("/api/rollouts/observed", api(observed), methods=["POST"]),

@@ -1,0 +1,310 @@
+"""The dashboard's ASGI app and how it is started (foreground for ``agl dashboard``, background for the
+trainer)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from .. import settings
+from ..plugins import RolloutExplainer
+from ..records import RolloutStatus
+from ..store.base import MAX_PAGE, NotFoundError, RolloutFilter, StoreError, StoreUnavailableError
+from ._rollout import installed_explainer, rollout_detail, rollout_row
+from ._runs import find_runs, read_run, run_summary
+
+__all__ = ["DashboardError", "create_dashboard_app", "start_dashboard"]
+
+logger = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+COOKIE = "agl_dashboard_token"
+_ASSETS = {"app.js": "text/javascript", "app.css": "text/css"}
+_STATUSES = {s.value for s in RolloutStatus}
+_HEADERS = {
+    # the page runs only its own script and style; span content can never become markup or script
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self';"
+        " base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+_Handler = Callable[[Request], Awaitable[Response]]
+
+
+class DashboardError(ValueError):
+    """The dashboard cannot start as asked (the message says how to fix it)."""
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _json(data: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(data, status_code=status, headers=_HEADERS)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return _json({"error": {"message": message}}, status)
+
+
+def _int(params: Mapping[str, str], name: str, low: int, high: int) -> int | None:
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _BadRequest(f"{name} must be a whole number, not {raw[:40]!r}") from None
+    if not low <= value <= high:
+        raise _BadRequest(f"{name} must be between {low} and {high}, not {value}")
+    return value
+
+
+def _float(params: Mapping[str, str], name: str) -> float | None:
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _BadRequest(f"{name} must be a number, not {raw[:40]!r}") from None
+    if not math.isfinite(value):
+        raise _BadRequest(f"{name} must be a finite number")
+    return value
+
+
+def _text(params: Mapping[str, str], name: str, limit: int = 256) -> str | None:
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return None
+    if len(raw) > limit or "\x00" in raw:
+        raise _BadRequest(f"{name} must be at most {limit} characters, without NUL")
+    return raw
+
+
+def _rollout_filter(request: Request) -> tuple[RolloutFilter, int | None, int]:
+    params = request.query_params
+    statuses = tuple(s for s in params.getlist("status") if s)
+    unknown = [s for s in statuses if s not in _STATUSES]
+    if unknown:
+        raise _BadRequest(f"unknown status {unknown[0][:40]!r}; use one of {', '.join(sorted(_STATUSES))}")
+    where = RolloutFilter(
+        statuses=statuses,
+        task_id=_text(params, "task"),
+        step=_int(params, "step", 0, 2**62),
+        split=_text(params, "split", 64),
+        agent=_text(params, "agent"),
+        reward_min=_float(params, "reward_min"),
+        reward_max=_float(params, "reward_max"),
+    )
+    if where.reward_min is not None and where.reward_max is not None and where.reward_min > where.reward_max:
+        raise _BadRequest(f"reward_min ({where.reward_min}) is above reward_max ({where.reward_max})")
+    before = _int(params, "before", 0, 2**63 - 1)
+    limit = _int(params, "limit", 1, MAX_PAGE) or 50
+    return where, before, limit
+
+
+def create_dashboard_app(
+    store: Any,
+    runs: Sequence[Path] = (),
+    *,
+    token: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    tokenizer: Any = None,
+    explainer: RolloutExplainer | None = None,
+) -> Starlette:
+    """The dashboard over ``store`` (a :class:`~agl_core.store.base.Store` or a ``StoreClient``; ``None``
+    shows runs only) and the run directories ``runs`` (each a run, or a folder of runs).
+
+    ``config`` is the training config used to explain rollouts (credit, advantages); by default the first
+    run's. ``explainer`` builds the calls' transitions (default: the installed trainer's, see
+    :func:`agl_core.plugins.load_rollout_explainer`). ``tokenizer`` decodes token ids; by default the
+    explainer's for the config's model, when it is on this machine. With ``token``, every data request
+    needs it (``Authorization: Bearer``, or the cookie that opening ``/?token=...`` sets).
+    """
+    run_paths = list(runs)
+    lock = threading.Lock()
+    state: dict[str, Any] = {}
+
+    def runs_now() -> dict[str, Path]:
+        return find_runs(run_paths)
+
+    def default_config() -> Mapping[str, Any] | None:
+        if config is not None:
+            return config
+        for name, path in runs_now().items():
+            found = read_run(name, path).get("config")
+            if isinstance(found, dict):
+                return found
+        return None
+
+    def default_tokenizer() -> Any:
+        if tokenizer is not None:
+            return tokenizer
+        with lock:
+            if "tokenizer" not in state:
+                try:
+                    state["tokenizer"] = (explainer or installed_explainer()).tokenizer(default_config())
+                except Exception as exc:  # a damaged model directory: show ids instead
+                    logger.info("agl dashboard: no tokenizer (%s); showing token ids", exc)
+                    state["tokenizer"] = None
+            return state["tokenizer"]
+
+    def authorized(request: Request) -> bool:
+        if token is None:
+            return True
+        header = request.headers.get("authorization", "")
+        cookie = request.cookies.get(COOKIE, "")
+        return hmac.compare_digest(header.encode(), f"Bearer {token}".encode()) or hmac.compare_digest(
+            cookie.encode(), token.encode()
+        )
+
+    def api(handler: _Handler) -> _Handler:
+        async def endpoint(request: Request) -> Response:
+            if not authorized(request):
+                return _error(
+                    401, "this dashboard needs its token: open the URL printed at start (?token=...)"
+                )
+            try:
+                return await handler(request)
+            except _BadRequest as exc:
+                return _error(400, str(exc))
+            except NotFoundError as exc:
+                return _error(404, str(exc))
+            except StoreUnavailableError as exc:
+                return _error(503, f"the store is unavailable: {exc}")
+            except StoreError as exc:
+                return _error(502, f"the store refused: {exc}")
+
+        return endpoint
+
+    def need_store() -> Any:
+        if store is None:
+            raise _BadRequest("this dashboard has no store; start it with --store URL|FILE")
+        return store
+
+    async def page(request: Request) -> Response:
+        given = request.query_params.get("token")
+        if given is not None and token is not None:
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return Response("wrong token", status_code=401, headers=_HEADERS, media_type="text/plain")
+            response = RedirectResponse("/", status_code=303, headers=_HEADERS)
+            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+            return response
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=_HEADERS)
+
+    async def asset(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in _ASSETS:
+            return _error(404, f"no asset {name[:40]!r}")
+        return FileResponse(STATIC / name, media_type=_ASSETS[name], headers=_HEADERS)
+
+    async def list_runs(request: Request) -> Response:
+        found = await run_in_threadpool(lambda: [run_summary(n, p) for n, p in runs_now().items()])
+        return _json({"runs": found, "store": store is not None})
+
+    async def one_run(request: Request) -> Response:
+        name = request.path_params["name"]
+        found = runs_now()
+        if name not in found:
+            raise NotFoundError(f"no run named {name[:100]!r}")
+        return _json(await run_in_threadpool(read_run, name, found[name]))
+
+    async def rollouts(request: Request) -> Response:
+        where, before, limit = _rollout_filter(request)
+        target = need_store()
+        page = await run_in_threadpool(lambda: target.list_rollouts(where, before=before, limit=limit))
+        rows = [
+            rollout_row(r, seq, page.span_counts.get(r.rollout_id, 0))
+            for r, seq in zip(page.rollouts, page.seqs, strict=True)
+        ]
+        return _json(
+            {"rollouts": rows, "before": page.before, "total": page.total, "total_capped": page.total_capped}
+        )
+
+    async def one_rollout(request: Request) -> Response:
+        rollout_id = request.path_params["rollout_id"]
+        if len(rollout_id) > 512 or "\x00" in rollout_id:
+            raise _BadRequest("a rollout id is at most 512 characters, without NUL")
+        target = need_store()
+        detail = await run_in_threadpool(
+            lambda: rollout_detail(
+                target,
+                rollout_id,
+                config=default_config(),
+                tokenizer=default_tokenizer(),
+                explainer=explainer,
+            )
+        )
+        return _json(json.loads(json.dumps(detail, default=str)))
+
+    async def stats(request: Request) -> Response:
+        target = need_store()
+        return _json(await run_in_threadpool(target.stats))
+
+    return Starlette(
+        routes=[
+            Route("/", page, methods=["GET"]),
+            Route("/static/{name}", asset, methods=["GET"]),
+            Route("/api/runs", api(list_runs), methods=["GET"]),
+            Route("/api/runs/{name:path}", api(one_run), methods=["GET"]),
+            Route("/api/rollouts", api(rollouts), methods=["GET"]),
+            Route("/api/rollouts/{rollout_id:path}", api(one_rollout), methods=["GET"]),
+            Route("/api/stats", api(stats), methods=["GET"]),
+        ]
+    )
+
+
+def check_listen(host: str, token: str | None) -> None:
+    """Refuse to serve beyond this machine without a token (span content is what the dashboard shows)."""
+    if token is not None and not token.strip():
+        raise DashboardError(
+            'the dashboard token is empty; pass a secret, e.g. --token "$(openssl rand -hex 16)"'
+        )
+    if token is None and not settings.is_loopback(host):
+        raise DashboardError(
+            f"--host {host} is reachable from other machines, and the dashboard shows every span: pass"
+            " --token TOKEN (or set AGL_DASHBOARD_TOKEN)"
+        )
+
+
+def dashboard_url(base: str, token: str | None) -> str:
+    """The address to open: with the token, once, so the page can set its cookie."""
+    return base + "/" + (f"?token={quote(token)}" if token else "")
+
+
+def start_dashboard(
+    stack: ExitStack,
+    store: Any,
+    runs: Sequence[Path],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+) -> str:
+    """Serve the dashboard in the background until ``stack`` closes; returns the URL to open."""
+    from ..server import BackgroundServer
+
+    check_listen(host, token)
+    app = create_dashboard_app(store, runs, token=token)
+    server = BackgroundServer(app, host, port).start()
+    stack.callback(server.stop)
+    return dashboard_url(server.url, token)
