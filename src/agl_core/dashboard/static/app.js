@@ -175,6 +175,12 @@ function policySeries(train, key) {
   return names.map((name) => seriesOf(train, name, (r) => (r.policies && r.policies[name] ? r.policies[name][key] : null)));
 }
 
+function meanStaleness(histogram) {
+  let calls = 0, total = 0;
+  for (const [versions, count] of Object.entries(histogram || {})) { calls += count; total += Number(versions) * count; }
+  return calls ? total / calls : null;
+}
+
 function heldOutTable(held) {
   if (!held) return el("p", { class: "muted" }, "No held-out evaluation yet.");
   const rows = held.tasks.filter((t) => t.change);
@@ -211,7 +217,8 @@ async function viewRun(name) {
   if (staleness.length) {
     charts.append(lineChart("Async pipeline", [
       seriesOf(staleness, "dropped groups", (r) => r.pipeline.dropped_groups),
-      seriesOf(staleness, "finished during update", (r) => r.pipeline.finished_during_update)], { zero: true }));
+      seriesOf(staleness, "finished during update", (r) => r.pipeline.finished_during_update),
+      seriesOf(staleness, "mean staleness (versions)", (r) => meanStaleness(r.pipeline.staleness))], { zero: true }));
   }
   const last = train.length ? train[train.length - 1] : {};
   const cards = el("div", { class: "cards" },
