@@ -111,6 +111,60 @@ class _PolicyLock:
                 self._changed.wait()
         self._lock.acquire()
 
+    @property
+    def contended(self) -> bool:
+        """Whether someone (a weight update) is waiting for the lock: the batch should admit no one more."""
+        return self._waiting > 0
+
+
+class _Decoding:
+    """Rows being decoded together: their KV cache (left-padded to one width), attention mask, next
+    positions and the logits of each row's next token."""
+
+    def __init__(
+        self, rows: list[_Row], past: Any, logits: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        self.rows, self.past, self.logits, self.mask, self.positions = rows, past, logits, mask, positions
+
+    def keep(self, indices: list[int]) -> None:
+        """Only the rows at ``indices`` go on."""
+        if len(indices) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in indices]
+        if not indices:
+            return
+        select = torch.tensor(indices, device=self.mask.device)
+        self.past.batch_select_indices(select)
+        self.logits, self.mask, self.positions = (
+            self.logits[select],
+            self.mask[select],
+            self.positions[select],
+        )
+
+    def merged(self, other: _Decoding) -> _Decoding:
+        """These rows and ``other``'s as one batch: the narrower side's cache and mask are padded on the
+        left (masked out), so every row keeps its own positions."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self.past.layers, other.past.layers, strict=True):
+            mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)], dim=0)
+            mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)], dim=0)
+        return _Decoding(
+            self.rows + other.rows,
+            self.past,
+            torch.cat([self.logits, other.logits]),
+            torch.cat([pad(self.mask, 1), pad(other.mask, 1)]),
+            torch.cat([self.positions, other.positions]),
+        )
+
 
 class _Row:
     """One choice being generated in the batch."""
@@ -163,8 +217,12 @@ class HFBackend:
         max_batch: int = 16,
         logits_processor: LogitsProcessor | None = None,
         route: Callable[[str | None], str | None] | None = None,
+        continuous: bool = True,
     ) -> None:
         self.model = model
+        #: Let requests that arrive while a batch decodes join it (continuous batching); ``False`` runs each
+        #: batch to completion first.
+        self.continuous = continuous
         #: With a policy per agent: the calling agent's name -> the LoRA adapter (of ``model``, a PEFT
         #: model holding one adapter per policy) that serves it, ``None`` for the base model. Rows of one
         #: batch may use different adapters (PEFT's mixed-adapter batches).
@@ -200,6 +258,8 @@ class HFBackend:
         #: generation phase and tokens/s); written by the generation thread only.
         self.generation_s = 0.0
         self.generated_tokens = 0
+        #: Requests that joined a batch already decoding (continuous batching).
+        self.joined_requests = 0
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -409,19 +469,35 @@ class HFBackend:
     # -- the worker -----------------------------------------------------------------------------------
 
     def _take(self) -> list[_Job] | None:
+        """Wait for requests; the first batch of them (``None`` once closed)."""
         with self._wakeup:
             while not self._queue and not self._closed:
                 self._wakeup.wait()
             if self._closed:
                 return None
-            jobs: list[_Job] = []
-            rows = 0
-            while self._queue and (not jobs or rows + self._queue[0].request.n <= self.max_batch):
-                job = self._queue.popleft()
-                if not job.cancelled:
-                    jobs.append(job)
-                    rows += job.request.n
-            return jobs
+            return self._pop(self.max_batch)
+
+    def _pop(self, room: int) -> list[_Job]:
+        """Queued jobs whose choices fit in ``room`` rows, in arrival order (the first always, when the
+        batch is empty); call with ``_wakeup`` held."""
+        jobs: list[_Job] = []
+        rows = 0
+        while self._queue and (
+            rows + self._queue[0].request.n <= room or (not jobs and room == self.max_batch)
+        ):
+            job = self._queue.popleft()
+            if not job.cancelled:
+                jobs.append(job)
+                rows += job.request.n
+        return jobs
+
+    def _join(self, running: int) -> list[_Job]:
+        """Requests that arrived while a batch runs and fit beside its ``running`` rows (continuous
+        batching); none while a weight update waits, so that the batch ends and lets it in."""
+        if not self.continuous or self._closed or self.lock.contended or running >= self.max_batch:
+            return []
+        with self._wakeup:
+            return self._pop(self.max_batch - running) if self._queue else []
 
     def _run(self) -> None:
         while True:
@@ -459,61 +535,74 @@ class HFBackend:
                 self._keep_logits_arg = False
         return self.model(**kwargs)
 
+    def _prefill(self, jobs: list[_Job], version: int) -> _Decoding:
+        """The prompts of ``jobs`` through the model (left-padded to one width): their rows, cache and the
+        logits of each row's first token."""
+        device = self.device
+        width = max(len(j.prompt_ids) for j in jobs)
+        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long, device=device)
+        for i, job in enumerate(jobs):
+            ids[i, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids, device=device)
+            mask[i, width - len(job.prompt_ids) :] = 1
+        out = self._forward(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            **self._adapters(jobs),
+        )
+        past = out[cache_key()]
+        logits = out.logits[:, -1].float()
+        rows = [_Row(self, job, c) for job in jobs for c in range(job.request.n)]
+        owner = [i for i, job in enumerate(jobs) for _ in range(job.request.n)]
+        if owner != list(range(len(jobs))):
+            select = torch.tensor(owner, device=device)
+            past.batch_select_indices(select)
+            logits, mask = logits[select], mask[select]
+        return _Decoding(rows, past, logits, mask, mask.sum(-1))
+
     def _batch(self, jobs: list[_Job]) -> None:
         version = self.policy_version
         device = self.device
         was_training = self.model.training
         self.model.eval()
         try:
-            width = max(len(j.prompt_ids) for j in jobs)
-            ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long, device=device)
-            mask = torch.zeros((len(jobs), width), dtype=torch.long, device=device)
-            for i, job in enumerate(jobs):
-                ids[i, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids, device=device)
-                mask[i, width - len(job.prompt_ids) :] = 1
-            out = self._forward(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True,
-                **self._adapters(jobs),
-            )
-            past = out[cache_key()]
-            logits = out.logits[:, -1].float()
-            rows = [_Row(self, job, c) for job in jobs for c in range(job.request.n)]
-            owner = [i for i, job in enumerate(jobs) for _ in range(job.request.n)]
-            if owner != list(range(len(jobs))):
-                select = torch.tensor(owner, device=device)
-                past.batch_select_indices(select)
-                logits, mask = logits[select], mask[select]
-            self.peak_batch = max(self.peak_batch, len(rows))
-            positions = mask.sum(-1)
+            state = self._prefill(jobs, version)
             while True:
-                logp = torch.log_softmax(logits, dim=-1)
-                for r, row in enumerate(rows):
+                self.peak_batch = max(self.peak_batch, len(state.rows))
+                logp = torch.log_softmax(state.logits, dim=-1)
+                for r, row in enumerate(state.rows):
                     if not row.job.cancelled:
-                        self._step(row, logits[r], logp[r], version)
-                keep = [r for r, row in enumerate(rows) if not row.done]
-                if not keep:
+                        self._step(row, state.logits[r], logp[r], version)
+                state.keep([r for r, row in enumerate(state.rows) if not row.done])
+                joining = self._join(len(state.rows))
+                if not state.rows and not joining:
                     return
-                if len(keep) < len(rows):
-                    select = torch.tensor(keep, device=device)
-                    past.batch_select_indices(select)
-                    mask, positions = mask[select], positions[select]
-                    rows = [rows[r] for r in keep]
-                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
-                step_ids = torch.tensor([[row.response[-1]] for row in rows], device=device)
-                out = self._forward(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=positions[:, None],
-                    use_cache=True,
-                    **{cache_key(): past},
-                    **self._adapters([row.job for row in rows]),
-                )
-                past = out[cache_key()]
-                logits = out.logits[:, -1].float()
-                positions = positions + 1
+                if state.rows:
+                    state.mask = torch.cat(
+                        [state.mask, torch.ones((len(state.rows), 1), dtype=state.mask.dtype, device=device)],
+                        dim=1,
+                    )
+                    step_ids = torch.tensor([[row.response[-1]] for row in state.rows], device=device)
+                    out = self._forward(
+                        input_ids=step_ids,
+                        attention_mask=state.mask,
+                        position_ids=state.positions[:, None],
+                        use_cache=True,
+                        **{cache_key(): state.past},
+                        **self._adapters([row.job for row in state.rows]),
+                    )
+                    state.past = out[cache_key()]
+                    state.logits = out.logits[:, -1].float()
+                    state.positions = state.positions + 1
+                if joining:  # continuous batching: new requests join the rows being decoded
+                    self.joined_requests += len(joining)
+                    state = (
+                        state.merged(self._prefill(joining, version))
+                        if state.rows
+                        else self._prefill(joining, version)
+                    )
         finally:
             if was_training:
                 self.model.train()

@@ -1,0 +1,131 @@
+"""Continuous batching in the transformers backend: a request that arrives while a batch decodes joins it
+at the next token (it does not wait for the batch to finish), and generates exactly what it would alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from agl_core.gateway.backend import ChatRequest, Completion
+
+
+class _Hold:
+    """Logits processor: keeps generation from ever stopping early (the stop tokens are masked), and,
+    once armed, blocks the decoding thread at the third token of the prompt ``trigger`` until released."""
+
+    def __init__(self, stop_ids: frozenset[int]) -> None:
+        self.stop_ids = sorted(stop_ids)
+        self.trigger: tuple[int, ...] | None = None
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, prompt_ids: Any, response: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[self.stop_ids] = float("-inf")
+        if self.trigger is not None and tuple(prompt_ids) == self.trigger and len(response) == 3:
+            self.reached.set()
+            assert self.release.wait(30), "the test never released the decoding thread"
+        return logits
+
+
+def _request(text: str, max_tokens: int, n: int = 1) -> ChatRequest:
+    return ChatRequest(
+        messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0.0, n=n
+    )
+
+
+async def _collect(backend: Any, request: ChatRequest) -> list[Completion]:
+    return [e async for e in backend.generate("tiny", request) if isinstance(e, Completion)]
+
+
+def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(tiny_policy):
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=16)
+    hold = _Hold(backend.stop_ids)
+    backend.logits_processor = hold
+    long, short, pair = (
+        _request("a long answer", 24),
+        _request("b", 6),
+        _request("a pair of samples, please", 8, n=2),
+    )
+    try:
+        alone = {id(r): asyncio.run(_collect(backend, r)) for r in (long, short, pair)}
+        assert backend.joined_requests == 0 and backend.peak_batch == 2  # the pair's two choices
+
+        hold.trigger = tuple(backend._prepare(long, lambda e: None).prompt_ids)
+        backend.peak_batch = 0
+
+        async def together() -> list[list[Completion]]:
+            first = asyncio.create_task(_collect(backend, long))
+            await asyncio.to_thread(hold.reached.wait, 30)
+            # the long request is decoding (held at its third token): these arrive mid-batch
+            others = [asyncio.create_task(_collect(backend, r)) for r in (short, pair)]
+            while len(backend._queue) < 2:
+                await asyncio.sleep(0.005)
+            hold.release.set()
+            return [await first, *[await t for t in others]]
+
+        started = time.monotonic()
+        results = asyncio.run(together())
+        assert time.monotonic() - started < 60
+        assert backend.joined_requests == 2, "the requests waited for the batch to end instead of joining it"
+        assert backend.peak_batch == 4  # the long request, the short one and the pair's two choices
+        for request, got in zip((long, short, pair), results, strict=True):
+            expected = alone[id(request)]
+            assert len(got) == len(expected) == request.n
+            for a, b in zip(
+                sorted(expected, key=lambda c: c.index), sorted(got, key=lambda c: c.index), strict=True
+            ):
+                assert b.response_ids == a.response_ids
+                assert len(b.response_ids) == request.max_tokens
+                assert b.response_logprobs == pytest.approx(a.response_logprobs, abs=1e-4)
+                assert b.prompt_ids == a.prompt_ids
+    finally:
+        hold.release.set()
+        backend.close()
+
+
+def test_no_request_joins_while_a_weight_update_waits(tiny_policy):
+    """A batch stops admitting newcomers once the trainer waits for the lock, so the update gets in after
+    the rows already decoding, not after every request that keeps arriving."""
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=16)
+    hold = _Hold(backend.stop_ids)
+    backend.logits_processor = hold
+    long, late = _request("a long answer", 12), _request("late", 4)
+    hold.trigger = tuple(backend._prepare(long, lambda e: None).prompt_ids)
+    got_lock = threading.Event()
+    try:
+
+        async def run() -> tuple[list[Completion], list[Completion]]:
+            first = asyncio.create_task(_collect(backend, long))
+            await asyncio.to_thread(hold.reached.wait, 30)
+            updater = threading.Thread(
+                target=lambda: (backend.lock.acquire(), got_lock.set(), backend.lock.release())
+            )
+            updater.start()
+            while not backend.lock.contended:
+                await asyncio.sleep(0.005)
+            second = asyncio.create_task(_collect(backend, late))
+            while not backend._queue:
+                await asyncio.sleep(0.005)
+            hold.release.set()
+            out = await first
+            assert got_lock.wait(30)
+            updater.join(30)
+            return out, await second
+
+        first, second = asyncio.run(run())
+        assert backend.joined_requests == 0
+        assert len(first[0].response_ids) == 12 and len(second[0].response_ids) == 4
+    finally:
+        hold.release.set()
+        backend.close()
