@@ -46,6 +46,7 @@ from agl_core.gateway.tools import ToolFormat, forced_prefix
 from agl_core.plugins import ServedBackend
 from agl_core.policies import BASE
 
+from .memory import release_free_memory
 from .model import cache_key
 
 __all__ = ["HFBackend", "LogitsProcessor", "serve_with_transformers"]
@@ -519,6 +520,7 @@ class HFBackend:
             finally:
                 self.generation_s += time.perf_counter() - started
                 self.lock.release()
+            release_free_memory()  # the batch's KV caches, freed in this thread's arena
 
     def _adapters(self, jobs: Sequence[_Job]) -> dict[str, Any]:
         """The ``adapter_names`` argument of a forward pass over rows of ``jobs`` (none without routing)."""

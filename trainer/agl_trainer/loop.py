@@ -26,6 +26,7 @@ from agl_core.runner import load_agent, resolve_mode
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
 from .data import TaskSampler, load_splits
+from .memory import limit_arenas, release_free_memory
 from .pipeline import AsyncTrainStep
 from .policy import TrainablePolicy, load_trainable_policy, make_learner
 from .reporting import Display, held_out_line, plot_reward_curve, step_lines
@@ -399,6 +400,7 @@ def train(
         out, resume=resume, overwrite=overwrite, store_file=None if config.store.url else config.store.path
     )
     torch.set_num_threads(config.train.threads)
+    limit_arenas()  # before the store, gateway and runner threads start
     # peft asks transformers a deprecated question on every wrap; not actionable for a user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     torch.manual_seed(config.train.seed)
@@ -468,6 +470,7 @@ def train(
         for step in range(start_step, steps + 1):
             display.start_step(step, step - 1)
             outcome = trainer.run(step, sampler.sample(config.train.tasks_per_step), draw=sampler.sample)
+            release_free_memory()  # the update's activations, before the next rollouts allocate caches
             metrics = outcome.metrics
             where = "" if config.store.url else f" --store {out / config.store.path}"
             for line in step_lines(
