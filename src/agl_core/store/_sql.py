@@ -281,17 +281,25 @@ class SqlStore(Generic[_C]):
                 self._readers.append(conn)
         return conn
 
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[_C]:
+        """A reader connection; a failure that means the database cannot serve now becomes the retryable
+        :class:`StoreUnavailableError`."""
         if self._closed:
             raise StoreError("the store is closed")
         try:
-            return self._exec(self._reader(), sql, args).fetchall()
+            yield self._reader()
         except StoreError:
             raise
         except Exception as exc:
             if self._unavailable(exc):
                 raise self._retryable(exc, "read") from exc
             raise
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        with self._reading() as conn:
+            rows: list[Any] = self._exec(conn, sql, args).fetchall()
+        return rows
 
     def close(self) -> None:
         with self._write_lock:
@@ -592,14 +600,8 @@ class SqlStore(Generic[_C]):
             return self._load_rollouts(conn, list(rollout_ids))
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
-        try:
-            found = self._load_rollouts(self._reader(), list(rollout_ids))
-        except StoreError:
-            raise
-        except Exception as exc:
-            if self._unavailable(exc):
-                raise self._retryable(exc, "read") from exc
-            raise
+        with self._reading() as conn:
+            found = self._load_rollouts(conn, list(rollout_ids))
         missing = set(rollout_ids) - {r.rollout_id for r in found}
         if missing:
             raise NotFoundError(f"no rollout(s) {sorted(missing)[:5]!r}")
@@ -641,8 +643,7 @@ class SqlStore(Generic[_C]):
             )
             args += [agent_attribute_bytes(key, where.agent) for key in AGENT_NAME_KEYS]
         matched = " AND ".join(clauses) or "1 = 1"
-        try:
-            conn = self._reader()
+        with self._reading() as conn:
             page_where, page_args = matched, list(args)
             if before is not None:
                 page_where += " AND seq < ?"
@@ -673,12 +674,6 @@ class SqlStore(Generic[_C]):
                     ).fetchall()
                 }
             rollouts = self._load_rollouts(conn, ids)
-        except StoreError:
-            raise
-        except Exception as exc:
-            if self._unavailable(exc):
-                raise self._retryable(exc, "read") from exc
-            raise
         return RolloutPage(
             rollouts=rollouts,
             seqs=[int(r[0]) for r in rows],
