@@ -256,6 +256,15 @@ def test_agl_dashboard_cli_serves_a_run_directory_and_refuses_unsafe_or_bad_inpu
         timeout=60,
     )
     assert missing.returncode == 2 and "is not a directory" in missing.stderr
+    no_store = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "dashboard", "--store", str(tmp_path / "typo.sqlite")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert no_store.returncode == 2 and "nor an existing SQLite file" in no_store.stderr
+    assert not (tmp_path / "typo.sqlite").exists()  # a mistyped path is not created as an empty store
     proc = subprocess.Popen(
         [sys.executable, "-m", "agl_core.cli", "dashboard", "--runs", str(run["out"]), "--port", "0"],
         stdout=subprocess.PIPE,

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from agl_trainer.reporting import Display, Scalars, mean_se, plot_reward_curve
+from agl_trainer.reporting import Display, mean_se, plot_reward_curve
+from agl_trainer.trackers import Trackers, tensorboard_tracker
 
 
 def test_mean_and_standard_error_by_hand():
@@ -31,8 +32,8 @@ def test_tensorboard_scalars_can_be_read_back(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    scalars = Scalars(tmp_path / "tb", "auto")
-    assert scalars.enabled
+    scalars = Trackers([tensorboard_tracker(tmp_path / "tb", "auto")])
+    assert "tensorboard" in scalars
     scalars.add(1, {"train/mean_reward": 0.25, "train/loss": None, "val/mean_reward": float("nan")})
     scalars.add(2, {"train/mean_reward": 0.5})
     scalars.close()
@@ -40,7 +41,7 @@ def test_tensorboard_scalars_can_be_read_back(tmp_path):
     acc.Reload()
     assert acc.Tags()["scalars"] == ["train/mean_reward"]  # None and NaN are not written
     assert [(e.step, e.value) for e in acc.Scalars("train/mean_reward")] == [(1, 0.25), (2, 0.5)]
-    assert not Scalars(tmp_path / "off", False).enabled
+    assert tensorboard_tracker(tmp_path / "off", False) is None
 
 
 def test_plain_display_prints_lines_only():

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from . import semconv
 from .records import Rollout, Span, Transition
 from .spantree import AGENT, GATEWAY, LLM, TOOL, SpanTree, kind_of, own_agent_name, source_of, tool_name
-from .transitions import spans_to_transitions
+from .transitions import TransitionResult, spans_to_transitions
 
-__all__ = ["count_llm_calls", "format_rollout"]
+__all__ = ["count_llm_calls", "format_rollout", "span_outcomes"]
 
 
 def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem_of: dict[str, str]) -> str:
@@ -69,6 +69,17 @@ def _policy(t: Transition) -> str:
     return version if t.policy_name is None else f"{t.policy_name[:20]} {version}"
 
 
+def span_outcomes(result: TransitionResult) -> tuple[dict[str, int], dict[str, str]]:
+    """What became of each span: ``{span id: call index}`` for the gateway spans that made a transition
+    and the framework spans joined to them, and ``{span id: why it made none}`` for the others."""
+    transition_of = {t.span_id: t.call_index for t in result.transitions if t.span_id}
+    transition_of.update({f: transition_of[g] for f, g in result.joins.items() if g in transition_of})
+    problem_of = {
+        p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id
+    }
+    return transition_of, problem_of
+
+
 def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout | None = None) -> str:
     """The report of ``rollout_id`` from its spans (as the store returns them); with its ``rollout``
     record, how it ended (status, error, stored traceback) comes first."""
@@ -78,11 +89,7 @@ def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout |
         return "\n".join([*head, f"rollout {rollout_id}: no spans"])
     tree = SpanTree(spans)
     result = spans_to_transitions(spans)
-    transition_of = {t.span_id: t.call_index for t in result.transitions if t.span_id}
-    transition_of.update({f: transition_of[g] for f, g in result.joins.items() if g in transition_of})
-    problem_of = {
-        p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id
-    }
+    transition_of, problem_of = span_outcomes(result)
     llm_calls = count_llm_calls(spans)
     lines = head + [
         f"rollout {rollout_id}: {len(spans)} spans, {llm_calls} LLM calls through the gateway, "

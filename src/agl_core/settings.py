@@ -36,6 +36,13 @@ def store_token(explicit: str | None = None) -> str | None:
     return explicit or os.environ.get("AGL_STORE_TOKEN") or None
 
 
+def dashboard_token(explicit: str | None = None, store: str | None = None) -> str | None:
+    """The token the dashboard asks of visitors: ``explicit``, else ``AGL_DASHBOARD_TOKEN``, else the
+    store's (``store``, else ``AGL_STORE_TOKEN``): a store that asks a token gets a dashboard that asks the
+    same."""
+    return explicit or os.environ.get("AGL_DASHBOARD_TOKEN") or store_token(store)
+
+
 def gateway_token(explicit: str | None = None) -> str | None:
     """The token the trainer's gateway asks of model requests: ``explicit``, else ``AGL_GATEWAY_TOKEN``."""
     return explicit or os.environ.get("AGL_GATEWAY_TOKEN") or None

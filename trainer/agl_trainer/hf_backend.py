@@ -476,16 +476,15 @@ class HFBackend:
                 self._wakeup.wait()
             if self._closed:
                 return None
-            return self._pop(self.max_batch)
+            return self._pop(running=0)
 
-    def _pop(self, room: int) -> list[_Job]:
-        """Queued jobs whose choices fit in ``room`` rows, in arrival order (the first always, when the
-        batch is empty); call with ``_wakeup`` held."""
+    def _pop(self, running: int) -> list[_Job]:
+        """Queued jobs whose choices fit beside ``running`` rows, in arrival order (the first always when
+        none runs, however many choices it asks for); call with ``_wakeup`` held."""
+        room = self.max_batch - running
         jobs: list[_Job] = []
         rows = 0
-        while self._queue and (
-            rows + self._queue[0].request.n <= room or (not jobs and room == self.max_batch)
-        ):
+        while self._queue and (rows + self._queue[0].request.n <= room or (not jobs and running == 0)):
             job = self._queue.popleft()
             if not job.cancelled:
                 jobs.append(job)
@@ -498,7 +497,7 @@ class HFBackend:
         if not self.continuous or self._closed or self.lock.contended or running >= self.max_batch:
             return []
         with self._wakeup:
-            return self._pop(self.max_batch - running) if self._queue else []
+            return self._pop(running) if self._queue else []
 
     def _run(self) -> None:
         while True:
@@ -537,7 +536,7 @@ class HFBackend:
                 self._keep_logits_arg = False
         return self.model(**kwargs)
 
-    def _prefill(self, jobs: list[_Job], version: int) -> _Decoding:
+    def _prefill(self, jobs: list[_Job]) -> _Decoding:
         """The prompts of ``jobs`` through the model (left-padded to one width): their rows, cache and the
         logits of each row's first token."""
         device = self.device
@@ -570,7 +569,7 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            state = self._prefill(jobs, version)
+            state = self._prefill(jobs)
             while True:
                 self.peak_batch = max(self.peak_batch, len(state.rows))
                 logp = torch.log_softmax(state.logits, dim=-1)
@@ -600,11 +599,8 @@ class HFBackend:
                     state.positions = state.positions + 1
                 if joining:  # continuous batching: new requests join the rows being decoded
                     self.joined_requests += len(joining)
-                    state = (
-                        state.merged(self._prefill(joining, version))
-                        if state.rows
-                        else self._prefill(joining, version)
-                    )
+                    joined = self._prefill(joining)
+                    state = state.merged(joined) if state.rows else joined
         finally:
             if was_training:
                 self.model.train()

@@ -1,5 +1,6 @@
 """What a training run shows and leaves behind: the live display, the per-step lines, the held-out
-before/after summary, the reward curve, TensorBoard scalars; and the report of a dev run."""
+before/after summary, the reward curve; and the report of a dev run (the trackers' scalars:
+:mod:`agl_trainer.trackers`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ from agl_core.policies import BASE
 
 from .results import DevResult, EvalResult, StepMetrics, mean_se
 from .step import StepOutcome
-from .trackers import Trackers, tensorboard_tracker
 
 __all__ = [
     "Display",
-    "Scalars",
     "dev_lines",
     "format_step",
     "held_out_line",
@@ -107,26 +106,6 @@ class Display:
             )
             self._progress.update(self._bar, completed=completed, info=info)
             self._progress.update(self._rollouts, visible=False)
-
-
-class Scalars:
-    """TensorBoard scalars under ``log_dir`` when tensorboard is installed (``mode`` ``auto``), or
-    required (``True``); nothing when ``False``. The trainer now uses :mod:`agl_trainer.trackers`, of which
-    this is the TensorBoard part with the old interface."""
-
-    def __init__(self, log_dir: Path, mode: Any) -> None:
-        tracker = tensorboard_tracker(log_dir, mode)
-        self._trackers = Trackers([tracker] if tracker is not None else [])
-
-    @property
-    def enabled(self) -> bool:
-        return "tensorboard" in self._trackers
-
-    def add(self, step: int, values: dict[str, float | None]) -> None:
-        self._trackers.add(step, values)
-
-    def close(self) -> None:
-        self._trackers.close()
 
 
 def plot_reward_curve(

@@ -127,13 +127,11 @@ def start_store(
 def start_run_dashboard(config: TrainerConfig, stack: ExitStack, store: StoreConnection) -> str:
     """Serve the dashboard over this run and its store until ``stack`` closes; returns the URL to open.
     The token is ``logging.dashboard_token``, else ``AGL_DASHBOARD_TOKEN``, else the store's."""
-    import os
-
     from agl_core.dashboard import start_dashboard
-    from agl_core.settings import store_token
+    from agl_core.settings import dashboard_token, store_token
 
     log = config.logging
-    token = log.dashboard_token or os.environ.get("AGL_DASHBOARD_TOKEN") or store_token()
+    token = dashboard_token(log.dashboard_token)
     client = StoreClient(store.url, token=store_token())
     stack.callback(client.close)
     return start_dashboard(

@@ -264,7 +264,7 @@ class WandbTracker:
 class Trackers:
     """The trackers that are on, as one: each call goes to each of them. A tracker that raises is turned
     off with one warning (through ``warn``; default: this module's logger) and the call returns normally,
-    so training never stops for a tracker. Drop-in for the old ``reporting.Scalars``: :meth:`add`."""
+    so training never stops for a tracker."""
 
     def __init__(
         self, trackers: Iterable[Tracker] = (), *, warn: Callable[[str], None] | None = None

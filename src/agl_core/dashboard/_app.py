@@ -25,7 +25,7 @@ from ..plugins import RolloutExplainer
 from ..records import RolloutStatus
 from ..store.base import MAX_PAGE, NotFoundError, RolloutFilter, StoreError, StoreUnavailableError
 from ._rollout import installed_explainer, rollout_detail, rollout_row
-from ._runs import find_runs, read_run, run_summary
+from ._runs import find_runs, read_info, read_run, run_summary
 
 __all__ = ["DashboardError", "create_dashboard_app", "start_dashboard"]
 
@@ -65,28 +65,27 @@ def _error(status: int, message: str) -> JSONResponse:
     return _json({"error": {"message": message}}, status)
 
 
-def _int(params: Mapping[str, str], name: str, low: int, high: int) -> int | None:
+def _number(params: Mapping[str, str], name: str, parse: Callable[[str], Any], kind: str) -> Any:
+    """``parse(params[name])``, ``None`` when absent or empty; a 400 naming ``kind`` when it fails."""
     raw = params.get(name)
     if raw is None or raw == "":
         return None
     try:
-        value = int(raw)
+        return parse(raw)
     except ValueError:
-        raise _BadRequest(f"{name} must be a whole number, not {raw[:40]!r}") from None
-    if not low <= value <= high:
+        raise _BadRequest(f"{name} must be {kind}, not {raw[:40]!r}") from None
+
+
+def _int(params: Mapping[str, str], name: str, low: int, high: int) -> int | None:
+    value: int | None = _number(params, name, int, "a whole number")
+    if value is not None and not low <= value <= high:
         raise _BadRequest(f"{name} must be between {low} and {high}, not {value}")
     return value
 
 
 def _float(params: Mapping[str, str], name: str) -> float | None:
-    raw = params.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _BadRequest(f"{name} must be a number, not {raw[:40]!r}") from None
-    if not math.isfinite(value):
+    value: float | None = _number(params, name, float, "a number")
+    if value is not None and not math.isfinite(value):
         raise _BadRequest(f"{name} must be a finite number")
     return value
 
@@ -106,17 +105,18 @@ def _rollout_filter(request: Request) -> tuple[RolloutFilter, int | None, int]:
     unknown = [s for s in statuses if s not in _STATUSES]
     if unknown:
         raise _BadRequest(f"unknown status {unknown[0][:40]!r}; use one of {', '.join(sorted(_STATUSES))}")
-    where = RolloutFilter(
-        statuses=statuses,
-        task_id=_text(params, "task"),
-        step=_int(params, "step", 0, 2**62),
-        split=_text(params, "split", 64),
-        agent=_text(params, "agent"),
-        reward_min=_float(params, "reward_min"),
-        reward_max=_float(params, "reward_max"),
-    )
-    if where.reward_min is not None and where.reward_max is not None and where.reward_min > where.reward_max:
-        raise _BadRequest(f"reward_min ({where.reward_min}) is above reward_max ({where.reward_max})")
+    try:
+        where = RolloutFilter(
+            statuses=statuses,
+            task_id=_text(params, "task"),
+            step=_int(params, "step", 0, 2**62),
+            split=_text(params, "split", 64),
+            agent=_text(params, "agent"),
+            reward_min=_float(params, "reward_min"),
+            reward_max=_float(params, "reward_max"),
+        )
+    except ValueError as exc:  # fields that do not fit together
+        raise _BadRequest(str(exc)) from None
     before = _int(params, "before", 0, 2**63 - 1)
     limit = _int(params, "limit", 1, MAX_PAGE) or 50
     return where, before, limit
@@ -150,8 +150,8 @@ def create_dashboard_app(
     def default_config() -> Mapping[str, Any] | None:
         if config is not None:
             return config
-        for name, path in runs_now().items():
-            found = read_run(name, path).get("config")
+        for path in runs_now().values():
+            found = read_info(path).get("config")
             if isinstance(found, dict):
                 return found
         return None

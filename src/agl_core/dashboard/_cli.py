@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .. import settings
-from ._runs import RUN_FILE, find_runs
+from ._runs import find_runs, read_info
 
 __all__ = ["add_dashboard_arguments", "run_dashboard"]
 
@@ -47,11 +45,7 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser, port_type: Any) -> 
 def _run_store(runs: dict[str, Path]) -> str | None:
     """The store the first run trained with: its ``store.url``, or its embedded SQLite file."""
     for path in runs.values():
-        try:
-            info = json.loads((path / RUN_FILE).read_text())
-        except (OSError, ValueError):
-            info = {}
-        config = info.get("config") if isinstance(info, dict) else None
+        config = read_info(path).get("config")
         store = config.get("store") if isinstance(config, dict) else None
         if isinstance(store, dict) and isinstance(store.get("url"), str):
             return str(store["url"])
@@ -95,7 +89,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
             f"agl dashboard: no run under {', '.join(map(str, run_dirs))} yet (it will show when one starts)"
         )
     store_token = settings.store_token(args.store_token)
-    token = args.token or os.environ.get("AGL_DASHBOARD_TOKEN") or store_token
+    token = settings.dashboard_token(args.token, args.store_token)
     try:
         check_listen(args.host, token)
     except DashboardError as exc:

@@ -13,6 +13,7 @@ from .. import semconv
 from ..credit import assign_rewards
 from ..plugins import RolloutExplainer, load_rollout_explainer
 from ..records import Rollout, RolloutStatus, Span, Transition
+from ..report import span_outcomes
 from ..spantree import GATEWAY, SpanTree, kind_of, tool_name
 from ..store.base import RolloutFilter, Store
 from ..transitions import explain_untrained, spans_to_transitions
@@ -30,23 +31,16 @@ MAX_GROUP = 64
 _BULKY = (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS)
 
 
-def _core_explainer(
-    rollouts: Sequence[Rollout], spans: Sequence[Span], config: Mapping[str, Any] | None
-) -> tuple[Sequence[Transition], dict[tuple[str, int], float], dict[str, str]]:
-    """Credit with the default rules and no advantages: what agl_core knows without the trainer."""
-    result = spans_to_transitions(spans)
-    credit = assign_rewards(result, spans)
-    trained = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
-    return credit.transitions, {}, explain_untrained([r.rollout_id for r in rollouts], result, trained)
-
-
 class CoreExplainer:
     """What agl_core knows without a trainer: the default credit rules, no advantages, no tokenizer."""
 
     def explain(
         self, rollouts: Sequence[Rollout], spans: Sequence[Span], config: Mapping[str, Any] | None
     ) -> tuple[Sequence[Transition], dict[tuple[str, int], float], dict[str, str]]:
-        return _core_explainer(rollouts, spans, config)
+        result = spans_to_transitions(spans)
+        credit = assign_rewards(result, spans)
+        trained = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
+        return credit.transitions, {}, explain_untrained([r.rollout_id for r in rollouts], result, trained)
 
     def tokenizer(self, config: Mapping[str, Any] | None) -> Any:
         return None
@@ -248,11 +242,7 @@ def rollout_detail(
         logger.warning("agl dashboard: could not explain rollout %s: %s", rollout_id, exc)
         transitions, advantages, untrained = [], {}, {rollout_id: f"could not build transitions: {exc}"}
     result = spans_to_transitions(own)
-    joined = {t.span_id: t.call_index for t in result.transitions if t.span_id}
-    joined.update({f: joined[g] for f, g in result.joins.items() if g in joined})
-    problems = {
-        p.span_id: p.reason + (f" ({p.detail})" if p.detail else "") for p in result.problems if p.span_id
-    }
+    joined, problems = span_outcomes(result)
     mine = [t for t in transitions if t.rollout_id == rollout_id]
     reason = untrained.get(rollout_id)
     if reason is None and rollout.status != RolloutStatus.SUCCEEDED and not mine:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUN_FILE", "METRICS_FILE", "find_runs", "read_run", "run_summary"]
+__all__ = ["RUN_FILE", "METRICS_FILE", "find_runs", "read_info", "read_run", "run_summary"]
 
 #: What ``agl train`` writes at start and updates at the end: title, config, steps, status, times, pid.
 RUN_FILE = "run.json"
@@ -47,12 +47,18 @@ def find_runs(paths: Iterable[Path]) -> dict[str, Path]:
     return names
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_info(path: Path) -> dict[str, Any]:
+    """The run's ``run.json`` (title, config, steps, status, times, pid); empty when missing or damaged."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads((path / RUN_FILE).read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _split(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The metrics lines of training steps, and those of held-out evaluations."""
+    return [r for r in rows if r.get("kind") != "val"], [r for r in rows if r.get("kind") == "val"]
 
 
 def _metric_lines(path: Path) -> list[dict[str, Any]]:
@@ -146,10 +152,9 @@ def held_out(val: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 def read_run(name: str, path: Path) -> dict[str, Any]:
     """A run's info, its per-step curves and its held-out results."""
-    info = _read_json(path / RUN_FILE)
-    rows = _metric_lines(path / METRICS_FILE)
-    train = [{k: v for k, v in r.items() if k not in _HEAVY_KEYS} for r in rows if r.get("kind") != "val"]
-    val = [r for r in rows if r.get("kind") == "val"]
+    info = read_info(path)
+    steps, val = _split(_metric_lines(path / METRICS_FILE))
+    train = [{k: v for k, v in r.items() if k not in _HEAVY_KEYS} for r in steps]
     out: dict[str, Any] = _finite(
         {
             **run_summary(name, path, info=info, train=train, val=val),
@@ -172,11 +177,9 @@ def run_summary(
 ) -> dict[str, Any]:
     """What the runs table shows of one run."""
     if info is None:
-        info = _read_json(path / RUN_FILE)
+        info = read_info(path)
     if train is None or val is None:
-        rows = _metric_lines(path / METRICS_FILE)
-        train = [r for r in rows if r.get("kind") != "val"]
-        val = [r for r in rows if r.get("kind") == "val"]
+        train, val = _split(_metric_lines(path / METRICS_FILE))
     status = _status(info)
     total = info.get("steps")
     last = train[-1] if train else {}

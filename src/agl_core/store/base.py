@@ -63,6 +63,10 @@ class RolloutFilter:
     reward_min: float | None = None
     reward_max: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
+            raise ValueError(f"reward_min ({self.reward_min}) is above reward_max ({self.reward_max})")
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutPage:

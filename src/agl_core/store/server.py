@@ -11,9 +11,8 @@ Endpoints (JSON unless noted):
 ``POST /api/rollouts/query``                   ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/list``                    ``{"statuses"?, "task_id"?, "group_id"?, "step"?, "split"?,
                                                "agent"?, "reward_min"?, "reward_max"?, "before"?, "limit"?}``
-                                               -> a
-                                               page, newest first (``{"rollouts", "seqs", "span_counts",
-                                               "before", "total", "total_capped"}``)
+                                               -> a page, newest first (``{"rollouts", "seqs",
+                                               "span_counts", "before", "total", "total_capped"}``)
 ``POST /api/rollouts/cancel``                  ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/consumed``                ``{"rollout_ids": [...]}`` -> ``{"marked": n}``
 ``POST /api/rollouts/observed``                record finished rollouts that ran outside the queue
@@ -137,8 +136,7 @@ class _ListIn(_Strict):
 
     @pydantic.model_validator(mode="after")
     def _range(self) -> _ListIn:
-        if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
-            raise ValueError(f"reward_min ({self.reward_min}) is above reward_max ({self.reward_max})")
+        self.filter()  # the filter checks its own fields together (the reward range)
         return self
 
     def filter(self) -> RolloutFilter:
