@@ -12,6 +12,7 @@ the :class:`~agl_core.testing.ScriptedBackend` behind the gateway, decides the r
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,13 +40,28 @@ def divide(a: int, b: int) -> float:
 
 
 # --- LangChain / LangGraph ----------------------------------------------------------------------------
-def _langchain_solver(base_url: str) -> Any:
+_LANGCHAIN_TOOLS: list[Any] = []
+_LANGCHAIN_TOOLS_LOCK = threading.Lock()
+
+
+def _langchain_tools() -> list[Any]:
+    """The tools, made once: langchain_core's ``tool()`` silences a pydantic deprecation warning with
+    ``warnings.catch_warnings()``, which is not thread-safe, so tools made by concurrent rollouts let the
+    warning through another thread's window (an error under the suite's ``filterwarnings = error``)."""
     from langchain_core.tools import tool
+
+    with _LANGCHAIN_TOOLS_LOCK:
+        if not _LANGCHAIN_TOOLS:
+            _LANGCHAIN_TOOLS.extend([tool(add), tool(divide)])
+        return list(_LANGCHAIN_TOOLS)
+
+
+def _langchain_solver(base_url: str) -> Any:
     from langchain_openai import ChatOpenAI
     from langgraph.prebuilt import ToolNode, create_react_agent
 
     llm = ChatOpenAI(base_url=base_url, api_key="x", model="tiny", max_retries=0)
-    tools = ToolNode([tool(add), tool(divide)], handle_tool_errors=True)
+    tools = ToolNode(_langchain_tools(), handle_tool_errors=True)
     return llm, create_react_agent(llm, tools, prompt=SOLVER_PROMPT, name="solver")
 
 
