@@ -1,6 +1,6 @@
 """Benchmark: collector-store ingest, acknowledged and durable, on this machine.
 
-Runs ``agl store serve`` as its own process and sends spans of realistic size (20 attributes, ~1 KB each)
+Runs ``agl store serve`` as its own process and sends spans of realistic size (20 attributes, ~1.3 KB each)
 in batches, from several concurrent senders:
 
 * ``raw-http``  pre-encoded OTLP/HTTP protobuf batches (the receiver's own ceiling)
@@ -12,10 +12,25 @@ Every span counted was acknowledged only after its transaction committed (SQLite
 Then it fills the store to ``--fill`` spans (default 1M) while sampling the server's memory, and times
 reading one rollout's spans back through the API.
 
-Reference (DESIGN.md, same machine kind): Agent Lightning 0.3.0 ingests about 7,800 spans/s over OTLP,
-in memory, not durable. Target: at least 5x that, durable, on SQLite.
+``--peer`` measures agl beside Microsoft Agent Lightning 0.3.0's store server in the same run (its
+environment: ``bash bench/setup_agl_env.sh``, found at ``.venv-agl`` or given with ``--peer-python``):
+the same pre-encoded batches (``--batch`` spans, 20 spans per rollout, each span carrying the rollout and
+attempt ids under each store's own attribute keys) from ``--senders`` senders, in rounds that alternate
+between the two stores; each round sends ``--batches`` batches per sender (``--peer-batches`` to the
+peer, which is slower) and its rate is spans acknowledged over the round's wall time. Agent Lightning
+keeps spans in memory (not durable) and accepts a span only for a rollout and attempt it issued, so the
+bench first starts ``--peer-rollouts`` rollouts per sender through its API and the batches cycle through
+them. Medians of ``--rounds`` rounds; the last line is the ratio against the 10x target.
+
+``--breakdown`` times one batch's stages in this process (decode, redaction, row building, SQL insert,
+commit) and the rest of a request through a running ``agl store serve`` (HTTP, hand-off to the parse
+worker and the writer, response), in microseconds per span, beside the physical limit: protobuf's
+``ParseFromString`` of the same batch plus a bare ``executemany`` of equally sized rows into a SQLite table
+with the same indexes (WAL, synchronous=NORMAL) and its commit.
 
     python bench/store_ingest.py [--seconds 8] [--senders 4] [--batch 512] [--fill 1000000] [--postgres DSN]
+    python bench/store_ingest.py --peer [--rounds 5] [--senders 2] [--batches 12] [--peer-batches 3]
+    python bench/store_ingest.py --breakdown [--repeats 20]
 """
 
 from __future__ import annotations
@@ -30,14 +45,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from agl_core import semconv
+
 REFERENCE_SPANS_PER_S = 7_800
 TARGET_SPANS_PER_S = 5 * REFERENCE_SPANS_PER_S
 READ_TARGET_MS = 10.0
+#: --peer: agl's durable ingest over Agent Lightning 0.3.0's in-memory one, measured in the same run.
+PEER_TARGET_RATIO = 10.0
+PEER_ROLLOUT_KEY, PEER_ATTEMPT_KEY = "agentlightning.rollout_id", "agentlightning.attempt_id"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
@@ -87,7 +109,7 @@ def make_batch(sender: int, batch_no: int, size: int, rng: random.Random) -> byt
 
 
 class Server:
-    def __init__(self, db: str) -> None:
+    def __init__(self, db: str, *args: str) -> None:
         self.port, self.grpc_port = _free_port(), _free_port()
         self.proc = subprocess.Popen(
             [
@@ -102,6 +124,7 @@ class Server:
                 str(self.port),
                 "--grpc-port",
                 str(self.grpc_port),
+                *args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -266,6 +289,338 @@ def fill_and_read(server: Server, total: int, batch: int) -> tuple[list[float], 
     return rss, statistics.median(times), have
 
 
+class Batches:
+    """Pre-encoded export requests of ``size`` spans shaped like :func:`make_batch`'s, made fast: one
+    template request is built once and each batch rewrites only its ids (trace, span, rollout, attempt).
+
+    ``ids(sender, rollout_no)`` gives the (rollout id, attempt id) a span carries, under ``keys``."""
+
+    def __init__(
+        self,
+        size: int,
+        keys: tuple[str, str],
+        ids: Callable[[int, int], tuple[str, str]],
+        seed: int = 4,
+    ) -> None:
+        rng = random.Random(seed)
+        request = ExportTraceServiceRequest()
+        rs = request.resource_spans.add()
+        rs.resource.attributes.add(key="service.name").value.string_value = "sender"
+        scope = rs.scope_spans.add()
+        now = time.time_ns()
+        for _ in range(size):
+            span = scope.spans.add(
+                trace_id=bytes(16), span_id=bytes(8), name="chat policy", start_time_unix_nano=now
+            )
+            span.end_time_unix_nano = now + 1000
+            attrs = _attributes(rng, "-")
+            attrs.pop(semconv.ROLLOUT_ID)
+            attrs.pop(semconv.ATTEMPT_ID)
+            span.attributes.add(key=keys[0]).value.string_value = "-"
+            span.attributes.add(key=keys[1]).value.string_value = "-"
+            for key, value in attrs.items():
+                span.attributes.add(key=key).value.string_value = str(value)
+        self.template = request.SerializeToString()
+        self.size = size
+        self.ids = ids
+
+    def make(self, sender: int, batch_no: int) -> bytes:
+        request = ExportTraceServiceRequest.FromString(self.template)
+        request.resource_spans[0].resource.attributes[0].value.string_value = f"sender-{sender}"
+        for j, span in enumerate(request.resource_spans[0].scope_spans[0].spans):
+            n = batch_no * self.size + j
+            span.trace_id = sender.to_bytes(4, "big") + (n // 20 + 1).to_bytes(12, "big")
+            span.span_id = (sender << 40 | n + 1).to_bytes(8, "big")
+            rollout, attempt = self.ids(sender, n // 20)
+            span.attributes[0].value.string_value = rollout
+            span.attributes[1].value.string_value = attempt
+        return request.SerializeToString()
+
+
+class PeerServer:
+    """Microsoft Agent Lightning 0.3.0's store server (``agentlightning.cli.store``, in-memory backend)
+    run by the interpreter of its own environment."""
+
+    def __init__(self, python: str) -> None:
+        self.port = _free_port()
+        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")  # no network fetch at import
+        self.proc = subprocess.Popen(
+            [python, "-m", "agentlightning.cli.store", "--host", "127.0.0.1", "--port", str(self.port)]
+            + ["--log-level", "ERROR"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120  # importing agentlightning takes seconds
+        while True:
+            try:
+                if httpx.get(self.url + "/v1/agl/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Agent Lightning's store did not start ({python})")
+            time.sleep(0.1)
+
+    def start_rollouts(self, n: int) -> list[tuple[str, str]]:
+        """``n`` rollouts started through its API, each with its first attempt: (rollout id, attempt id)."""
+        out = []
+        with httpx.Client(timeout=30) as http:
+            for i in range(n):
+                r = http.post(self.url + "/v1/agl/rollouts", json={"input": {"task": i}})
+                r.raise_for_status()
+                body = r.json()
+                out.append((body["rollout_id"], body["attempt"]["attempt_id"]))
+        return out
+
+    def stored(self, rollouts: list[tuple[str, str]]) -> int:
+        with httpx.Client(timeout=30) as http:
+            return sum(
+                http.get(self.url + "/v1/agl/spans", params={"rollout_id": r, "limit": 1}).json()["total"]
+                for r, _ in rollouts
+            )
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def send_round(url: str, bodies: list[list[bytes]], batch: int) -> tuple[float, int]:
+    """Post ``bodies[k]`` back to back from sender ``k`` (one thread and connection each); returns
+    (spans acknowledged per second of the round's wall time, responses other than 200)."""
+    clients = [httpx.Client(timeout=120) for _ in bodies]
+    for c in clients:  # connect before the clock starts
+        c.get(url + "/")
+    acked = [0] * len(bodies)
+    failed = [0] * len(bodies)
+
+    def loop(k: int) -> None:
+        for body in bodies[k]:
+            r = clients[k].post(
+                url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"}
+            )
+            if r.status_code == 200:
+                acked[k] += batch
+            else:
+                failed[k] += 1
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(len(bodies))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    for c in clients:
+        c.close()
+    return sum(acked) / elapsed, sum(failed)
+
+
+def _peer_python(given: str | None) -> str | None:
+    if given:
+        return given
+    default = ROOT / ".venv-agl" / "bin" / "python"
+    return str(default) if default.exists() else None
+
+
+def compare(args: argparse.Namespace) -> int:
+    """agl against Agent Lightning 0.3.0, rounds alternating between them; see the module docstring."""
+    senders, size = args.senders, args.batch
+    peer_python = _peer_python(args.peer_python)
+    agl_batches = Batches(
+        size, (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID), lambda k, r: (f"ro-{k}-{r}", f"ro-{k}-{r}-a1")
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(str(Path(tmp) / "bench.sqlite"))
+        peer = None
+        # Agent Lightning accepts spans only for rollouts and attempts it started: one per 20 spans,
+        # started before each round (not timed), so every rollout holds 20 spans as on agl's side.
+        peer_ids: dict[tuple[int, int], tuple[str, str]] = {}
+        if peer_python is None:
+            print(
+                "peer: no Agent Lightning environment at .venv-agl (bash bench/setup_agl_env.sh, or"
+                " --peer-python PATH); measuring agl alone"
+            )
+        else:
+            peer = PeerServer(peer_python)
+        try:
+            peer_batches = (
+                Batches(size, (PEER_ROLLOUT_KEY, PEER_ATTEMPT_KEY), lambda k, r: peer_ids[k, r])
+                if peer is not None
+                else None
+            )
+            rates: dict[str, list[float]] = {"agl": [], "peer": []}
+            failures = {"agl": 0, "peer": 0}
+            sent = {"agl": 0, "peer": 0}
+            for rnd in range(args.rounds + 1):  # round 0 warms both up and is not counted
+                sides = ["agl", "peer"] if rnd % 2 == 0 else ["peer", "agl"]
+                for side in sides:
+                    maker = agl_batches if side == "agl" else peer_batches
+                    if maker is None:
+                        continue
+                    n = max(1, args.batches if side == "agl" else (args.peer_batches or args.batches))
+                    if rnd == 0:
+                        n = 1
+                    first = 1000 * rnd
+                    if side == "peer":
+                        assert peer is not None
+                        for k in range(senders):
+                            wanted = range(first * size // 20, ((first + n) * size + 19) // 20)
+                            started = peer.start_rollouts(len(wanted))
+                            sender = rnd * senders + k + 1
+                            peer_ids.update(
+                                ((sender, r), ids) for r, ids in zip(wanted, started, strict=True)
+                            )
+                    bodies = [
+                        [maker.make(rnd * senders + k + 1, first + i) for i in range(n)]
+                        for k in range(senders)
+                    ]
+                    url = server.url if side == "agl" else peer.url  # type: ignore[union-attr]
+                    rate, failed = send_round(url, bodies, size)
+                    sent[side] += senders * n * size
+                    if rnd:
+                        rates[side].append(rate)
+                        failures[side] += failed
+            agl_stored = httpx.get(server.url + "/api/stats").json()["spans"]
+            peer_stored = peer.stored(list(peer_ids.values())) if peer is not None else 0
+        finally:
+            server.stop()
+            if peer is not None:
+                peer.stop()
+
+    agl_rate = statistics.median(rates["agl"])
+    print(
+        f"{args.rounds} rounds alternating, {senders} senders, {size}-span batches"
+        f" (~{len(agl_batches.template) // size} B/span)"
+    )
+    print(f"{'store':<34} {'median spans/s':>14} {'min':>8} {'max':>8}  stored/sent")
+    print(
+        f"{'agl (SQLite, durable)':<34} {agl_rate:>14.0f} {min(rates['agl']):>8.0f} {max(rates['agl']):>8.0f}"
+        f"  {agl_stored}/{sent['agl']}"
+    )
+    if not rates["peer"]:
+        print(
+            f"store ingest: agl {agl_rate:.0f} spans/s; Agent Lightning 0.3.0 not measured (no .venv-agl):"
+            f" target {PEER_TARGET_RATIO:.0f}x not checked"
+        )
+        return 1
+    peer_rate = statistics.median(rates["peer"])
+    print(
+        f"{'Agent Lightning 0.3.0 (in memory)':<34} {peer_rate:>14.0f} {min(rates['peer']):>8.0f}"
+        f" {max(rates['peer']):>8.0f}  {peer_stored}/{sent['peer']}"
+    )
+    if failures["agl"] or failures["peer"]:
+        print(f"responses other than 200: agl {failures['agl']}, Agent Lightning {failures['peer']}")
+    ratio = agl_rate / peer_rate
+    ok = ratio >= PEER_TARGET_RATIO and agl_stored == sent["agl"]
+    verdict = "ok" if ok else f"MISSED by {PEER_TARGET_RATIO / ratio:.2f}x"
+    print(
+        f"store ingest: agl {agl_rate:.0f} spans/s durable vs Agent Lightning 0.3.0 {peer_rate:.0f}"
+        f" in memory, ratio {ratio:.1f}x, target >= {PEER_TARGET_RATIO:.0f}x: {verdict}"
+    )
+    return 0 if ok else 1
+
+
+def _mean_us(times: list[float], spans: int) -> float:
+    """Microseconds per span, the mean over batches (a checkpoint now and then is part of the cost)."""
+    return statistics.fmean(times) * 1e6 / spans
+
+
+def breakdown(args: argparse.Namespace) -> int:
+    """Where one batch's time goes, in microseconds per span; see the module docstring."""
+    import sqlite3
+
+    from agl_core.store._otlp import decode_protobuf, extract_rows
+    from agl_core.store._sql import _SPAN_COLUMNS, schema
+    from agl_core.store.redact import parse_rules
+    from agl_core.store.sqlite import SqliteStore
+
+    size = args.batch
+    maker = Batches(
+        size, (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID), lambda k, r: (f"ro-{k}-{r}", f"ro-{k}-{r}-a1")
+    )
+    bodies = [maker.make(k + 1, i) for k in range(2) for i in range(args.repeats)]
+    redactor = parse_rules(["email", "api-key"])
+    stage: dict[str, list[float]] = {k: [] for k in ("decode", "rows", "redact", "insert", "commit", "limit")}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = SqliteStore(Path(tmp) / "stages.sqlite")
+        bare = sqlite3.connect(Path(tmp) / "bare.sqlite", isolation_level=None)
+        bare.execute("PRAGMA journal_mode=WAL")
+        bare.execute("PRAGMA synchronous=NORMAL")
+        bare.executescript(
+            schema(serial="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB", real="REAL", bigint="INTEGER")
+        )
+        insert = f"INSERT INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+        for body in bodies:
+            t0 = time.perf_counter()
+            request = decode_protobuf(body)
+            t1 = time.perf_counter()
+            parsed = extract_rows(request, raw=body)  # as the ingest pipeline calls it
+            t2 = time.perf_counter()
+            extract_rows(decode_protobuf(body), redactor)
+            t3 = time.perf_counter()
+            stage["decode"].append(t1 - t0)
+            stage["rows"].append(t2 - t1)
+            stage["redact"].append(t3 - t2 - (t2 - t0))  # with the rules, less decode and rows without
+            with store._write() as conn:
+                t4 = time.perf_counter()
+                store._insert_spans(conn, parsed.rows)
+                t5 = time.perf_counter()
+            t6 = time.perf_counter()
+            stage["insert"].append(t5 - t4)
+            stage["commit"].append(t6 - t5)
+            # the physical limit: protobuf's own parse, a bare insert of rows of the same sizes, commit
+            rows = [(*row[:10], bytes(len(row[10]))) for row in parsed.rows]
+            t7 = time.perf_counter()
+            ExportTraceServiceRequest.FromString(body)
+            bare.execute("BEGIN")
+            bare.executemany(insert, rows)
+            bare.execute("COMMIT")
+            stage["limit"].append(time.perf_counter() - t7)
+        store.close()
+        bare.close()
+        # the whole request through a running store, one sender: the rest is HTTP and hand-offs
+        server = Server(str(Path(tmp) / "served.sqlite"))
+        try:
+            served = [maker.make(100 + k, i) for k in range(2) for i in range(args.repeats)]
+            whole = []
+            with httpx.Client(timeout=60) as http:
+                http.get(server.url + "/healthz")
+                for body in served:
+                    t0 = time.perf_counter()
+                    r = http.post(
+                        server.url + "/v1/traces",
+                        content=body,
+                        headers={"content-type": "application/x-protobuf"},
+                    )
+                    whole.append(time.perf_counter() - t0)
+                    assert r.status_code == 200, r.status_code
+        finally:
+            server.stop()
+    us = {k: _mean_us(v, size) for k, v in stage.items()}
+    total = _mean_us(whole, size)
+    inside = us["decode"] + us["rows"] + us["insert"] + us["commit"]
+    print(f"one {size}-span batch ({len(bodies[0]) // size} B/span), means of {len(bodies)}; us per span")
+    print(f"{'decode (ParseFromString)':<44} {us['decode']:>7.2f}")
+    print(f"{'row building (validate, ids, span bytes)':<44} {us['rows']:>7.2f}")
+    print(f"{'redaction (email + api-key; off by default)':<44} {us['redact']:>7.2f}")
+    print(f"{'SQL insert (executemany)':<44} {us['insert']:>7.2f}")
+    print(f"{'commit':<44} {us['commit']:>7.2f}")
+    print(f"{'HTTP, hand-offs, response (the rest)':<44} {max(total - inside, 0.0):>7.2f}")
+    print(f"{'whole request, one sender':<44} {total:>7.2f}   ({1e6 / total:,.0f} spans/s)")
+    print(
+        f"{'physical limit: parse + bare insert + commit':<44} {us['limit']:>7.2f}"
+        f"   ({1e6 / us['limit']:,.0f} spans/s)"
+    )
+    print(
+        f"breakdown: agl spends {inside:.2f} us/span decoding, building rows and writing, {total:.2f} per"
+        f" request; the physical limit is {us['limit']:.2f} ({inside / us['limit']:.2f}x and"
+        f" {total / us['limit']:.2f}x of it)"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -279,7 +634,20 @@ def main() -> int:
         default=os.environ.get("AGL_BENCH_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test"),
     )
     parser.add_argument("--skip-sdk", action="store_true")
+    parser.add_argument("--peer", action="store_true", help="agl beside Agent Lightning 0.3.0, same run")
+    parser.add_argument("--peer-python", help="Agent Lightning's interpreter (default: .venv-agl/bin/python)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=12, help="--peer: batches per sender per agl round")
+    parser.add_argument("--peer-batches", type=int, help="--peer: per sender per peer round (--batches)")
+    parser.add_argument("--breakdown", action="store_true", help="where one batch's time goes")
+    parser.add_argument("--repeats", type=int, default=20, help="--breakdown: batches timed")
     args = parser.parse_args()
+    if args.breakdown:
+        return breakdown(args)
+    if args.peer:
+        if "--senders" not in sys.argv:
+            args.senders = 2
+        return compare(args)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -293,3 +293,22 @@ def test_a_legacy_non_finite_value_fails_its_rollout_instead_of_looping(tmp_path
         assert store.get_rollouts([queued.rollout_id])[0].status == RolloutStatus.FAILED
     finally:
         store.close()
+
+
+def test_sqlite_checkpoints_beside_the_writer_and_stops_on_close(sqlite_store):
+    from agl_core.store._otlp import decode_protobuf, extract_rows
+
+    for n in range(6):  # ~3 MB of spans: past SQLite's own checkpoint threshold (1000 pages)
+        body = make_request(f"ro-ckpt-{n}", 500, first=1 + 500 * n, attrs=20).SerializeToString()
+        batch = extract_rows(decode_protobuf(body), raw=body)
+        assert sqlite_store.add_span_rows(batch.rows, batch.scopes) == 500
+    thread = sqlite_store._checkpoints
+    assert thread is not None and thread.is_alive()
+    deadline = time.monotonic() + 10
+    # the writer no longer checkpoints: the database file grows only by the checkpointer's copying
+    while sqlite_store.path.stat().st_size < 2_000_000:
+        assert time.monotonic() < deadline, "nothing was checkpointed into the database file"
+        time.sleep(0.05)
+    sqlite_store.close()
+    assert not thread.is_alive()
+    assert len(sqlite_store.path.read_bytes()) > 2_000_000

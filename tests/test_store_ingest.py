@@ -26,7 +26,7 @@ from agl_core import semconv
 from agl_core.server import BackgroundServer
 from agl_core.store import AsyncStoreClient, StoreClient, StoreUnavailableError
 from agl_core.store._ingest import IngestPipeline
-from agl_core.store._otlp import OtlpDecodeError
+from agl_core.store._otlp import OtlpDecodeError, decode_protobuf, extract_rows, span_slices
 from agl_core.store.redact import MASK, parse_rules
 from agl_core.store.service import RetentionPolicy, StoreService, parse_duration
 from agl_core.tracing import rollout_scope
@@ -526,6 +526,28 @@ def test_parse_workers_decode_in_another_process_with_the_same_result():
             pipeline.parse_async(b"\xff" * 20_000).result(60)
     finally:
         pipeline.close()
+
+
+def test_unredacted_spans_are_stored_as_the_bytes_they_arrived_as():
+    request = make_request("ro-a", 3)
+    second = request.resource_spans.add()  # a second resource, its two scopes: order kept everywhere
+    for scope_no in range(2):
+        scope = second.scope_spans.add()
+        scope.scope.name = f"scope-{scope_no}"
+        scope.spans.extend(
+            make_request("ro-b", 2, first=10 + 10 * scope_no).resource_spans[0].scope_spans[0].spans
+        )
+    body = request.SerializeToString()
+    sliced = extract_rows(decode_protobuf(body), raw=body)
+    encoded = extract_rows(decode_protobuf(body))
+    assert sliced == encoded and len(sliced.rows) == 7
+    assert [row[10] for row in sliced.rows] == [
+        span.SerializeToString()
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+    ]
+    assert span_slices(b"\x0a\x05\x12") is None  # a field running past the end: spans are encoded instead
 
 
 def test_grpc_requires_the_bearer_token_when_configured(store):

@@ -62,8 +62,9 @@ def _watch_parent(parent: int) -> None:
 
 
 def _parse(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBatch:
-    request = decode_json(body) if json_body else decode_protobuf(body)
-    return extract_rows(request, redactor)
+    if json_body:
+        return extract_rows(decode_json(body), redactor)
+    return extract_rows(decode_protobuf(body), redactor, raw=body)
 
 
 class IngestPipeline:

@@ -2,7 +2,8 @@
 
 A span is stored as its own protobuf encoding (``body``) beside the few columns that are indexed. That
 keeps ingest cheap (no per-attribute conversion on the hot path) and loses nothing the sender sent;
-attributes are decoded only when spans are read back.
+attributes are decoded only when spans are read back. Without redaction the body is the span's bytes as
+they arrived, cut out of the request (:func:`span_slices`) rather than encoded again.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "encode_export_response",
     "extract_rows",
     "row_to_span",
+    "span_slices",
     "span_to_proto",
 ]
 
@@ -173,13 +175,69 @@ def _span_problem(span: SpanProto) -> str:
     return problem
 
 
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _fields(data: bytes, start: int, end: int, wanted: int) -> list[tuple[int, int]]:
+    """(start, end) of each length-delimited field number ``wanted`` in ``data[start:end]``, in order;
+    other fields are skipped. Raises ``ValueError`` (or ``IndexError``) on what is not wire format."""
+    out = []
+    pos = start
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        kind = tag & 7
+        if kind == 2:
+            size, pos = _varint(data, pos)
+            if tag >> 3 == wanted:
+                out.append((pos, pos + size))
+            pos += size
+        elif kind == 0:
+            _, pos = _varint(data, pos)
+        elif kind == 1:
+            pos += 8
+        elif kind == 5:
+            pos += 4
+        else:  # groups: never in OTLP
+            raise ValueError(f"wire type {kind}")
+    if pos != end:
+        raise ValueError("field runs past its message")
+    return out
+
+
+def span_slices(body: bytes) -> list[list[list[tuple[int, int]]]] | None:
+    """Where each span's encoding lies in an ``ExportTraceServiceRequest`` body, as (start, end) offsets
+    indexed ``[resource_spans][scope_spans][span]`` like the decoded message; None when the body cannot
+    be walked (the caller encodes the decoded spans instead). Repeated message fields keep their order on
+    the wire, so the n-th occurrence is the n-th element."""
+    try:
+        return [
+            [_fields(body, ss_start, ss_end, 2) for ss_start, ss_end in _fields(body, rs_start, rs_end, 2)]
+            for rs_start, rs_end in _fields(body, 0, len(body), 1)
+        ]
+    except (ValueError, IndexError):
+        return None
+
+
 def extract_rows(
-    request: ExportTraceServiceRequest, redact: Callable[[Any], None] | None = None
+    request: ExportTraceServiceRequest,
+    redact: Callable[[Any], None] | None = None,
+    raw: bytes | None = None,
 ) -> ParsedBatch:
     """Validate each span and turn it into a :class:`SpanRow`.
 
     A span with an invalid id is rejected on its own (counted, first reason kept); the rest are kept.
-    ``redact`` is applied to every resource, scope and span message before anything is encoded.
+    ``redact`` is applied to every resource, scope and span message before anything is encoded. ``raw``,
+    the protobuf body ``request`` was decoded from, lets unredacted spans keep the bytes they arrived as.
     """
     total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
     if total > MAX_SPANS_PER_REQUEST:
@@ -193,11 +251,12 @@ def extract_rows(
     first_error = ""
     rollout_key, attempt_key = semconv.ROLLOUT_ID, semconv.ATTEMPT_ID
     rollout_marker = rollout_key.encode()
-    for resource_spans in request.resource_spans:
+    slices = span_slices(raw) if raw is not None and redact is None else None
+    for i, resource_spans in enumerate(request.resource_spans):
         if redact is not None:
             redact(resource_spans.resource)
         resource_bytes = resource_spans.resource.SerializeToString(deterministic=True)
-        for scope_spans in resource_spans.scope_spans:
+        for j, scope_spans in enumerate(resource_spans.scope_spans):
             if redact is not None:
                 redact(scope_spans.scope)
             scope_bytes = scope_spans.scope.SerializeToString(deterministic=True)
@@ -205,7 +264,16 @@ def extract_rows(
             if scope_key not in scopes:
                 scopes[scope_key] = (resource_bytes, scope_bytes)
             append = rows.append
-            for span in scope_spans.spans:
+            spans = scope_spans.spans
+            where: list[tuple[int, int]] | None = None
+            if slices is not None and raw is not None:
+                try:
+                    where = slices[i][j]
+                except IndexError:
+                    where = None
+                if where is not None and len(where) != len(spans):  # the walk disagrees: encode instead
+                    where = None
+            for n, span in enumerate(spans):
                 trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
                 start_ns, end_ns = span.start_time_unix_nano, span.end_time_unix_nano
                 # hot loop: the common valid case is checked inline, details only on failure
@@ -221,9 +289,13 @@ def extract_rows(
                     rejected += 1
                     first_error = first_error or f"span {span.name[:100]!r}: {_span_problem(span)}"
                     continue
-                if redact is not None:
-                    redact(span)
-                body = span.SerializeToString()
+                if where is not None:
+                    start, end = where[n]
+                    body = raw[start:end]  # type: ignore[index]
+                else:
+                    if redact is not None:
+                        redact(span)
+                    body = span.SerializeToString()
                 rollout_id = attempt_id = None
                 # Walking the attributes is the costly part of ingest; a span whose bytes do not even
                 # contain the rollout key has no rollout id. agl writes its identity attributes first,
