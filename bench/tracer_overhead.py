@@ -9,7 +9,8 @@ Bare and instrumented blocks alternate; the overhead is the median over block pa
 time per call. Each framework is measured in a process of its own.
 
 Reference (DESIGN.md, same machine kind): Agent Lightning 0.3.0's tracer adds about 1.25 ms per call.
-Target: under 0.25 ms per call for every adapter.
+Target: at most 0.1 ms per call for every adapter (the last line says, per adapter, whether it is met and
+by how much it is missed).
 
     python bench/tracer_overhead.py [--blocks 60] [--calls 20] [--frameworks langchain,openai_agents,autogen]
 """
@@ -35,7 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from agl_core.tracing import RolloutSpanProcessor, rollout_scope
 
 REFERENCE_MS = 1.25
-TARGET_MS = 0.25
+TARGET_MS = 0.1
 FRAMEWORKS = ("langchain", "openai_agents", "autogen")
 
 _COMPLETION = {
@@ -268,14 +269,21 @@ def main() -> int:
             f"{name:<15} {r['bare_ms']:>13.3f} {r['traced_ms']:>15.3f} {r['overhead_ms']:>14.3f}"
             f" {r['spans_per_call']:>11.1f}"
         )
-    ok = all(r["overhead_ms"] < TARGET_MS for r in results.values())
+    ok = all(r["overhead_ms"] <= TARGET_MS for r in results.values())
     worst = max(r["overhead_ms"] for r in results.values())
-    figures = ", ".join(f"{name} {r['overhead_ms']:+.3f} ms" for name, r in results.items())
+    verdicts = ", ".join(f"{name} {_verdict(r['overhead_ms'])}" for name, r in results.items())
     print(
-        f"tracer overhead: {figures} per LLM call (worst {worst:.3f} ms, reference {REFERENCE_MS} ms, "
-        f"{REFERENCE_MS / max(worst, 1e-9):.1f}x less), target < {TARGET_MS}: {'ok' if ok else 'missed'}"
+        f"tracer overhead per LLM call (target <= {TARGET_MS} ms; reference {REFERENCE_MS} ms, worst "
+        f"{REFERENCE_MS / max(worst, 1e-9):.1f}x less): {verdicts}"
     )
     return 0 if ok else 1
+
+
+def _verdict(overhead_ms: float) -> str:
+    """``+0.083 ms ok`` or ``+0.131 ms missed by 0.031 ms``."""
+    if overhead_ms <= TARGET_MS:
+        return f"{overhead_ms:+.3f} ms ok"
+    return f"{overhead_ms:+.3f} ms missed by {overhead_ms - TARGET_MS:.3f} ms"
 
 
 if __name__ == "__main__":

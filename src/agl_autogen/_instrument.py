@@ -68,11 +68,11 @@ class _Silent:
     def start_span(self, name: str, *args: Any, context: Any = None, **kwargs: Any) -> trace.Span:
         return trace.NonRecordingSpan(trace.get_current_span(context).get_span_context())
 
-    @contextlib.contextmanager
     def start_as_current_span(
         self, name: str, *args: Any, context: Any = None, **kwargs: Any
-    ) -> Iterator[trace.Span]:
-        yield self.start_span(name, context=context)
+    ) -> contextlib.AbstractContextManager[trace.Span]:
+        # nullcontext, not a generator-based context manager: AgentChat enters one per agent turn
+        return contextlib.nullcontext(self.start_span(name, context=context))
 
 
 _SILENT = _Silent()
@@ -131,9 +131,11 @@ class _Tracing:
                 self.hooks.call(hook, mark_span_error, span, exc)
             raise
         finally:  # success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries
-            with contextlib.suppress(ValueError):  # ended in another context (an abandoned generator)
-                if agent_token is not None:
+            if agent_token is not None:
+                try:
                     _current_agent.reset(agent_token)
+                except ValueError:  # ended in another context (an abandoned generator)
+                    pass
             if token is not None:
                 otel_context.detach(token)
             if span is not None:

@@ -82,8 +82,10 @@ def set_agent(name: str | None) -> Token[str | None]:
 def reset_agent(token: Token[str | None]) -> None:
     """Put back the calling agent :func:`set_agent` replaced. A token of another context (a call ended
     somewhere else than it started: nothing of it is left here) or one already used is ignored."""
-    with contextlib.suppress(ValueError, RuntimeError):
+    try:  # not contextlib.suppress: this runs at the end of every model call
         _agent.reset(token)
+    except (ValueError, RuntimeError):
+        pass
 
 
 @contextlib.contextmanager
@@ -216,8 +218,12 @@ def _sendable(name: str) -> bool:
 
 
 def _label(request: Any) -> None:
+    # Runs on every request the process sends: cheapest checks first (no known gateway is the common
+    # case outside a runner), the request's URL and headers are read last.
     name = _agent.get()
-    if not name or HEADER in request.headers or not _sendable(name) or not is_gateway_url(request.url):
+    if not name or not (_registered or _env_origins()):
+        return
+    if not _sendable(name) or not is_gateway_url(request.url) or HEADER in request.headers:
         return
     request.headers[HEADER] = name
 

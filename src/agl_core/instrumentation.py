@@ -256,16 +256,23 @@ def read_usage(usage: object) -> tuple[int | None, int | None]:
     ``completion_tokens``). A count that is missing or not a whole number is ``None``."""
     if usage is None:
         return None, None
+    # Called once per LLM call: the record's kind is checked once, not per key.
+    if isinstance(usage, Mapping):
+        get: Callable[[str], object] = usage.get
+    else:
 
-    def first(keys: tuple[str, ...]) -> int | None:
-        for key in keys:
-            value = usage.get(key) if isinstance(usage, Mapping) else getattr(usage, key, None)
-            count = _count(value)
-            if count is not None:
-                return count
-        return None
+        def get(key: str) -> object:
+            return getattr(usage, key, None)
 
-    return first(_INPUT_KEYS), first(_OUTPUT_KEYS)
+    return _first_count(get, _INPUT_KEYS), _first_count(get, _OUTPUT_KEYS)
+
+
+def _first_count(get: Callable[[str], object], keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        count = _count(get(key))
+        if count is not None:
+            return count
+    return None
 
 
 def usage_attributes(input_tokens: object, output_tokens: object) -> dict[str, int]:

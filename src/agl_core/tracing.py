@@ -84,7 +84,10 @@ class RolloutSpanProcessor(SpanProcessor):
     """
 
     def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
-        if span.attributes and semconv.ROLLOUT_ID in span.attributes:
+        # Runs for every span of the provider: the attributes view is built once (the SDK makes a new
+        # one on each access).
+        attributes = span.attributes
+        if attributes and semconv.ROLLOUT_ID in attributes:
             return
         attrs = context_rollout_attributes(parent_context)
         if attrs:

@@ -3,7 +3,6 @@ spans, and ``instrument()`` / ``uninstrument()`` that add it to (and remove it f
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from contextvars import ContextVar, Token
@@ -191,8 +190,10 @@ class AglTracingProcessor(TracingProcessor):
                 agent_header.reset_agent(opened.agent_token)
             if opened.headers_token is not None and opened.headers is not None:
                 # ValueError: ended in another context than it started in; nothing of ours is left there
-                with contextlib.suppress(ValueError):
+                try:
                     opened.headers.reset(opened.headers_token)
+                except ValueError:
+                    pass
             data = span.span_data
             kind = data.type
             otel_span = opened.span
