@@ -526,6 +526,17 @@ class UpdateConfig(_Strict):
     device: str = pydantic.Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     #: ``torch``: compute the forward passes in bfloat16 (autocast) on a GPU; ignored on CPU.
     bf16: bool = False
+    #: ``torch``: a prompt shared by a task group's rollouts keeps only its layers' inputs for the backward
+    #: pass, which runs its layers again (activation checkpointing). Unset: on for CPU, where a 700-token
+    #: prompt's activations (about 1.3 MB a token for a 135M model) are the update's memory peak (3.3 GB
+    #: resident against 2.6 GB with it, for about 15% more update time); off on a GPU.
+    recompute: bool | None = None
+
+    def recompute_on(self, device: Any) -> bool:
+        """``recompute``, or its default for ``device`` (a ``torch.device`` or its type name)."""
+        if self.recompute is not None:
+            return self.recompute
+        return str(getattr(device, "type", device)) == "cpu"
 
 
 #: Keys of verl's config that agl fills from its own settings (dotted path -> the agl key to set instead).

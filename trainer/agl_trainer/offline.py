@@ -28,6 +28,7 @@ from agl_core.records import Task, Transition
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainerConfig
+from .cpu import size_torch_threads
 from .loop import (
     CHECKPOINTS_DIR,
     INFLIGHT_FILE,
@@ -129,7 +130,7 @@ def train_from_traces(
     if own_store is not None and Path(traces.store).resolve() == (out / own_store).resolve():
         own_store = None  # never delete the traces being trained on
     checkpoint = _prepare_output(out, resume=resume, overwrite=overwrite, store_file=own_store)
-    torch.set_num_threads(config.train.threads)
+    size_torch_threads(config.train.threads)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     torch.manual_seed(config.train.seed)
     steps = steps_for(config, units)
@@ -257,6 +258,7 @@ def train_from_traces(
                         kl_coef=config.algorithm.kl_coef,
                         reference=policy.reference,
                         bf16=config.update.bf16,
+                        recompute=config.update.recompute_on(next(model.parameters()).device),
                     )
                 exact = len(transitions)
             seconds = time.monotonic() - t0

@@ -219,6 +219,7 @@ class TorchLearner:
         from .update import update_step
 
         algorithm = self.config.algorithm
+        device = next(self.model.parameters()).device
         return update_step(
             self.model,
             optimizer,
@@ -226,10 +227,11 @@ class TorchLearner:
             clip_eps=algorithm.clip_eps,
             pad_id=self.pad_id,
             max_grad_norm=algorithm.max_grad_norm,
-            micro_batch_tokens=algorithm.micro_batch_tokens_on(next(self.model.parameters()).device),
+            micro_batch_tokens=algorithm.micro_batch_tokens_on(device),
             kl_coef=algorithm.kl_coef,
             reference=self.reference,
             bf16=self.config.update.bf16,
+            recompute=self.config.update.recompute_on(device),
         )
 
     def _policy_steps(self, samples: Sequence[Advantaged]) -> PolicyStats:

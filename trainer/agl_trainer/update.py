@@ -172,16 +172,92 @@ def _response_token_logprobs(logits: torch.Tensor, samples: Sequence[Advantaged]
     return list(torch.split(logprobs, [len(s.transition.response_ids) for s in samples]))
 
 
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' ``GradientCheckpointingLayer``s, outermost only)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers: list[torch.nn.Module] = []
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(
+            name.startswith(prefix + ".") for prefix in inside
+        ):
+            layers.append(module)
+            inside.append(name)
+    return layers
+
+
+@contextlib.contextmanager
+def _recomputed(layers: Sequence[torch.nn.Module]) -> Any:
+    """Run ``layers`` under activation checkpointing while the block lasts: each keeps only its inputs for
+    the backward pass, which runs it again to get the rest. transformers' own gradient checkpointing turns
+    the key/value cache off, which the shared-prompt pass needs; this keeps it (see :class:`_PromptCache`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+        return run
+
+    for layer in layers:
+        layer.forward = checkpointed(layer.forward)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _prompt_cache() -> Any:
+    """A key/value cache for a prompt run once under :func:`_recomputed` layers: when the backward pass runs
+    a layer again, the layer's keys and values replace those it wrote the first time instead of being
+    appended to them (which would double the prompt)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class PromptCache(DynamicCache):
+        def update(
+            self,
+            key_states: torch.Tensor,
+            value_states: torch.Tensor,
+            layer_idx: int,
+            *args: Any,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+            if isinstance(layer, DynamicLayer) and layer.is_initialized:
+                # a DynamicLayer's reset drops its tensors (never zeroes them in place: the first pass's
+                # keys and values are in the autograd graph)
+                layer.reset()
+            result: tuple[torch.Tensor, torch.Tensor] = super().update(
+                key_states, value_states, layer_idx, *args, **kwargs
+            )
+            return result
+
+    return PromptCache()
+
+
 def _shared_prompt_logprobs(
-    model: torch.nn.Module, samples: Sequence[Advantaged], pad_id: int, *, bf16: bool = False
+    model: torch.nn.Module,
+    samples: Sequence[Advantaged],
+    pad_id: int,
+    *,
+    bf16: bool = False,
+    recompute: bool = False,
 ) -> list[torch.Tensor] | None:
     """:func:`response_logprobs` for samples that share one prompt (a task group's rollouts), with the
     prompt run through the model once: its keys and values, computed with gradients, are repeated for each
     response, and the responses run as one batch on top of them. The same numbers as running each sequence
     whole (attention over the prompt is the same), the prompt's gradients summed over the responses, for
     a fraction of the work when the prompt is long and the responses short. None when the model does not
-    take a cache this way (the caller then runs the sequences whole)."""
+    take a cache this way (the caller then runs the sequences whole).
+
+    With ``recompute``, the prompt's layers keep only their inputs for the backward pass, which runs them
+    again: a prompt's activations cost about 1.3 MB per token for a 135M model, so a long prompt is the
+    update's memory peak; recomputing it costs one more forward pass of the prompt."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     from .model import cache_key
 
@@ -190,21 +266,35 @@ def _shared_prompt_logprobs(
     responses = [list(s.transition.response_ids) for s in samples]
     width = max(len(r) for r in responses)
     k, start = len(samples), len(prompt)
+    layers = _decoder_layers(model) if recompute and torch.is_grad_enabled() else []
     with _autocast(device, bf16):
         key = cache_key()
         try:
-            head = model(
-                input_ids=torch.tensor([prompt], device=device),
-                use_cache=True,
-                logits_to_keep=1,
-                **{key: DynamicCache()},
-            )
+            with _recomputed(layers) if layers else contextlib.nullcontext():
+                head = model(
+                    input_ids=torch.tensor([prompt], device=device),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{key: _prompt_cache() if layers else DynamicCache()},
+                )
         except TypeError:
             return None
-        cache = getattr(head, key, None)
-        if not isinstance(cache, DynamicCache) or cache.get_seq_length() != start:
+        written = getattr(head, key, None)
+        if not isinstance(written, DynamicCache) or written.get_seq_length() != start:
             return None
-        cache.batch_repeat_interleave(k)
+        if layers:
+            # the responses get a cache of their own, the prompt's keys and values once per response; the
+            # prompt's cache stays as it is, for its layers run again in the backward pass
+            cache = DynamicCache()
+            for index, layer in enumerate(written.layers):
+                if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+                    return None
+                cache.update(
+                    layer.keys.repeat_interleave(k, dim=0), layer.values.repeat_interleave(k, dim=0), index
+                )
+        else:
+            cache = written
+            cache.batch_repeat_interleave(k)
         ids = torch.full((k, width), pad_id, dtype=torch.long)
         mask = torch.zeros((k, start + width), dtype=torch.long)
         mask[:, :start] = 1
@@ -299,12 +389,14 @@ def batch_loss(
     kl_coef: float = 0.0,
     reference: ReferenceFn | None = None,
     bf16: bool = False,
+    recompute: bool = False,
 ) -> tuple[float, dict[str, float]]:
     """The per-rollout-normalised PPO-clip loss of ``samples`` (+ ``kl_coef`` x KL to the reference);
     with ``backward``, accumulate gradients micro-batch by micro-batch.
 
     Returns (loss, {"tokens", "clip_fraction", "approx_kl", "kl_to_reference"}). Samples without behaviour
-    logprobs use the current policy's (ratio 1: plain policy gradient).
+    logprobs use the current policy's (ratio 1: plain policy gradient). ``recompute``: a prompt shared by a
+    group keeps only its layers' inputs for the backward pass (see :func:`_shared_prompt_logprobs`).
     """
     if kl_coef > 0 and reference is None:
         raise ValueError("kl_coef > 0 needs a reference (see reference_logprobs_fn)")
@@ -319,7 +411,11 @@ def batch_loss(
     ]
     for micro, one_prompt in micro_batches:
         ref = reference(micro) if kl_coef > 0 and reference is not None else None
-        new = _shared_prompt_logprobs(model, micro, pad_id, bf16=bf16) if one_prompt else None
+        new = (
+            _shared_prompt_logprobs(model, micro, pad_id, bf16=bf16, recompute=recompute and backward)
+            if one_prompt
+            else None
+        )
         if new is None:
             new = response_logprobs(model, micro, pad_id, bf16=bf16)
         losses = []
@@ -376,6 +472,7 @@ def update_step(
     kl_coef: float = 0.0,
     reference: ReferenceFn | None = None,
     bf16: bool = False,
+    recompute: bool = False,
 ) -> UpdateStats:
     """One optimizer step on ``samples`` (gradient accumulation over token-budgeted micro-batches).
     A non-finite gradient norm skips the step (the weights stay as they were)."""
@@ -393,6 +490,7 @@ def update_step(
         kl_coef=kl_coef,
         reference=reference,
         bf16=bf16,
+        recompute=recompute,
     )
     grad_norm = apply_gradients(optimizer, max_grad_norm)
     return UpdateStats(
