@@ -5,7 +5,8 @@ steps and held-out tasks unless told otherwise) into a temporary directory, then
 phases from its ``metrics.jsonl`` line: the rollouts (and, inside them, the transformers backend
 generating), fetching spans and building transitions, the update, publishing the new weights, and a
 held-out evaluation run after the step; generation and update tokens per second; the process's peak
-resident memory. The last lines are the medians over the steps and the whole run's wall time.
+resident memory. The last lines are the medians over the steps, the whole run's wall time, and the CPU
+time it took (user and kernel, how many cores it kept busy) with the process's peak resident memory.
 
     python bench/main_job_profile.py [--steps 2] [--val-tasks 10] [--set KEY=VALUE ...]
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         for item in overrides + args.set:
             command += ["--set", item]
         started = time.monotonic()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wall = time.monotonic() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             print(f"the job failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
             return 1
@@ -81,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     step_s = statistics.median(r["seconds"] for r in steps)
     print(f"median step {step_s:.1f} s; the whole job {wall:.0f} s (model load and held-out runs included)")
+    user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
+    busy = (user + system) / wall
+    print(
+        f"CPU: {user:.0f} s user + {system:.0f} s system over {wall:.0f} s ({busy:.2f} cores"
+        f" busy of {len(os.sched_getaffinity(0))}, {system / max(user + system, 1e-9):.0%} in the kernel);"
+        f" process peak RSS {after.ru_maxrss / 2**20:.2f} GiB"
+    )
     return 0
 
 

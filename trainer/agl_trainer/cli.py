@@ -12,6 +12,7 @@ import json
 import sys
 
 from .config import ConfigError, add_override_argument, load_config
+from .cpu import passive_openmp
 
 __all__ = ["TRAIN_COMMAND", "run_train"]
 
@@ -37,6 +38,7 @@ def run_train(
     if print_config:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
+    passive_openmp()  # before anything imports torch
     from .checkpoint import CheckpointError
     from .requirements import check_requirements
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from agl_core.records import Span, Task
 
 from .config import ConfigError, TrainerConfig, add_override_argument, load_config
+from .cpu import passive_openmp
 from .data import DatasetError, find_task_file, load_splits, load_tasks
 from .reporting import held_out_line, paired_difference
 from .results import EvalResult, mean_se
@@ -470,6 +471,7 @@ class EvalCommand:
             config = load_config(args.config, args.overrides)
         except ConfigError as exc:
             return _fail(str(exc))
+        passive_openmp()  # before anything imports torch
         from .model import ModelNotFoundError
         from .requirements import check_requirements
 

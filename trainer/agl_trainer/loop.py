@@ -25,6 +25,7 @@ from agl_core.runner import load_agent, resolve_mode
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
+from .cpu import size_torch_threads
 from .data import TaskSampler, load_splits
 from .memory import limit_arenas, release_free_memory
 from .pipeline import AsyncTrainStep
@@ -399,7 +400,7 @@ def train(
     checkpoint = _prepare_output(
         out, resume=resume, overwrite=overwrite, store_file=None if config.store.url else config.store.path
     )
-    torch.set_num_threads(config.train.threads)
+    size_torch_threads(config.train.threads)
     limit_arenas()  # before the store, gateway and runner threads start
     # peft asks transformers a deprecated question on every wrap; not actionable for a user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

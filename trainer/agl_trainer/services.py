@@ -25,6 +25,7 @@ from agl_core.store.service import StoreService
 from agl_core.tracing import make_otlp_exporter, setup_tracing
 
 from .config import TrainerConfig
+from .cpu import size_torch_threads
 from .rollouts import wait_for_store
 from .serving import HFServing, VLLMServing, start_serving
 
@@ -193,9 +194,7 @@ def load_served_model(config: TrainerConfig, *, echo: Callable[[str], None]) -> 
         return None, load_tokenizer(config.model.source)
     import warnings
 
-    import torch
-
-    torch.set_num_threads(config.train.threads)
+    size_torch_threads(config.train.threads)
     # peft asks transformers a deprecated question when it wraps a model; not actionable for a user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
