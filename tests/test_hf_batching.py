@@ -42,11 +42,19 @@ async def _collect(backend: Any, request: ChatRequest) -> list[Completion]:
     return [e async for e in backend.generate("tiny", request) if isinstance(e, Completion)]
 
 
-def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(tiny_policy):
+@pytest.mark.parametrize("prefill_tokens", [2048, 1])
+def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(tiny_policy, prefill_tokens):
+    """With ``prefill_tokens`` 1 every prompt is prefilled in a pass of its own and the passes merged
+    (the same tokens and logprobs either way)."""
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
-    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=16)
+    backend = HFBackend(
+        model, tokenizer, model_name="tiny", default_max_tokens=16, prefill_tokens=prefill_tokens
+    )
+    passes: list[int] = []
+    one_pass = backend._prefill_pass
+    backend._prefill_pass = lambda jobs: passes.append(len(jobs)) or one_pass(jobs)  # type: ignore[method-assign]
     hold = _Hold(backend.stop_ids)
     backend.logits_processor = hold
     long, short, pair = (
@@ -60,6 +68,7 @@ def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(
 
         hold.trigger = tuple(backend._prepare(long, lambda e: None).prompt_ids)
         backend.peak_batch = 0
+        passes.clear()
 
         async def together() -> list[list[Completion]]:
             first = asyncio.create_task(_collect(backend, long))
@@ -76,6 +85,8 @@ def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(
         assert time.monotonic() - started < 60
         assert backend.joined_requests == 2, "the requests waited for the batch to end instead of joining it"
         assert backend.peak_batch == 4  # the long request, the short one and the pair's two choices
+        # the long request alone, then the two that joined: in one pass, or one pass each
+        assert passes == ([1, 2] if prefill_tokens > 100 else [1, 1, 1])
         for request, got in zip((long, short, pair), results, strict=True):
             expected = alone[id(request)]
             assert len(got) == len(expected) == request.n

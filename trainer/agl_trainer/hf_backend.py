@@ -142,10 +142,11 @@ class _Decoding:
             self.positions[select],
         )
 
-    def merged(self, other: _Decoding) -> _Decoding:
-        """These rows and ``other``'s as one batch: the narrower side's cache and mask are padded on the
-        left (masked out), so every row keeps its own positions."""
-        width = max(self.mask.shape[1], other.mask.shape[1])
+    def merged(self, *others: _Decoding) -> _Decoding:
+        """These rows and ``others``' as one batch (one copy of each cache layer): the narrower sides'
+        caches and masks are padded on the left (masked out), so every row keeps its own positions."""
+        parts = (self, *others)
+        width = max(part.mask.shape[1] for part in parts)
 
         def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
             missing = width - t.shape[dim]
@@ -155,15 +156,18 @@ class _Decoding:
             shape[dim] = missing
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-        for mine, theirs in zip(self.past.layers, other.past.layers, strict=True):
-            mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)], dim=0)
-            mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)], dim=0)
+        for layers in zip(*(part.past.layers for part in parts), strict=True):
+            mine = layers[0]
+            mine.keys = torch.cat([pad(layer.keys, -2) for layer in layers], dim=0)
+            mine.values = torch.cat([pad(layer.values, -2) for layer in layers], dim=0)
+            for layer in layers[1:]:  # each side's own copy goes as soon as it is merged
+                layer.keys = layer.values = None
         return _Decoding(
-            self.rows + other.rows,
+            [row for part in parts for row in part.rows],
             self.past,
-            torch.cat([self.logits, other.logits]),
-            torch.cat([pad(self.mask, 1), pad(other.mask, 1)]),
-            torch.cat([self.positions, other.positions]),
+            torch.cat([part.logits for part in parts]),
+            torch.cat([pad(part.mask, 1) for part in parts]),
+            torch.cat([part.positions for part in parts]),
         )
 
 
@@ -219,8 +223,11 @@ class HFBackend:
         logits_processor: LogitsProcessor | None = None,
         route: Callable[[str | None], str | None] | None = None,
         continuous: bool = True,
+        prefill_tokens: int = 2048,
     ) -> None:
         self.model = model
+        #: Padded prompt tokens per prefill pass (see :meth:`_prefill`).
+        self.prefill_tokens = max(1, prefill_tokens)
         #: Let requests that arrive while a batch decodes join it (continuous batching); ``False`` runs each
         #: batch to completion first.
         self.continuous = continuous
@@ -537,8 +544,26 @@ class HFBackend:
         return self.model(**kwargs)
 
     def _prefill(self, jobs: list[_Job]) -> _Decoding:
-        """The prompts of ``jobs`` through the model (left-padded to one width): their rows, cache and the
-        logits of each row's first token."""
+        """The prompts of ``jobs`` through the model: their rows, cache and the logits of each row's first
+        token. Prompts go through in passes of at most ``prefill_tokens`` padded tokens (any one prompt
+        alone when longer), merged after: a pass's activations (its MLP's and attention's intermediate
+        tensors, for every token at once) are the backend's memory peak when many long prompts arrive
+        together."""
+        passes: list[list[_Job]] = []
+        width = 0
+        for job in jobs:
+            longest = max(width, len(job.prompt_ids))
+            if passes and longest * (len(passes[-1]) + 1) <= self.prefill_tokens:
+                passes[-1].append(job)
+                width = longest
+            else:
+                passes.append([job])
+                width = len(job.prompt_ids)
+        states = [self._prefill_pass(chunk) for chunk in passes]
+        return states[0].merged(*states[1:]) if len(states) > 1 else states[0]
+
+    def _prefill_pass(self, jobs: list[_Job]) -> _Decoding:
+        """The prompts of ``jobs`` through the model in one pass, left-padded to one width."""
         device = self.device
         width = max(len(j.prompt_ids) for j in jobs)
         ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long, device=device)
