@@ -22,18 +22,12 @@ fi
 peer_version="${AGL_PEER_VERSION:-0.3.0}"
 
 # The versions agl's environment runs, so that the peer's OTLP decode and HTTP serving are the same code.
-pins=()
-for dist in protobuf googleapis-common-protos opentelemetry-proto opentelemetry-api opentelemetry-sdk \
+# shellcheck source=bench/_pins.sh
+source "$root/bench/_pins.sh"
+pins_of "$agl_python" protobuf googleapis-common-protos opentelemetry-proto opentelemetry-api opentelemetry-sdk \
     opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-grpc \
     opentelemetry-exporter-otlp-proto-common opentelemetry-semantic-conventions \
-    starlette uvicorn h11 pydantic pydantic-core grpcio; do
-    version="$("$agl_python" -c "import importlib.metadata as m; print(m.version('$dist'))" 2>/dev/null || true)"
-    if [[ -z "$version" ]]; then
-        echo "$agl_python has no $dist installed; pass agl's interpreter as the argument" >&2
-        exit 2
-    fi
-    pins+=("$dist==$version")
-done
+    starlette uvicorn h11 pydantic pydantic-core grpcio
 
 python3 -m venv "$root/.venv-agl"
 "$root/.venv-agl/bin/pip" install --quiet "${pins[@]}" "agentlightning==$peer_version"

@@ -25,15 +25,9 @@ if [[ ! -f "$constraints" ]]; then
 fi
 
 # The versions agl's environment runs, so that TRL's side loads and trains the same code.
-pins=()
-for dist in torch transformers peft accelerate safetensors tokenizers; do
-    version="$("$agl_python" -c "import importlib.metadata as m; print(m.version('$dist'))" 2>/dev/null || true)"
-    if [[ -z "$version" ]]; then
-        echo "$agl_python has no $dist installed; pass agl's interpreter (with its trainer extra) as the argument" >&2
-        exit 2
-    fi
-    pins+=("$dist==${version%%+*}")
-done
+# shellcheck source=bench/_pins.sh
+source "$root/bench/_pins.sh"
+pins_of "$agl_python" torch transformers peft accelerate safetensors tokenizers
 
 python3 -m venv "$root/.venv-trl"
 "$root/.venv-trl/bin/pip" install --quiet -c "$constraints" "${pins[@]}" "trl==$trl_version"

@@ -527,9 +527,9 @@ class UpdateConfig(_Strict):
     #: ``torch``: compute the forward passes in bfloat16 (autocast) on a GPU; ignored on CPU.
     bf16: bool = False
     #: ``torch``: a prompt shared by a task group's rollouts keeps only its layers' inputs for the backward
-    #: pass, which runs its layers again (activation checkpointing). Unset: on for CPU, where a 700-token
-    #: prompt's activations (about 1.3 MB a token for a 135M model) are the update's memory peak (3.3 GB
-    #: resident against 2.6 GB with it, for about 15% more update time); off on a GPU.
+    #: pass, which runs its layers again (activation checkpointing). Unset: on for CPU, where a long
+    #: prompt's activations (about 1.3 MB a token for a 135M model) are the update's memory peak (the main
+    #: job's 2-step profile: 2.88 GiB resident without, 2.38 with, the update 29% slower); off on a GPU.
     recompute: bool | None = None
 
     def recompute_on(self, device: Any) -> bool:
