@@ -14,16 +14,12 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-agl_python="${1:-$root/.venv/bin/python}"
-if [[ ! -x "$agl_python" ]]; then
-    echo "agl's interpreter $agl_python not found; run scripts/setup.sh or pass agl's python as the argument" >&2
-    exit 2
-fi
+# shellcheck source=bench/_pins.sh
+source "$root/bench/_pins.sh"
+agl_interpreter "${1:-}"
 peer_version="${AGL_PEER_VERSION:-0.3.0}"
 
 # The versions agl's environment runs, so that the peer's OTLP decode and HTTP serving are the same code.
-# shellcheck source=bench/_pins.sh
-source "$root/bench/_pins.sh"
 pins_of "$agl_python" protobuf googleapis-common-protos opentelemetry-proto opentelemetry-api opentelemetry-sdk \
     opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-grpc \
     opentelemetry-exporter-otlp-proto-common opentelemetry-semantic-conventions \

@@ -11,11 +11,9 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-agl_python="${1:-$root/.venv/bin/python}"
-if [[ ! -x "$agl_python" ]]; then
-    echo "agl's interpreter $agl_python not found; run scripts/setup.sh or pass agl's python as the argument" >&2
-    exit 2
-fi
+# shellcheck source=bench/_pins.sh
+source "$root/bench/_pins.sh"
+agl_interpreter "${1:-}"
 constraints="${AGL_CONSTRAINTS:-$(dirname "$agl_python")/../agl-constraints.txt}"
 trl_version="${TRL_VERSION:-1.16.0}"
 
@@ -25,8 +23,6 @@ if [[ ! -f "$constraints" ]]; then
 fi
 
 # The versions agl's environment runs, so that TRL's side loads and trains the same code.
-# shellcheck source=bench/_pins.sh
-source "$root/bench/_pins.sh"
 pins_of "$agl_python" torch transformers peft accelerate safetensors tokenizers
 
 python3 -m venv "$root/.venv-trl"
