@@ -68,6 +68,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_up(
+    url: str, seconds: float, interval: float, failure: str, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Poll ``url`` until it answers 200; ``RuntimeError(failure)`` after ``seconds`` or once ``proc``
+    has exited."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(interval)
+
+
 def _rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -130,16 +147,7 @@ class Server:
             stderr=subprocess.DEVNULL,
         )
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("store did not start")
-            time.sleep(0.05)
+        _wait_until_up(self.url + "/healthz", 30, 0.05, "store did not start")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -352,16 +360,13 @@ class PeerServer:
             env=env,
         )
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120  # importing agentlightning takes seconds
-        while True:
-            try:
-                if httpx.get(self.url + "/v1/agl/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Agent Lightning's store did not start ({python})")
-            time.sleep(0.1)
+        _wait_until_up(  # importing agentlightning takes seconds
+            self.url + "/v1/agl/health",
+            120,
+            0.1,
+            f"Agent Lightning's store did not start ({python})",
+            self.proc,
+        )
 
     def start_rollouts(self, n: int) -> list[tuple[str, str]]:
         """``n`` rollouts started through its API, each with its first attempt: (rollout id, attempt id)."""

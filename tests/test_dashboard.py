@@ -240,29 +240,21 @@ def test_a_token_guards_every_data_endpoint(run):
 def test_agl_dashboard_cli_serves_a_run_directory_and_refuses_unsafe_or_bad_input(run, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("AGL_STORE_TOKEN", None)
-    refused = subprocess.run(
-        [sys.executable, "-m", "agl_core.cli", "dashboard", "--runs", str(run["out"]), "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+
+    def dashboard(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "dashboard", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
+    refused = dashboard("--runs", str(run["out"]), "--host", "0.0.0.0")
     assert refused.returncode == 2 and "--token" in refused.stderr
-    missing = subprocess.run(
-        [sys.executable, "-m", "agl_core.cli", "dashboard", "--runs", str(tmp_path / "nope")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    missing = dashboard("--runs", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "is not a directory" in missing.stderr
-    no_store = subprocess.run(
-        [sys.executable, "-m", "agl_core.cli", "dashboard", "--store", str(tmp_path / "typo.sqlite")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    no_store = dashboard("--store", str(tmp_path / "typo.sqlite"))
     assert no_store.returncode == 2 and "nor an existing SQLite file" in no_store.stderr
     assert not (tmp_path / "typo.sqlite").exists()  # a mistyped path is not created as an empty store
     proc = subprocess.Popen(

@@ -171,6 +171,12 @@ class RewardsConfig(_Strict):
     timeout_episode_reward: _FiniteFloat | None = None
 
 
+def _is_cpu(device: Any) -> bool:
+    """Whether ``device`` (a ``torch.device`` or its type name) is the CPU: the defaults that differ by
+    device (micro-batch size, recompute) ask this."""
+    return str(getattr(device, "type", device)) == "cpu"
+
+
 class AlgorithmConfig(_Strict):
     #: Advantage estimator; every rule uses the PPO-clip loss with the gateway's behaviour logprobs.
     #: ``grpo``: group-normalised; ``ppo``: group-mean baseline; ``reinforce_pp``: REINFORCE++ (baseline,
@@ -202,8 +208,7 @@ class AlgorithmConfig(_Strict):
         """``micro_batch_tokens``, or its default for ``device`` (a ``torch.device`` or its type name)."""
         if self.micro_batch_tokens is not None:
             return self.micro_batch_tokens
-        on_cpu = str(getattr(device, "type", device)) == "cpu"
-        return CPU_MICRO_BATCH_TOKENS if on_cpu else GPU_MICRO_BATCH_TOKENS
+        return CPU_MICRO_BATCH_TOKENS if _is_cpu(device) else GPU_MICRO_BATCH_TOKENS
 
     @pydantic.model_validator(mode="after")
     def _per_call_needs_rewards(self) -> AlgorithmConfig:
@@ -536,7 +541,7 @@ class UpdateConfig(_Strict):
         """``recompute``, or its default for ``device`` (a ``torch.device`` or its type name)."""
         if self.recompute is not None:
             return self.recompute
-        return str(getattr(device, "type", device)) == "cpu"
+        return _is_cpu(device)
 
 
 #: Keys of verl's config that agl fills from its own settings (dotted path -> the agl key to set instead).

@@ -47,7 +47,7 @@ from agl_core.plugins import ServedBackend
 from agl_core.policies import BASE
 
 from .memory import release_free_memory
-from .model import cache_key
+from .model import cache_key, padded_groups
 
 __all__ = ["HFBackend", "LogitsProcessor", "serve_with_transformers"]
 
@@ -549,16 +549,7 @@ class HFBackend:
         alone when longer), merged after: a pass's activations (its MLP's and attention's intermediate
         tensors, for every token at once) are the backend's memory peak when many long prompts arrive
         together."""
-        passes: list[list[_Job]] = []
-        width = 0
-        for job in jobs:
-            longest = max(width, len(job.prompt_ids))
-            if passes and longest * (len(passes[-1]) + 1) <= self.prefill_tokens:
-                passes[-1].append(job)
-                width = longest
-            else:
-                passes.append([job])
-                width = len(job.prompt_ids)
+        passes = padded_groups(jobs, lambda job: len(job.prompt_ids), self.prefill_tokens)
         states = [self._prefill_pass(chunk) for chunk in passes]
         return states[0].merged(*states[1:]) if len(states) > 1 else states[0]
 

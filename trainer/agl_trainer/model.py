@@ -9,9 +9,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agl_core import settings
 
@@ -36,6 +36,26 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelNotFoundError(RuntimeError):
     pass
+
+
+_T = TypeVar("_T")
+
+
+def padded_groups(items: Sequence[_T], length: Callable[[_T], int], max_tokens: int) -> list[list[_T]]:
+    """``items``, in their order, cut into runs whose padded size (members x the longest ``length``) stays
+    within ``max_tokens``; an item longer than that makes a run of its own. The update's micro-batches and
+    the transformers backend's prefill passes."""
+    groups: list[list[_T]] = []
+    width = 0
+    for item in items:
+        longest = max(width, length(item))
+        if groups and longest * (len(groups[-1]) + 1) <= max_tokens:
+            groups[-1].append(item)
+            width = longest
+        else:
+            groups.append([item])
+            width = length(item)
+    return groups
 
 
 @functools.cache

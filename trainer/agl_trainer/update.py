@@ -191,7 +191,7 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _recomputed(layers: Sequence[torch.nn.Module]) -> Any:
     """Run ``layers`` under activation checkpointing while the block lasts: each keeps only its inputs for
     the backward pass, which runs it again to get the rest. transformers' own gradient checkpointing turns
-    the key/value cache off, which the shared-prompt pass needs; this keeps it (see :class:`_PromptCache`)."""
+    the key/value cache off, which the shared-prompt pass needs; this keeps it (see :func:`_prompt_cache`)."""
     from torch.utils.checkpoint import checkpoint
 
     def checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -362,20 +362,12 @@ def reference_logprobs_fn(
 
 def _micro_batches(samples: Sequence[Advantaged], max_tokens: int) -> list[list[Advantaged]]:
     """Group samples (longest first) so that each padded micro-batch stays within ``max_tokens``."""
-    ordered = sorted(samples, key=lambda s: -(len(s.transition.prompt_ids) + len(s.transition.response_ids)))
-    batches: list[list[Advantaged]] = []
-    current: list[Advantaged] = []
-    width = 0
-    for s in ordered:
-        length = len(s.transition.prompt_ids) + len(s.transition.response_ids)
-        if current and max(width, length) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, width = [], 0
-        current.append(s)
-        width = max(width, length)
-    if current:
-        batches.append(current)
-    return batches
+    from .model import padded_groups
+
+    def length(s: Advantaged) -> int:
+        return len(s.transition.prompt_ids) + len(s.transition.response_ids)
+
+    return padded_groups(sorted(samples, key=lambda s: -length(s)), length, max_tokens)
 
 
 def batch_loss(
