@@ -281,6 +281,7 @@ def test_gpu_backends_accept_hub_names_and_keep_them(folder):
         ),
         (GOOD + "verl: {trainer: {nnodes: 2}}\n", "the verl: section applies only with update.backend: verl"),
         (GOOD + "update: {device: gpu}\n", "'update.device': String should match pattern"),
+        (GOOD + "update: {recompute: maybe}\n", "'update.recompute': Input should be a valid boolean"),
     ],
 )
 def test_bad_serving_and_update_settings_are_named(folder, text, message):
@@ -289,3 +290,26 @@ def test_bad_serving_and_update_settings_are_named(folder, text, message):
         load_config(path)
     assert message in str(info.value)
     assert str(path) in str(info.value)
+
+
+def test_device_defaults_follow_the_device_unless_set():
+    """``algorithm.micro_batch_tokens`` and ``update.recompute`` default by device: small passes and
+    recompute on CPU, large passes and no recompute on a GPU; a value set in the config wins."""
+    import torch
+
+    from agl_trainer.config import (
+        CPU_MICRO_BATCH_TOKENS,
+        GPU_MICRO_BATCH_TOKENS,
+        AlgorithmConfig,
+        UpdateConfig,
+    )
+
+    for device in ("cpu", torch.device("cpu")):
+        assert AlgorithmConfig().micro_batch_tokens_on(device) == CPU_MICRO_BATCH_TOKENS
+        assert UpdateConfig().recompute_on(device) is True
+    for device in ("cuda", torch.device("cuda", 0)):
+        assert AlgorithmConfig().micro_batch_tokens_on(device) == GPU_MICRO_BATCH_TOKENS
+        assert UpdateConfig().recompute_on(device) is False
+    assert AlgorithmConfig(micro_batch_tokens=1024).micro_batch_tokens_on("cuda") == 1024
+    assert UpdateConfig(recompute=False).recompute_on("cpu") is False
+    assert UpdateConfig(recompute=True).recompute_on("cuda") is True
