@@ -305,6 +305,54 @@ def test_thread_graceful_stop_finishes_running_rollouts_and_ends_the_rest(sq):
     assert not_taken.status == RolloutStatus.QUEUED
 
 
+class _CountingStore:
+    """The store client with its dequeue requests counted."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self._client = client
+        self.dequeues = 0
+
+    def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0):
+        self.dequeues += 1
+        return self._client.dequeue_rollout(worker_id, lease_s=lease_s)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def test_idle_workers_take_turns_to_poll_and_a_burst_is_taken_at_once(sq):
+    """64 idle workers ask the store about once per poll interval between them, not once each (they did:
+    about 1,300 requests a second, which starved the agents of CPU); 64 rollouts queued at once still all
+    start together."""
+    store = _CountingStore(sq)
+    running = threading.Semaphore(0)
+    release = threading.Event()
+
+    def agent(task, llm):
+        running.release()
+        release.wait(10)
+        return 1.0
+
+    runner = Runner(agent, store, TracerProvider(), workers=64, poll_s=0.05).start()
+    try:
+        time.sleep(0.3)  # every worker has asked once by now (or is waiting for its turn)
+        before = store.dequeues
+        time.sleep(1.0)
+        idle = store.dequeues - before
+        assert idle <= 30, f"{idle} dequeue requests in 1 s from an idle runner polling every 50 ms"
+        queued = sq.enqueue_rollouts([{"task_id": f"t{i}"} for i in range(64)])
+        start = time.monotonic()
+        for _ in range(64):
+            assert running.acquire(timeout=10), "not every queued rollout started"
+        assert time.monotonic() - start < 5
+        release.set()
+        done = sq.wait_for_rollouts([r.rollout_id for r in queued], timeout_s=20, poll_s=0.05)
+    finally:
+        release.set()
+        runner.stop()
+    assert all(r.status == RolloutStatus.SUCCEEDED for r in done)
+
+
 def test_runner_waits_out_a_store_outage(sqlite_store, caplog):
     """Workers started while the store is down back off and retry; they serve work once it is up."""
     app = create_store_app(sqlite_store)
