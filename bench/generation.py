@@ -1,7 +1,7 @@
 """Generation throughput of the transformers backend (``HFBackend``, what ``serving.backend: hf`` serves)
 against a plain batched ``model.generate()`` loop on the same prompts, same model and threads.
 
-    python bench/generation.py [--requests 16] [--max-tokens 40] [--repeats 3] [--threads 2]
+    python bench/generation.py [--requests 16] [--max-tokens 40] [--repeats 3] [--threads 2] [--device cpu]
 
 Two workloads, on SmolLM2-135M-Instruct (the main job's model):
 
@@ -58,8 +58,9 @@ def plain_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_tok
     generated, EOS included, padding after it not."""
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    device = next(model.parameters()).device
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
@@ -132,12 +133,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gap-ms", type=float, default=150.0)
+    parser.add_argument("--device", default="cpu", help="where both sides run: cpu, cuda or cuda:N (cpu)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from agl_trainer.hf_backend import HFBackend
-    from agl_trainer.model import load_policy
+    from agl_trainer.model import load_policy, torch_device
 
+    try:
+        device = torch_device(args.device)
+    except (ValueError, RuntimeError) as exc:  # no GPU, or not a device name torch knows
+        parser.error(f"--device: {exc}")
     model, tokenizer = load_policy("smollm2")
+    model.to(device)
     model.eval()
     backends = {
         "continuous": HFBackend(model, tokenizer, model_name="bench", max_batch=args.requests),
@@ -152,7 +159,8 @@ def main() -> int:
     prompts = [backends["continuous"].render_prompt(r.messages, None) for r in requests]
     print(
         f"{args.requests} requests, prompts of {statistics.mean(map(len, prompts)):.0f} tokens, up to"
-        f" {args.max_tokens} new tokens, {args.threads} threads, {args.repeats} repeats (medians)"
+        f" {args.max_tokens} new tokens, on {device} with {args.threads} CPU threads, {args.repeats} repeats"
+        " (medians)"
     )
     plain_generate(model, tokenizer, prompts[:2], 4)  # warm-up
     together: dict[str, list[float]] = {"generate()": [], "backend": []}

@@ -9,6 +9,7 @@ resident memory. The last lines are the medians over the steps, the whole run's 
 time it took (user and kernel, how many cores it kept busy) with the process's peak resident memory.
 
     python bench/main_job_profile.py [--steps 2] [--val-tasks 10] [--set KEY=VALUE ...]
+    python bench/main_job_profile.py --from runs/calc_autogen/metrics.jsonl   # the table of a finished run
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "calc_autogen" / "config.yaml"
@@ -35,7 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     parser.add_argument("--val-tasks", type=int, default=10, help="held-out tasks before and after (10)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides")
+    parser.add_argument(
+        "--from",
+        dest="metrics",
+        metavar="METRICS_JSONL",
+        help="print the table of a run that already finished (its metrics.jsonl) instead of running one",
+    )
     args = parser.parse_args(argv)
+    if args.metrics:
+        path = Path(args.metrics)
+        if not path.is_file():
+            parser.error(f"--from: no file {path} (give a run's output_dir/metrics.jsonl)")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not any(r.get("kind") == "train" for r in rows):
+            parser.error(f"--from: {path} has no training step's line (kind: train)")
+        print_steps(rows)
+        return 0
     if args.steps < 1 or args.val_tasks < 0:
         parser.error("--steps must be at least 1 and --val-tasks at least 0")
     with tempfile.TemporaryDirectory(prefix="agl-profile-") as tmp:
@@ -57,6 +74,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the job failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
             return 1
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    print_steps(rows)
+    print(f"the whole job {wall:.0f} s (model load and held-out runs included)")
+    user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
+    busy = (user + system) / wall
+    print(
+        f"CPU: {user:.0f} s user + {system:.0f} s system over {wall:.0f} s ({busy:.2f} cores"
+        f" busy of {len(os.sched_getaffinity(0))}, {system / max(user + system, 1e-9):.0%} in the kernel);"
+        f" process peak RSS {after.ru_maxrss / 2**20:.2f} GiB"
+    )
+    return 0
+
+
+def print_steps(rows: list[dict[str, Any]]) -> None:
+    """The per-step table of a run's ``metrics.jsonl`` lines, their medians and the median step time."""
     steps = [r for r in rows if r.get("kind") == "train"]
     header = (
         f"{'step':>4} "
@@ -85,15 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'med':>4} " + " ".join(median(p) for p in PHASES) + f" {gen:>9.1f} {update:>9.1f} {peak:>7.2f}GB"
     )
     step_s = statistics.median(r["seconds"] for r in steps)
-    print(f"median step {step_s:.1f} s; the whole job {wall:.0f} s (model load and held-out runs included)")
-    user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
-    busy = (user + system) / wall
-    print(
-        f"CPU: {user:.0f} s user + {system:.0f} s system over {wall:.0f} s ({busy:.2f} cores"
-        f" busy of {len(os.sched_getaffinity(0))}, {system / max(user + system, 1e-9):.0%} in the kernel);"
-        f" process peak RSS {after.ru_maxrss / 2**20:.2f} GiB"
-    )
-    return 0
+    print(f"median step {step_s:.1f} s")
 
 
 if __name__ == "__main__":
