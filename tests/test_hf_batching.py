@@ -140,3 +140,61 @@ def test_no_request_joins_while_a_weight_update_waits(tiny_policy):
     finally:
         hold.release.set()
         backend.close()
+
+
+class _Relay:
+    """Logits processor: masks the stop tokens, and signals when a prompt's row has generated ``at``
+    tokens (so the test can send the next request while that one is still decoding)."""
+
+    def __init__(self, stop_ids: frozenset[int], at: int) -> None:
+        self.stop_ids = sorted(stop_ids)
+        self.at = at
+        self.reached: dict[tuple[int, ...], threading.Event] = {}
+
+    def __call__(self, prompt_ids: Any, response: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[self.stop_ids] = float("-inf")
+        if len(response) == self.at:
+            self.reached.setdefault(tuple(prompt_ids), threading.Event()).set()
+        return logits
+
+
+def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_policy):
+    """Eight requests, each sent while the one before it is half-way through, keep one batch decoding
+    from the first to the last. The cache is as wide as the rows still in it need (the columns of rows
+    that left are dropped), not one column more for every step the batch has lived, and every request
+    generates what it would alone."""
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=12)
+    relay = _Relay(backend.stop_ids, at=6)
+    backend.logits_processor = relay
+    requests = [_request(f"request {i}" + " and some more words" * (i % 3), 12) for i in range(8)]
+    widths: list[int] = []
+    forward = backend._forward
+    backend._forward = lambda **kw: widths.append(kw["attention_mask"].shape[1]) or forward(**kw)  # type: ignore[method-assign]
+    try:
+        alone = [asyncio.run(_collect(backend, r)) for r in requests]
+        prompts = [tuple(backend._prepare(r, lambda e: None).prompt_ids) for r in requests]
+        for prompt in prompts:
+            relay.reached[prompt] = threading.Event()
+        widths.clear()
+
+        async def relayed() -> list[list[Completion]]:
+            tasks = []
+            for request, prompt in zip(requests, prompts, strict=True):
+                tasks.append(asyncio.create_task(_collect(backend, request)))
+                assert await asyncio.to_thread(relay.reached[prompt].wait, 30)
+            return [await t for t in tasks]
+
+        results = asyncio.run(relayed())
+        assert backend.joined_requests == 7, "the requests did not join one batch"
+        longest = max(len(p) for p in prompts) + 12
+        # one batch for 8 x 6 + 6 = 54 decoding steps: without dropping the columns of rows that left,
+        # it would have been the first prompt's width plus 54 at the end
+        assert max(widths) <= longest + 1, (max(widths), longest)
+        for expected, got in zip(alone, results, strict=True):
+            assert got[0].response_ids == expected[0].response_ids
+            assert got[0].response_logprobs == pytest.approx(expected[0].response_logprobs, abs=1e-4)
+    finally:
+        backend.close()

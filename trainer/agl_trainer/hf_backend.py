@@ -141,6 +141,20 @@ class _Decoding:
             self.mask[select],
             self.positions[select],
         )
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the columns on the left that no row attends to any more (they were the padding of rows
+        that have left). Without this, a batch that requests keep joining (continuous batching through a
+        whole held-out run) widens by one column per decoding step for as long as it lives: every row's
+        cache and every step's attention grow with the batch's age, not the row's own length."""
+        first = int(torch.argmax(self.mask.any(dim=0).to(torch.int8)))
+        if first == 0:
+            return
+        for layer in self.past.layers:
+            layer.keys = layer.keys[..., first:, :].contiguous()
+            layer.values = layer.values[..., first:, :].contiguous()
+        self.mask = self.mask[:, first:]
 
     def merged(self, *others: _Decoding) -> _Decoding:
         """These rows and ``others``' as one batch (one copy of each cache layer): the narrower sides'
