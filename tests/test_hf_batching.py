@@ -198,3 +198,21 @@ def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_p
             assert got[0].response_logprobs == pytest.approx(expected[0].response_logprobs, abs=1e-4)
     finally:
         backend.close()
+
+
+def test_sampling_draws_each_token_as_often_as_its_probability_and_never_an_impossible_one():
+    from agl_trainer.hf_backend import sample
+
+    weights = torch.tensor([0.2, 0.0, 1.2, 0.6, 0.0])  # not normalised: 0.1, 0, 0.6, 0.3, 0
+    generator = torch.Generator().manual_seed(7)
+    draws = [sample(weights, generator) for _ in range(20000)]
+    counts = [draws.count(t) / len(draws) for t in range(5)]
+    assert counts[1] == counts[4] == 0.0
+    assert counts[0] == pytest.approx(0.1, abs=0.01)
+    assert counts[2] == pytest.approx(0.6, abs=0.015)
+    assert counts[3] == pytest.approx(0.3, abs=0.015)
+    again = torch.Generator().manual_seed(7)
+    assert [sample(weights, again) for _ in range(200)] == draws[:200]  # a seeded request repeats itself
+    # one possible token, at either end of the vocabulary
+    assert {sample(torch.tensor([0.0, 0.0, 3.0]), generator) for _ in range(50)} == {2}
+    assert {sample(torch.tensor([5.0, 0.0, 0.0]), generator) for _ in range(50)} == {0}
