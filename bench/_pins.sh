@@ -1,4 +1,4 @@
-# Sourced by bench/setup_*_env.sh, with `root` set to the repository root.
+# Sourced by bench/setup_*_env.sh and bench/gpu_pack.sh, with `root` set to the repository root.
 #
 # `agl_interpreter [PYTHON]` sets `agl_python` to PYTHON or, when empty, to .venv/bin/python (as
 # scripts/setup.sh makes it); it exits 2 when that is not an executable.

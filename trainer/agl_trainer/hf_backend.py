@@ -164,9 +164,9 @@ class _Decoding:
         first = int(torch.argmax(self.mask.any(dim=0).to(torch.int8)))
         if first == 0:
             return
-        for layer in self.past.layers:
-            layer.keys = layer.keys[..., first:, :].contiguous()
-            layer.values = layer.values[..., first:, :].contiguous()
+        for layer in self.past.layers:  # views: the next step's concatenation makes the new tensors
+            layer.keys = layer.keys[..., first:, :]
+            layer.values = layer.values[..., first:, :]
         self.mask = self.mask[:, first:]
 
     def merged(self, *others: _Decoding) -> _Decoding:
