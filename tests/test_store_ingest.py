@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -583,3 +584,38 @@ def test_grpc_requires_the_bearer_token_when_configured(store):
         assert len(store.query_spans(rollout_ids=["ro-auth-sdk"])) == 1
     finally:
         svc.close()
+
+
+@pytest.mark.parametrize("variable_limit", [None, 999])
+def test_sqlite_writes_a_batch_in_few_statements_in_order_and_each_span_once(sqlite_store, variable_limit):
+    """Every statement step gives up Python's lock, and taking it back from a thread busy with Python
+    costs up to the switch interval: a batch goes in as a few multi-row INSERTs, not one per span. The
+    order of the batch is the order of ``seq``; a span already stored, or twice in the batch, is written
+    once; an SQLite allowing fewer bound variables gets smaller statements."""
+    store = sqlite_store
+    first = extract_rows(make_request("ro-many", 30, first=1))
+    store.add_span_rows(first.rows, first.scopes)
+    writer = store._writer
+    if variable_limit:
+        writer.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, variable_limit)
+    statements: list[str] = []
+    writer.set_trace_callback(
+        lambda sql: statements.append(sql) if sql.startswith("INSERT INTO spans") else None
+    )
+    batch = extract_rows(make_request("ro-many", 1_300, first=11))  # spans 11-30 are stored already
+    rows = batch.rows + batch.rows[500:503]  # and three come twice
+    try:
+        assert store.add_span_rows(rows, batch.scopes) == 1_300 - 20
+    finally:
+        writer.set_trace_callback(None)
+    per = 256 if variable_limit is None else 64  # rows per statement: 11 variables each
+    assert len(statements) <= len(rows) // per + 8, len(statements)
+    assert max(sql.count("'span-") for sql in statements) == per  # the trace shows the bound values
+    spans = store.query_spans(rollout_ids=["ro-many"], limit=5_000)
+    assert [s.name for s in spans] == [f"span-{i}" for i in range(1, 1_311)]
+    assert [s.seq for s in spans] == sorted(s.seq for s in spans)
+    assert spans[-1].attributes["attr.2"] == "x" * 40
+
+    with pytest.raises(ValueError, match="11 fields"):  # a malformed row fails the whole write
+        store.add_span_rows([*extract_rows(make_request("ro-bad", 3)).rows, ("short",)], {})  # type: ignore[list-item]
+    assert store.query_spans(rollout_ids=["ro-bad"]) == []

@@ -13,6 +13,7 @@ it passes :data:`WAL_LIMIT_PAGES`, so it cannot grow without bound.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sqlite3
 import threading
@@ -26,9 +27,17 @@ __all__ = ["SqliteStore"]
 
 logger = logging.getLogger(__name__)
 
+#: Span rows bound to one INSERT statement (fewer where SQLite allows fewer variables): Python's sqlite3
+#: gives up the interpreter lock around every statement step, and while another thread runs Python the
+#: writer waits up to the switch interval (5 ms) to take it back, so one row per step let a busy thread
+#: (the server's event loop, an import's decoding) slow the writer down a hundredfold. Powers of two, so
+#: that any batch is written with at most a handful of distinct (cached) statements.
+ROWS_PER_INSERT = 256
+
 #: WAL pages past which the checkpointer holds writes off to catch up (SQLite's own default is 1000).
 WAL_LIMIT_PAGES = 8192
 
+_SPAN_FIELDS = len(_SPAN_COLUMNS.split(","))
 _SCHEMA = schema(serial="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB", real="REAL", bigint="INTEGER")
 
 
@@ -52,6 +61,7 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
         self._writer.executescript(_SCHEMA)
         # the checkpointer thread checkpoints instead (started with the first write)
         self._writer.execute("PRAGMA wal_autocheckpoint=0")
+        self._insert_sql: dict[int, str] = {}
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -121,7 +131,22 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
 
     def _insert_spans(self, conn: sqlite3.Connection, rows: Sequence[SpanRow]) -> int:
         before = conn.total_changes
-        conn.executemany(
-            f"INSERT INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING", rows
-        )
+        per, variables = ROWS_PER_INSERT, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        while per > 1 and per * _SPAN_FIELDS > variables:
+            per //= 2
+        start, count = 0, len(rows)
+        while start < count:
+            left = count - start
+            size = per if left >= per else 1 << (left.bit_length() - 1)  # the rest in powers of two
+            sql = self._insert_sql.get(size)
+            if sql is None:
+                places = ",".join(["(" + ",".join("?" * _SPAN_FIELDS) + ")"] * size)
+                sql = self._insert_sql[size] = (
+                    f"INSERT INTO spans ({_SPAN_COLUMNS}) VALUES {places} ON CONFLICT DO NOTHING"
+                )
+            values = list(itertools.chain.from_iterable(rows[start : start + size]))
+            if len(values) != size * _SPAN_FIELDS:
+                raise ValueError(f"every span row must have {_SPAN_FIELDS} fields")
+            conn.execute(sql, values)
+            start += size
         return conn.total_changes - before
