@@ -8,7 +8,7 @@ store; beside it, ``agl store serve`` (bench/store_ingest.py's server) is fed th
 OTLP/HTTP by concurrent senders, protobuf and JSON, each record once. Every figure counts spans
 committed to SQLite.
 
-    python bench/import_traces.py [--spans 200000] [--per-record 1000] [--senders 4]
+    python bench/import_traces.py [--spans 200000] [--per-record 1000] [--senders 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -122,36 +124,55 @@ def main() -> int:
     parser.add_argument("--spans", type=int, default=200_000)
     parser.add_argument("--per-record", type=int, default=1_000)
     parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="medians over this many runs of each side")
     args = parser.parse_args()
+    if args.repeats < 1 or args.spans < 1 or args.per_record < 1 or args.senders < 1:
+        parser.error("--spans, --per-record, --senders and --repeats must be at least 1")
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         json_path, proto_path, json_lines, proto_bodies = write_files(directory, args.spans, args.per_record)
         sizes = {"otlp-json": json_path.stat().st_size, "otlp-proto": proto_path.stat().st_size}
-        imported = {}
-        for fmt, path in (("otlp-proto", proto_path), ("otlp-json", json_path)):
-            db = directory / f"import-{fmt}.sqlite"
-            start = time.perf_counter()
-            summary = import_traces([path], str(db))
-            elapsed = time.perf_counter() - start
-            assert summary.new_spans == args.spans and not summary.problems, summary
-            imported[fmt] = (args.spans / elapsed, summary.rollouts)
-        ingest = {}
-        for fmt, bodies, ctype in (
-            ("otlp-proto", proto_bodies, "application/x-protobuf"),
-            ("otlp-json", json_lines, "application/json"),
-        ):
-            server = Server(str(directory / f"serve-{fmt}.sqlite"))
-            try:
-                ingest[fmt] = http_ingest(server, bodies, args.per_record, ctype, args.senders)
-            finally:
-                server.stop()
+        os.sync()  # the files just written are not flushed to disk under the first measurement
+        imported: dict[str, list[float]] = {"otlp-proto": [], "otlp-json": []}
+        ingest: dict[str, list[float]] = {"otlp-proto": [], "otlp-json": []}
+        rollouts = {}
+        for repeat in range(args.repeats):  # alternating, so that a busy spell touches both sides
+            for fmt, path in (("otlp-proto", proto_path), ("otlp-json", json_path)):
+                db = directory / f"import-{fmt}-{repeat}.sqlite"
+                start = time.perf_counter()
+                summary = import_traces([path], str(db))
+                elapsed = time.perf_counter() - start
+                assert summary.new_spans == args.spans and not summary.problems, summary
+                imported[fmt].append(args.spans / elapsed)
+                rollouts[fmt] = summary.rollouts
+            for fmt, bodies, ctype in (
+                ("otlp-proto", proto_bodies, "application/x-protobuf"),
+                ("otlp-json", json_lines, "application/json"),
+            ):
+                server = Server(str(directory / f"serve-{fmt}-{repeat}.sqlite"))
+                try:
+                    ingest[fmt].append(http_ingest(server, bodies, args.per_record, ctype, args.senders))
+                finally:
+                    server.stop()
+            for path in directory.glob(f"*-{repeat}.sqlite*"):
+                path.unlink()
         for fmt in ("otlp-proto", "otlp-json"):
-            rate, rollouts = imported[fmt]
-            rows.append((fmt, sizes[fmt], rollouts, rate, ingest[fmt]))
+            rows.append(
+                (
+                    fmt,
+                    sizes[fmt],
+                    rollouts[fmt],
+                    statistics.median(imported[fmt]),
+                    statistics.median(ingest[fmt]),
+                )
+            )
 
-    print(f"{args.spans:,} spans in traces of 20, {args.per_record} per record; SQLite, durable")
+    print(
+        f"{args.spans:,} spans in traces of 20, {args.per_record} per record; SQLite, durable;"
+        f" medians of {args.repeats} runs"
+    )
     print(
         f"{'format':<11} {'file MB':>8} {'rollouts':>9} {'import spans/s':>15}"
         f" {'HTTP ingest spans/s':>20} {'ratio':>6}"
