@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sqlite3
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,13 @@ WAL_LIMIT_PAGES = 8192
 
 _SPAN_FIELDS = len(_SPAN_COLUMNS.split(","))
 _SCHEMA = schema(serial="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB", real="REAL", bigint="INTEGER")
+
+
+def _variable_limit(conn: sqlite3.Connection) -> int:
+    """How many ``?`` one statement may bind on ``conn``."""
+    if sys.version_info >= (3, 11):
+        return conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    return 32_766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999  # SQLite's compiled-in defaults
 
 
 class SqliteStore(SqlStore[sqlite3.Connection]):
@@ -131,7 +139,7 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
 
     def _insert_spans(self, conn: sqlite3.Connection, rows: Sequence[SpanRow]) -> int:
         before = conn.total_changes
-        per, variables = ROWS_PER_INSERT, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        per, variables = ROWS_PER_INSERT, _variable_limit(conn)
         while per > 1 and per * _SPAN_FIELDS > variables:
             per //= 2
         start, count = 0, len(rows)
