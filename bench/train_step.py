@@ -35,7 +35,9 @@ completion (the same loss and gradients; tests/test_update.py checks it), where 
 whole: part of the difference is that.
 
 Headline: agl's tokens/s over TRL's, wall-clock and per CPU second; target >= 1.5x on both. Exits non-zero
-when missed. Measured 2026-11-25 on 2 cores: 247 against 141 tokens/s, 1.74x (1.75x per CPU second).
+when missed. Measured 2026-11-25 on 2 cores: 247 against 141 tokens/s, 1.74x (1.75x per CPU second); again
+later that day at the code of the runner's idle-polling fix, the machine slower for both: 186 against 104
+tokens/s, 1.79x (1.79x per CPU second).
 
     bash bench/setup_trl_env.sh [AGL_PYTHON]      # once: TRL in .venv-trl, beside agl's environment
     python bench/train_step.py [--sequences 8] [--group-size 4] [--prompt-tokens 64] [--completion-tokens 64]
