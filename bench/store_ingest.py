@@ -25,8 +25,8 @@ them. Medians of ``--rounds`` rounds; the last line is the ratio against the 10x
 ``--breakdown`` times one batch's stages in this process (decode, redaction, row building, SQL insert,
 commit) and the rest of a request through a running ``agl store serve`` (HTTP, hand-off to the parse
 worker and the writer, response), in microseconds per span, beside the physical limit: protobuf's
-``ParseFromString`` of the same batch plus a bare insert of equally sized rows (256-row statements, as the
-store writes) into a SQLite table with the same indexes (WAL, synchronous=NORMAL) and its commit.
+``ParseFromString`` of the same batch plus the store's insert statements, with equally sized rows, into a
+bare SQLite table with the same indexes (WAL, synchronous=NORMAL, no checkpointer) and its commit.
 
     python bench/store_ingest.py [--seconds 8] [--senders 4] [--batch 512] [--fill 1000000] [--postgres DSN]
     python bench/store_ingest.py --peer [--rounds 5] [--senders 2] [--batches 12] [--peer-batches 3]
@@ -537,7 +537,7 @@ def breakdown(args: argparse.Namespace) -> int:
     import sqlite3
 
     from agl_core.store._otlp import decode_protobuf, extract_rows
-    from agl_core.store._sql import _SPAN_COLUMNS, schema
+    from agl_core.store._sql import schema
     from agl_core.store.redact import parse_rules
     from agl_core.store.sqlite import SqliteStore
 
@@ -556,12 +556,6 @@ def breakdown(args: argparse.Namespace) -> int:
         bare.executescript(
             schema(serial="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB", real="REAL", bigint="INTEGER")
         )
-
-        def insert(count: int) -> str:
-            return f"INSERT INTO spans ({_SPAN_COLUMNS}) VALUES " + ",".join(
-                ["(?,?,?,?,?,?,?,?,?,?,?)"] * count
-            )
-
         for body in bodies:
             t0 = time.perf_counter()
             request = decode_protobuf(body)
@@ -585,9 +579,7 @@ def breakdown(args: argparse.Namespace) -> int:
             t7 = time.perf_counter()
             ExportTraceServiceRequest.FromString(body)
             bare.execute("BEGIN")
-            for start in range(0, len(rows), 256):
-                part = rows[start : start + 256]
-                bare.execute(insert(len(part)), [value for row in part for value in row])
+            store._insert_spans(bare, rows)  # the store's own statements, on the bare connection
             bare.execute("COMMIT")
             stage["limit"].append(time.perf_counter() - t7)
         store.close()
