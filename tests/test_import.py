@@ -266,6 +266,133 @@ def test_a_session_named_in_a_later_record_groups_the_whole_trace(tmp_path, sqli
     assert alone.rollout_id == f"imp-t-{trace_ids['other']}"
 
 
+def _counting_readings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files whose records are read, once per reading."""
+    readings: list[str] = []
+    records = _run.TraceFile.records
+
+    def counted(self: Any) -> Any:
+        readings.append(self.path.name)
+        return records(self)
+
+    monkeypatch.setattr(_run.TraceFile, "records", counted)
+    return readings
+
+
+def _plain_traces(provider: Any) -> None:
+    """Two traces of three spans that name no session and no rollout."""
+    tracer = provider.get_tracer("plain")
+    for _ in range(2):
+        with tracer.start_as_current_span("agent"):
+            for name in ("llm", "tool"):
+                with tracer.start_as_current_span(name):
+                    pass
+
+
+@pytest.mark.parametrize("kind", ["sessions", "plain traces"])
+def test_plain_protobuf_files_are_read_once_and_written_while_read(tmp_path, sqlite_store, monkeypatch, kind):
+    """No file names a rollout id, and each span names its trace's session (or no trace names any): each
+    trace's rollout is certain as soon as it is read, so its spans go to the writer then, and no file is
+    read twice."""
+    if kind == "sessions":
+        records = [_record(_openinference_session(f"s-{n}")) for n in range(3)]
+    else:
+        records = [_record(_plain_traces) for _ in range(3)]
+    path = _write(tmp_path / "oi.pb", b"".join(proto_record(spans) for spans in records))
+    readings = _counting_readings(monkeypatch)
+    handed: list[int] = []
+
+    summary = import_traces([path], sqlite_store, progress=lambda *a: handed.append(a[4]))
+
+    rollouts = 3 if kind == "sessions" else 6
+    assert (summary.spans, summary.new_spans, summary.rollouts, summary.problems) == (18, 18, rollouts, [])
+    assert readings == ["oi.pb"]
+    assert handed == [6, 12, 18]  # spans handed to the writer after each record
+    rollout_ids = _rollout_ids(sqlite_store)
+    assert len(rollout_ids) == rollouts
+    assert all(r.startswith("imp-s-" if kind == "sessions" else "imp-t-") for r in rollout_ids)
+    assert all(len(_by_rollout(sqlite_store, r)) == 18 // rollouts for r in rollout_ids)
+
+
+@pytest.mark.parametrize("memory", ["in memory", "read again"])
+def test_a_rollout_id_in_a_later_file_outranks_the_session_of_its_trace(
+    tmp_path, sqlite_store, monkeypatch, memory
+):
+    """A span of a trace names a session in the first file, another span of it a rollout id in the
+    second: the trace is the rollout's, and its spans are stored in the order read, whether they waited
+    for it in memory or, beyond the memory budget, were read again."""
+
+    def build(provider: Any) -> None:
+        tracer = provider.get_tracer("t")
+        with tracer.start_as_current_span("root"):
+            with tracer.start_as_current_span("first", attributes={semconv.SESSION_ID: "s-1"}):
+                pass
+            with tracer.start_as_current_span("second", attributes={semconv.ROLLOUT_ID: "ro-x"}):
+                pass
+        with tracer.start_as_current_span("other", attributes={semconv.SESSION_ID: "s-1"}):
+            pass
+
+    spans = {s.name: s for s in _record(build)}
+    a = _write(tmp_path / "a.pb", proto_record([spans["first"], spans["other"]]))
+    b = _write(tmp_path / "b.pb", proto_record([spans["second"], spans["root"]]))
+    if memory == "read again":
+        monkeypatch.setattr(_run, "_SPILL_MEMORY_BYTES", 1)
+    readings = _counting_readings(monkeypatch)
+
+    summary = import_traces([a, b], sqlite_store)
+
+    assert (summary.spans, summary.rollouts, summary.problems) == (4, 2, [])
+    assert readings == (["a.pb", "b.pb"] if memory == "in memory" else ["a.pb", "b.pb", "a.pb", "b.pb"])
+    trace_id = format(spans["root"].context.trace_id, "032x")
+    stored = sqlite_store.query_spans(trace_id=trace_id)
+    assert [s.name for s in stored] == ["first", "second", "root"]
+    assert {s.rollout_id for s in stored} == {"ro-x"}
+    (other,) = _by_rollout(sqlite_store, session_rollout_id("s-1"))
+    assert other.name == "other"
+    (rollout,) = sqlite_store.get_rollouts([session_rollout_id("s-1")])
+    assert rollout.metadata == {"source": "import", "file": str(a), semconv.SESSION_ID: "s-1"}
+
+
+def test_a_file_written_while_it_is_imported(tmp_path, sqlite_store, monkeypatch):
+    """A protobuf file is imported as it was when the import began: a record appended meanwhile waits
+    for the next import; a record changed before its second reading is reported, nothing else lost."""
+    path = _write(tmp_path / "live.pb", proto_record(_record(_agent_run("ro-1"))))
+    late = proto_record(_record(_agent_run("ro-2")))
+
+    def append(phase: str, *_: Any) -> None:
+        with open(path, "ab") as f:
+            f.write(late)
+
+    first = import_traces([path], sqlite_store, progress=append)
+    assert (first.spans, first.problems, _rollout_ids(sqlite_store)) == (3, [], ["ro-1"])
+    again = import_traces([path], sqlite_store)
+    assert (again.new_spans, again.problems, _rollout_ids(sqlite_store)) == (3, [], ["ro-1", "ro-2"])
+
+    # a trace that waits (its session may yet be outranked by the rollout id the file holds), read again
+    # after the file was rewritten under the import
+    changing = _write(
+        tmp_path / "changing.pb",
+        proto_record(_record(_openinference_session("s-7"))) + proto_record(_record(_agent_run("ro-3"))),
+    )
+    monkeypatch.setattr(_run, "_SPILL_MEMORY_BYTES", 1)
+
+    rewritten: list[str] = []
+
+    def rewrite(phase: str, *_: Any) -> None:
+        if not rewritten:  # the first reading holds the records already (they are read ahead)
+            rewritten.append(phase)
+            changing.write_bytes(proto_record(_record(_agent_run("ro-4"))) * 2)
+
+    summary = import_traces([changing], sqlite_store, progress=rewrite)
+
+    assert summary.exit_code == 1 and len(summary.problems) == 1
+    assert summary.problems[0] == (
+        f"{changing}: record 0 (byte 0): the file changed while it was imported, and 6 span(s) of this record"
+        " were not written: import it again"
+    )
+    assert len(_by_rollout(sqlite_store, "ro-3")) == 3
+
+
 # --- what goes wrong --------------------------------------------------------------------------------------
 def test_a_malformed_line_is_named_and_skipped(tmp_path, sqlite_store, capsys):
     good = json_line(_record(_agent_run("ro-ok")))

@@ -69,7 +69,9 @@ class _ProgressLine:
         self.last = now
         width = 30
         filled = int(width * done / total) if total else width
-        what = "reading" if phase == "scan" else f"importing, {spans:,} spans"
+        what = {"scan": "reading", "finish": f"finishing, {spans:,} spans"}.get(
+            phase, f"importing, {spans:,} spans"
+        )
         line = (
             f"[{'#' * filled}{'.' * (width - filled)}] {done / 1e6:,.1f}/{total / 1e6:,.1f} MB {what}: {file}"
         )

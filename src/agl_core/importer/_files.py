@@ -19,6 +19,8 @@ import gzip
 import io
 import itertools
 import json
+import mmap
+import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +73,9 @@ class TraceFile:
         self._raw: BinaryIO | None = None
         #: what the file turned out to hold: ``otlp-json``, ``otlp-proto`` (length-prefixed or bare)
         self.detected = ""
+        #: read only the bytes the file held when it was opened here (a file still being written is
+        #: imported as it was then): set for a :meth:`plain_protobuf` file whose bytes were scanned
+        self.bounded = False
 
     @property
     def position(self) -> int:
@@ -79,6 +84,30 @@ class TraceFile:
             return self._raw.tell() if self._raw is not None and not self._raw.closed else self.size
         except (OSError, ValueError):
             return self.size
+
+    def plain_protobuf(self) -> bool:
+        """Whether the file is a regular, uncompressed file that is read as protobuf: its bytes are then
+        the spans' own encodings, and :meth:`holds` can tell what it holds without decoding it."""
+        if self.format == "otlp-json":
+            return False
+        try:
+            if not stat.S_ISREG(self.path.stat().st_mode):
+                return False
+            with open(self.path, "rb") as raw:
+                head = raw.read(64)
+        except OSError:
+            return False
+        if head[:2] == _GZIP_MAGIC or head[:4] == _ZSTD_MAGIC:
+            return False
+        return self.format == "otlp-proto" or head.lstrip()[:1] != b"{"
+
+    def holds(self, marker: bytes) -> bool:
+        """Whether ``marker`` occurs in the file's first :attr:`size` bytes (a scan at memory speed, not
+        decoding; meaningful for a :meth:`plain_protobuf` file, whose strings are stored as they are)."""
+        if not self.size:
+            return False
+        with open(self.path, "rb") as raw, mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return view.find(marker, 0, self.size) >= 0
 
     def records(self) -> Iterator[Record | BadRecord]:
         with open(self.path, "rb") as raw:
@@ -126,10 +155,10 @@ class TraceFile:
             yield from _json_records(stream)
         elif stream.peek(1)[:1] == b"\x0a":
             self.detected = "otlp-proto, one message" + (f" ({compression})" if compression else "")
-            yield from _bare_records(stream)
+            yield from _bare_records(stream, self.size if self.bounded else -1)
         else:
             self.detected = "otlp-proto, length-prefixed" + (f" ({compression})" if compression else "")
-            yield from _prefixed_records(stream)
+            yield from _prefixed_records(stream, self.size if self.bounded else None)
 
 
 class _ZstdFrames(io.RawIOBase):
@@ -204,10 +233,12 @@ def _is_object(text: bytes) -> bool:
         return False
 
 
-def _prefixed_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]:
+def _prefixed_records(stream: io.BufferedReader, limit: int | None) -> Iterator[Record | BadRecord]:
     offset = 0
     index = 0
     while True:
+        if limit is not None and offset >= limit:
+            return
         header = stream.read(4)
         if not header:
             return
@@ -229,13 +260,20 @@ def _prefixed_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]
                 where, f"the file is truncated: the record announces {size} bytes, {len(body)} are left"
             )
             return
+        if limit is not None and offset + 4 + size > limit:
+            yield BadRecord(
+                where,
+                f"the record ends at byte {offset + 4 + size}, past the {limit} bytes the file held when the"
+                " import began (it is being written): import the file again for the rest",
+            )
+            return
         yield Record(body, False, where)
         offset += 4 + size
         index += 1
 
 
-def _bare_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]:
-    body = stream.read()
+def _bare_records(stream: io.BufferedReader, limit: int) -> Iterator[Record | BadRecord]:
+    body = stream.read(limit)
     try:
         request = ExportTraceServiceRequest.FromString(body)
     except (DecodeError, RuntimeError, ValueError) as exc:

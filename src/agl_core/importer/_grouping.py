@@ -6,8 +6,9 @@ its spans) belongs to the rollout of that session, and every other trace is a ro
 are derived from the session or trace id alone (``imp-s-<hash of the session>``, ``imp-t-<trace id>``), so
 importing the same traces again names the same rollouts.
 
-Sessions span traces, and a trace's spans are spread over a file, so every span is looked at before any
-is written. Into a store written directly, :meth:`Grouping.learn` reads the rows the store's own ingest
+Sessions span traces, and a trace's spans are spread over a file, so a trace's rollout is final only
+when no span still to be read can change it (:meth:`Grouping.settled`); until then its spans wait. Into
+a store written directly, :meth:`Grouping.learn` reads the rows the store's own ingest
 parsed (its indexed rollout id; a span's own encoding is decoded only when it holds a session key the
 trace's grouping still lacks); into a running store, :meth:`Grouping.scan` reads the records (records
 without any of these keys are not even decoded).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -172,6 +173,19 @@ class Grouping:
             key, value = session
             return session_rollout_id(value), {key: value}
         return trace_rollout_id(trace_id), {"trace_id": trace_id.hex()}
+
+    def settled(self, trace_id: bytes, may_hold: Callable[[str], bool]) -> bool:
+        """Whether :meth:`rollout_of` ``trace_id`` is final, whatever spans are read after those learnt so
+        far; ``may_hold(key)`` says whether spans still to be read may carry attribute ``key``. A trace's
+        first rollout id is final; a session named by a key is final when no span can name a rollout
+        id or a session by a preferred key; a trace with neither, when no span can carry any of them."""
+        if trace_id in self._trace_rollout:
+            return True
+        if may_hold(semconv.ROLLOUT_ID):
+            return False
+        session = self._trace_session.get(trace_id)
+        rank = SESSION_KEYS.index(session[0]) if session is not None else len(SESSION_KEYS)
+        return not any(may_hold(key) for key in SESSION_KEYS[:rank])
 
     def attribute_bytes(self, rollout_id: str) -> bytes:
         """``agl.rollout.id = rollout_id`` encoded as one more ``attributes`` entry of a Span message.

@@ -1,13 +1,17 @@
 """Importing trace files into a store: the reading, the writes, the rollout records, the summary.
 
-A span's rollout can depend on spans read after it (a session named on a later span of its trace), so
-nothing is written before every file has been read. Into a store written directly, each record is
-decoded by the store's own ingest: the first phase reads the files and learns the grouping (a JSON
-record is parsed there, in worker processes for large imports, and its rows kept in a temporary spill, in
-memory up to 64 MiB and on disk beyond; a protobuf record is only scanned); the second gives each row
-without a rollout id its rollout and hands the rows to the store's writer (the spilled rows read back, the
-protobuf files read again and decoded). Into a running store, a
-first reading of the files learns the grouping from the records, and a second sends them over OTLP/HTTP.
+A span's rollout can depend on spans read after it (a session named on a later span of its trace, or a
+rollout id that outranks it). Into a store written directly, each record is decoded by the store's own
+ingest. Uncompressed protobuf files are read once: each record is decoded, and the spans of a trace
+whose rollout can no longer change (:meth:`Grouping.settled`, knowing which grouping keys the files'
+bytes hold at all) go to the store's writer at once; the others wait, in memory up to 64 MiB, beyond it
+for a second reading of their records, until the end of the files. Other files (JSON, compressed, or
+any file when redacting) take two phases: the first reads the files and learns the grouping (a JSON
+record is parsed there, in worker processes for large imports, and its rows kept in a temporary spill,
+in memory up to 64 MiB and on disk beyond; a protobuf record is only scanned); the second gives each
+row without a rollout id its rollout and hands the rows to the store's writer (the spilled rows read
+back, the protobuf files read again and decoded). Into a running store, a first reading of the files
+learns the grouping from the records, and a second sends them over OTLP/HTTP.
 """
 
 from __future__ import annotations
@@ -42,22 +46,26 @@ __all__ = ["ImportSummary", "Progress", "import_traces"]
 
 #: ``progress(phase, file, bytes_done, bytes_total, spans)``: ``phase`` is ``"scan"`` (reading the files
 #: for grouping, and into a store written directly parsing them; bytes over all files, as stored, that is
-#: compressed) or ``"import"`` (writing: into a store written directly, bytes over the spill of parsed
-#: spans, ``file`` the one a batch came from; into a running store, bytes over the files again).
+#: compressed), ``"import"`` (writing: protobuf files read once, bytes over the files; else into a store
+#: written directly, bytes over the spill of parsed spans, ``file`` the one a batch came from; into a
+#: running store, bytes over the files again) or ``"finish"`` (protobuf files read once: the records
+#: whose spans waited beyond the memory budget, read again; bytes over the files that hold them).
 Progress = Callable[[str, str, int, int, int], None]
 #: Parse in worker processes when the files hold more than this many bytes together.
 _WORKERS_FROM_BYTES = 32 * 1024 * 1024
-#: Parsed spans waiting for the second phase stay in memory up to this many bytes, then go to disk.
+#: Parsed spans waiting for the second phase stay in memory up to this many bytes, then go to disk (or,
+#: read once, are read again).
 _SPILL_MEMORY_BYTES = 64 * 1024 * 1024
 #: Spans per OTLP/HTTP request sent to a running store.
 _HTTP_BATCH_SPANS = 5_000
 _SOURCE = "import"
 #: Spans per transaction of an import. The writer commits what is queued, and an import queues its whole
 #: backlog at once: transactions of 20,000 spans (the store's limit) outgrow SQLite's page cache and pass
-#: the WAL size at which the checkpointer holds writes off within one transaction; at 1,024 the
-#: checkpointer copies each commit while the next is written (60k-span protobuf file: 48k -> 52k spans/s,
-#: medians of 5 alternating runs).
-_COMMIT_SPANS = 1_024
+#: the WAL size at which the checkpointer holds writes off within one transaction; with small ones the
+#: checkpointer copies each commit while the next is written (60k-span protobuf file, medians of 5
+#: alternating runs: 48k spans/s at 20,000, 52k at 1,024 when read twice; read once, 61k at 4,096, 64k at
+#: 1,024, 69k at 512, 66k at 256).
+_COMMIT_SPANS = 512
 
 
 @dataclasses.dataclass
@@ -83,13 +91,18 @@ class ImportSummary:
 
 
 class _Rollouts:
-    """The rollouts the imported spans belong to, with their metadata (from the first file seen in)."""
+    """The rollouts the imported spans belong to, with their metadata (from the first file, in the order
+    given, that holds one of their spans; ``order`` is that file's place when spans are written out of
+    the files' order)."""
 
     def __init__(self) -> None:
         self.metadata: dict[str, dict[str, Any]] = {}
+        self._order: dict[str, int] = {}
 
-    def note(self, rollout_id: str, file: str, grouped_by: dict[str, Any]) -> None:
-        if rollout_id not in self.metadata:
+    def note(self, rollout_id: str, file: str, grouped_by: dict[str, Any], order: int = 0) -> None:
+        known = self._order.get(rollout_id)
+        if known is None or order < known:
+            self._order[rollout_id] = order
             self.metadata[rollout_id] = {"source": _SOURCE, "file": file, **grouped_by}
 
     def requests(self) -> list[dict[str, Any]]:
@@ -184,20 +197,67 @@ def _write_all(
     sink.flush()
 
 
-class _Embedded:
-    """Spans through the store's own ingest pipeline (decoding, validation, redaction, group commit), in
-    two phases: :meth:`read_all` learns the grouping, :meth:`write_all` gives each row its rollout and
-    writes it.
+class _Waiting:
+    """Rows read before their trace's rollout was certain, in the order read: kept here up to a memory
+    budget, and beyond it given up (oldest trace first) for a second reading of their records, every
+    later row of those traces with them, so that a trace's spans are still written in the order read."""
 
-    A JSON record costs ten times more to decode than a protobuf one, so it is decoded once: in phase 1
-    (in worker processes for large imports), its rows spilled and read back in phase 2. A protobuf file
-    is read twice instead: phase 1 only scans its records for grouping keys, and phase 2 decodes each
-    record again, here, and hands its rows to the store's writer thread. Pickling the decoded rows to a
-    spill and reading them back cost more than the scan; decoding in worker processes costs about as
-    much as it saves (unpickling their rows, and two more processes on the cores the writer needs); and
-    the writer thread's SQLite inserts hold Python's lock for most of their time, so decoding and writing
-    in one process add up rather than overlap. With a redactor every record goes the JSON way: its
-    redacted rows are what is written."""
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.bytes = 0
+        #: trace id -> its rows waiting here: (row, file index, record number, record size, position)
+        self.rows: dict[bytes, list[tuple[SpanRow, int, int, int, int]]] = {}
+        #: traces whose rows are all left for the second reading
+        self.deferred: set[bytes] = set()
+        #: (file index, record number) -> (record size, positions of the rows to write in its batch)
+        self.records: dict[tuple[int, int], tuple[int, list[int]]] = {}
+
+    def hold(self, row: SpanRow, index: int, number: int, size: int, position: int) -> None:
+        trace_id = row[0]
+        if trace_id in self.deferred:
+            self._defer(index, number, size, position)
+            return
+        self.rows.setdefault(trace_id, []).append((row, index, number, size, position))
+        self.bytes += len(row[10]) + 256  # the encoding and the tuple around it, about
+        if self.bytes > self.budget:
+            while self.rows and self.bytes > self.budget // 2:
+                oldest = next(iter(self.rows))
+                self.deferred.add(oldest)
+                for held, *place in self.rows.pop(oldest):
+                    self.bytes -= len(held[10]) + 256
+                    self._defer(*place)
+
+    def release(self, trace_id: bytes) -> list[tuple[SpanRow, int, int, int, int]]:
+        """The rows of ``trace_id`` waiting here, in the order read, no longer held."""
+        held = self.rows.pop(trace_id, [])
+        for row, *_ in held:
+            self.bytes -= len(row[10]) + 256
+        return held
+
+    def _defer(self, index: int, number: int, size: int, position: int) -> None:
+        self.records.setdefault((index, number), (size, []))[1].append(position)
+
+
+class _Embedded:
+    """Spans through the store's own ingest pipeline (decoding, validation, redaction, group commit):
+    :meth:`read_all` reads the files, :meth:`write_all` writes what is left to write.
+
+    When every file is uncompressed protobuf and nothing is redacted, the files are read once
+    (:meth:`_read_once`): each record is decoded here and the rows of settled traces are handed to the
+    store's writer thread while the next record is decoded (the writer's multi-row SQLite statements
+    leave Python's lock while they run, so the two overlap); the rows of traces still unsettled wait.
+    How much that saves depends on what the files hold: with no rollout ids and a session on each span
+    (OpenInference's ``using_session``), or no grouping keys at all, every trace is settled at once and
+    nothing waits (60k-span file: 60k -> 65k spans/s, bench/import_traces.py).
+
+    Otherwise in two phases. A JSON record costs ten times more to decode than a protobuf one, so it is
+    decoded once: in phase 1 (in worker processes for large imports), its rows spilled and read back in
+    phase 2. A protobuf file (compressed, or beside JSON files) is read twice instead: phase 1 only scans
+    its records for grouping keys, and phase 2 decodes each record again and hands its rows to the
+    writer. Pickling the decoded rows to a spill and reading them back cost more than the scan, and
+    decoding in worker processes costs about as much as it saves (unpickling their rows, and two more
+    processes on the cores the writer needs). With a redactor every record goes the JSON way: its
+    redacted rows are what is written, and the grouping is learnt from the records as read."""
 
     def __init__(
         self,
@@ -231,6 +291,12 @@ class _Embedded:
         self.reread: set[int] = set()
         # trace id -> (rollout id, what it was grouped by, the attribute naming it), once per trace
         self.assigned: dict[bytes, tuple[str, dict[str, Any], bytes]] = {}
+        # read once (:meth:`_read_once`): the rows waiting for their rollout, every scope read, the
+        # traces whose rollout is certain, and whether the files hold each grouping key
+        self.waiting: _Waiting | None = None
+        self.scopes: dict[bytes, tuple[bytes, bytes]] = {}
+        self.settled: set[bytes] = set()
+        self.holding: dict[str, bool] = {}
 
     def _second_reading(self, f: TraceFile) -> bool:
         return not self.redacting and f.detected.startswith("otlp-proto")
@@ -238,6 +304,9 @@ class _Embedded:
     # --- phase 1: learn the grouping; decode and spill the JSON records -----------------------------
     def read_all(self, files: list[TraceFile], total: int, progress: Progress | None) -> None:
         self.files = files
+        if not self.redacting and files and all(f.plain_protobuf() for f in files):
+            self._read_once(total, progress)
+            return
         done = 0
         for index, f in enumerate(files):
             name = str(f.path)
@@ -261,6 +330,124 @@ class _Embedded:
             done += f.size
         while self.parsing:
             self._finish_parse()
+
+    # --- plain protobuf files: one reading, each trace written once its rollout is certain ------------
+    def _read_once(self, total: int, progress: Progress | None) -> None:
+        """Decode each record and write the rows whose rollout can no longer change (see
+        :meth:`Grouping.settled`); the others wait for the end of the files, when the grouping is
+        complete. What the files may still hold is learnt by scanning their bytes for the grouping keys
+        (a key no file holds can name no rollout), each key when first needed."""
+        self.waiting = waiting = _Waiting(_SPILL_MEMORY_BYTES)
+        for f in self.files:
+            f.bounded = True  # read what was scanned, not what a writer appended since
+        grouping, settled, scopes = self.grouping, self.settled, self.scopes
+        done = 0
+        for index, f in enumerate(self.files):
+            name = str(f.path)
+            number = -1
+            for record in f.records():
+                if isinstance(record, BadRecord):
+                    self.problems.append((index, f"{name}: {record.where}: {record.problem}"))
+                    continue
+                number += 1
+                self.summary.records += 1
+                try:
+                    batch = self.pipeline.parse(record.body)
+                except OtlpDecodeError as exc:
+                    self.problems.append((index, f"{name}: {record.where}: {exc}"))
+                    continue
+                self._note_refused(batch, index, name, record.where)
+                if batch.rejected:
+                    grouping.scan(record)  # refused spans are not in the rows, but their attributes group
+                else:
+                    grouping.learn(batch.rows)
+                scopes.update(batch.scopes)
+                ready: list[SpanRow] = []
+                size = len(record.body)
+                for position, row in enumerate(batch.rows):
+                    trace_id = row[0]
+                    if trace_id in settled:
+                        ready.append(row)
+                    elif trace_id not in waiting.deferred and grouping.settled(trace_id, self._may_hold):
+                        settled.add(trace_id)
+                        # what waited of it goes first, in the order read
+                        self._write_held(waiting.release(trace_id))
+                        ready.append(row)
+                    else:
+                        waiting.hold(row, index, number, size, position)
+                self._write(ready, batch.scopes, name, index)
+                if progress is not None:
+                    progress("import", name, done + f.position, total, self.summary.spans)
+            done += f.size
+
+    def _may_hold(self, key: str) -> bool:
+        known = self.holding.get(key)
+        if known is None:
+            marker = key.encode()
+            known = self.holding[key] = any(f.holds(marker) for f in self.files)
+        return known
+
+    def _write_held(self, held: list[tuple[SpanRow, int, int, int, int]]) -> None:
+        """Write rows that waited, a run of rows from one file at a time."""
+        start = 0
+        while start < len(held):
+            index = held[start][1]
+            end = start
+            while end < len(held) and held[end][1] == index:
+                end += 1
+            rows = [entry[0] for entry in held[start:end]]
+            scopes = {row[9]: self.scopes[row[9]] for row in rows}
+            self._write(rows, scopes, str(self.files[index].path), index)
+            start = end
+
+    def _finish_waiting(self, waiting: _Waiting, progress: Progress | None) -> None:
+        """At the end of the files every rollout is certain: write the rows that waited in memory, then
+        read again the records whose rows were given up for lack of memory and write those rows."""
+        held = [entry for rows in waiting.rows.values() for entry in rows]
+        waiting.rows.clear()
+        held.sort(key=lambda entry: entry[1])  # stable: each trace's rows stay in the order read
+        self._write_held(held)
+        indexes = sorted({index for index, _ in waiting.records})
+        total = sum(self.files[i].size for i in indexes)
+        done = 0
+        for index in indexes:
+            f = self.files[index]
+            name = str(f.path)
+            number = -1
+            for record in f.records():
+                if isinstance(record, BadRecord):
+                    continue  # reported by the first reading
+                number += 1
+                wanted = waiting.records.pop((index, number), None)
+                if wanted is None:
+                    continue
+                size, positions = wanted
+                try:
+                    if len(record.body) != size:
+                        raise OtlpDecodeError("it differs from its first reading")
+                    batch = self.pipeline.parse(record.body)
+                    rows = [batch.rows[p] for p in sorted(positions)]
+                except (OtlpDecodeError, IndexError):
+                    self._changed(index, name, record.where, len(positions))
+                    continue
+                self._write(rows, batch.scopes, name, index)
+                if progress is not None:
+                    progress("finish", name, done + f.position, total, self.summary.spans)
+            for (_, number), (_, positions) in sorted(
+                item for item in waiting.records.items() if item[0][0] == index
+            ):  # records the second reading did not reach: the file is shorter now
+                self._changed(index, name, f"record {number}", len(positions))
+                del waiting.records[(index, number)]
+            done += f.size
+
+    def _changed(self, index: int, file: str, where: str, spans: int) -> None:
+        self.problems.append(
+            (
+                index,
+                f"{file}: {where}: the file changed while it was imported, and {spans} span(s) of this"
+                " record were not written: import it again",
+            )
+        )
 
     def _parse(self, record: Record, index: int, file: str) -> None:
         while True:
@@ -309,6 +496,10 @@ class _Embedded:
 
     # --- phase 2: rollouts, writes ---------------------------------------------------------------------
     def write_all(self, progress: Progress | None) -> None:
+        if self.waiting is not None:
+            self._finish_waiting(self.waiting, progress)
+            self._drain()
+            return
         spill = self.spill
         spilled = spill.tell()
         total = spilled + sum(self.files[i].size for i in self.reread)
@@ -330,26 +521,33 @@ class _Embedded:
                         self.problems.append((index, f"{name}: {record.where}: {exc}"))
                         continue
                     self._note_refused(batch, index, name, record.where)
-                    self._write(batch, name)
+                    self._write(batch.rows, batch.scopes, name, index)
                     if progress is not None:
                         progress("import", name, spill.tell() + done + f.position, total, self.summary.spans)
                 done += f.size
                 continue
             while pending is not None and pending[0] == index:
-                _, rows, scopes, rejected, error_message = pending
-                self._write(ParsedBatch(rows, scopes, rejected, error_message), name)
+                _, rows, scopes, _, _ = pending
+                self._write(rows, scopes, name, index)
                 pending = pickle.load(spill) if spill.tell() < spilled else None
                 if progress is not None:
                     progress("import", name, spill.tell() + done, total, self.summary.spans)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Wait for every write, then report the problems in the files' order."""
         while self.writing:
             self.writing.popleft().result()
         self.summary.problems.extend(problem for _, problem in sorted(self.problems, key=lambda p: p[0]))
 
-    def _write(self, batch: ParsedBatch, file: str) -> None:
-        """Give each row without a rollout id its rollout, and hand the batch to the store's writer."""
+    def _write(
+        self, rows: list[SpanRow], scopes: dict[bytes, tuple[bytes, bytes]], file: str, order: int
+    ) -> None:
+        """Give each row without a rollout id its rollout, and hand the rows to the store's writer
+        (``order``: the place of ``file`` among the files)."""
         grouping, rollouts, assigned = self.grouping, self.rollouts, self.assigned
-        rows: list[SpanRow] = []
-        for row in batch.rows:
+        out: list[SpanRow] = []
+        for row in rows:
             rollout_id = row[7]
             if rollout_id is None:
                 trace_id = row[0]
@@ -365,20 +563,21 @@ class _Embedded:
                 row = (*row[:7], rollout_id, row[8], row[9], row[10] + attribute)
             else:
                 grouped_by = {}
-            rollouts.note(rollout_id, file, grouped_by)
-            rows.append(row)
-        if not rows:
+            rollouts.note(rollout_id, file, grouped_by, order)
+            out.append(row)
+        if not out:
             return
-        self.summary.spans += len(rows)
-        batch = ParsedBatch(rows, batch.scopes, batch.rejected, batch.error_message)
-        while True:
-            try:
-                self.writing.append(self.pipeline.submit(batch))
-                break
-            except Overloaded:
-                self._wait_write()
-        while self.writing and self.writing[0].done():
-            self.writing.popleft().result()  # raises what the write raised
+        self.summary.spans += len(out)
+        for start in range(0, len(out), _COMMIT_SPANS):
+            batch = ParsedBatch(out[start : start + _COMMIT_SPANS], scopes, 0, "")
+            while True:
+                try:
+                    self.writing.append(self.pipeline.submit(batch))
+                    break
+                except Overloaded:
+                    self._wait_write()
+            while self.writing and self.writing[0].done():
+                self.writing.popleft().result()  # raises what the write raised
 
     def _wait_write(self) -> None:
         if self.writing:
