@@ -351,12 +351,9 @@ class _Embedded:
                     continue
                 number += 1
                 self.summary.records += 1
-                try:
-                    batch = self.pipeline.parse(record.body)
-                except OtlpDecodeError as exc:
-                    self.problems.append((index, f"{name}: {record.where}: {exc}"))
+                batch = self._decode(record, index, name)
+                if batch is None:
                     continue
-                self._note_refused(batch, index, name, record.where)
                 if batch.rejected:
                     grouping.scan(record)  # refused spans are not in the rows, but their attributes group
                 else:
@@ -379,6 +376,17 @@ class _Embedded:
                 if progress is not None:
                     progress("import", name, done + f.position, total, self.summary.spans)
             done += f.size
+
+    def _decode(self, record: Record, index: int, file: str) -> ParsedBatch | None:
+        """A protobuf record decoded here, its refused spans noted; None (the problem noted) when it
+        cannot be decoded."""
+        try:
+            batch = self.pipeline.parse(record.body)
+        except OtlpDecodeError as exc:
+            self.problems.append((index, f"{file}: {record.where}: {exc}"))
+            return None
+        self._note_refused(batch, index, file, record.where)
+        return batch
 
     def _may_hold(self, key: str) -> bool:
         known = self.holding.get(key)
@@ -513,14 +521,11 @@ class _Embedded:
                     if isinstance(record, BadRecord):
                         self.problems.append((index, f"{name}: {record.where}: {record.problem}"))
                         continue
-                    try:
-                        # decoded here: a worker process would save the decoding, but taking its rows
-                        # back (unpickling them) costs this process about as much
-                        batch = self.pipeline.parse(record.body)
-                    except OtlpDecodeError as exc:
-                        self.problems.append((index, f"{name}: {record.where}: {exc}"))
+                    # decoded here: a worker process would save the decoding, but taking its rows back
+                    # (unpickling them) costs this process about as much
+                    batch = self._decode(record, index, name)
+                    if batch is None:
                         continue
-                    self._note_refused(batch, index, name, record.where)
                     self._write(batch.rows, batch.scopes, name, index)
                     if progress is not None:
                         progress("import", name, spill.tell() + done + f.position, total, self.summary.spans)
