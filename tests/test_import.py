@@ -392,6 +392,18 @@ def test_a_file_written_while_it_is_imported(tmp_path, sqlite_store, monkeypatch
     )
     assert len(_by_rollout(sqlite_store, "ro-3")) == 3
 
+    # emptied before its second reading: the record that waited is named by its number
+    emptied = _write(
+        tmp_path / "emptied.pb",
+        proto_record(_record(_openinference_session("s-8"))) + proto_record(_record(_agent_run("ro-5"))),
+    )
+    summary = import_traces([emptied], sqlite_store, progress=lambda *_: emptied.write_bytes(b""))
+    assert summary.problems == [
+        f"{emptied}: record 0: the file changed while it was imported, and 6 span(s) of this record were"
+        " not written: import it again"
+    ]
+    assert len(_by_rollout(sqlite_store, "ro-5")) == 3
+
 
 # --- what goes wrong --------------------------------------------------------------------------------------
 def test_a_malformed_line_is_named_and_skipped(tmp_path, sqlite_store, capsys):
