@@ -5,7 +5,8 @@ length-prefixed protobuf (``--spans`` spans in traces of 20, ``--per-record`` sp
 each span ~1 KB: 16 text attributes, the GenAI operation and model, and an OpenInference ``session.id``
 shared by five traces, so the import groups by session). Each file is imported into a fresh SQLite
 store; beside it, ``agl store serve`` (bench/store_ingest.py's server) is fed the same records over
-OTLP/HTTP by concurrent senders, protobuf and JSON, each record once. Every figure counts spans
+OTLP/HTTP by concurrent senders (keep-alive ``http.client`` connections), protobuf and JSON, each record
+once. Every figure counts spans
 committed to SQLite.
 
     python bench/import_traces.py [--spans 200000] [--per-record 1000] [--senders 4] [--repeats 3]
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.client
 import json
 import os
 import random
@@ -23,9 +25,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
-import httpx
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -97,21 +99,29 @@ def write_files(directory: Path, spans: int, per_record: int) -> tuple[Path, Pat
 
 
 def http_ingest(server: Server, bodies: list[bytes], per_body: int, content_type: str, senders: int) -> float:
-    """Spans/s acknowledged (committed) while ``senders`` threads post every body once, back to back."""
+    """Spans/s acknowledged (committed) while ``senders`` threads post every body once, back to back, each
+    on a keep-alive ``http.client`` connection (the lightest load generator at hand, as in
+    bench/store_ingest.py --peer)."""
+    parts = urllib.parse.urlsplit(server.url)
     done = [0] * senders
+    ready = threading.Barrier(senders + 1, timeout=60)
 
     def send(k: int) -> None:
-        with httpx.Client(timeout=120) as client:
-            for body in bodies[k::senders]:
-                r = client.post(
-                    server.url + "/v1/traces", content=body, headers={"content-type": content_type}
-                )
-                done[k] += per_body if r.status_code == 200 else 0
+        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
+        conn.connect()
+        ready.wait()
+        for body in bodies[k::senders]:
+            conn.request("POST", "/v1/traces", body=body, headers={"content-type": content_type})
+            response = conn.getresponse()
+            response.read()
+            done[k] += per_body if response.status == 200 else 0
+        conn.close()
 
     threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
-    start = time.perf_counter()
     for t in threads:
         t.start()
+    ready.wait()
+    start = time.perf_counter()
     for t in threads:
         t.join()
     return sum(done) / (time.perf_counter() - start)

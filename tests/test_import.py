@@ -405,6 +405,32 @@ def test_a_file_written_while_it_is_imported(tmp_path, sqlite_store, monkeypatch
     assert len(_by_rollout(sqlite_store, "ro-5")) == 3
 
 
+def test_a_store_that_fails_to_write_stops_the_import_with_a_store_error(tmp_path, sqlite_store, monkeypatch):
+    """Read once, the spans are written in the reading thread: a failing write is raised as the store's
+    writer thread reports one, a retryable StoreUnavailableError, and what was committed before stays."""
+    import sqlite3
+
+    from agl_core.store import StoreUnavailableError
+
+    path = _write(
+        tmp_path / "t.pb",
+        proto_record(_record(_agent_run("ro-1"))) + proto_record(_record(_agent_run("ro-2"))),
+    )
+    original = SqliteStore.add_span_rows
+    calls: list[int] = []
+
+    def failing(self: Any, rows: Any, scopes: Any) -> int:
+        calls.append(len(rows))
+        if len(calls) > 1:
+            raise sqlite3.OperationalError("disk I/O error")
+        return original(self, rows, scopes)
+
+    monkeypatch.setattr(SqliteStore, "add_span_rows", failing)
+    with pytest.raises(StoreUnavailableError, match="OperationalError: disk I/O error"):
+        import_traces([path], sqlite_store)
+    assert calls == [3, 3] and _rollout_ids(sqlite_store) == ["ro-1"]
+
+
 # --- what goes wrong --------------------------------------------------------------------------------------
 def test_a_malformed_line_is_named_and_skipped(tmp_path, sqlite_store, capsys):
     good = json_line(_record(_agent_run("ro-ok")))
