@@ -2,7 +2,8 @@
 process can import them by name.
 
 Each does what its task says: ``{"pid_file": path}`` appends the process id to ``path`` first;
-``{"sleep": s}`` sleeps; ``{"hang": true}`` sleeps for ten minutes; ``{"exit": code}`` ends the process
+``{"sleep": s}`` sleeps; ``{"wait_for": path}`` (sync agent) waits up to a minute for ``path`` to exist;
+``{"hang": true}`` sleeps for ten minutes; ``{"exit": code}`` ends the process
 with ``os._exit``; ``{"segfault": true}`` crashes it in native code; ``{"raise": message}`` raises
 ``ValueError(message)``; then it returns ``task["reward"]`` (default ``None``).
 """
@@ -24,6 +25,10 @@ def _prepare(task: dict[str, Any]) -> None:
 def scripted(task: dict[str, Any], llm: Any) -> Any:
     _prepare(task)
     time.sleep(task.get("sleep", 0))
+    if task.get("wait_for"):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(task["wait_for"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
     if task.get("hang"):
         time.sleep(600)
     if "exit" in task:

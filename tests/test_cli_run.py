@@ -91,15 +91,22 @@ def test_agl_run_serves_rollouts_with_spans_and_kills_a_hung_agent(store, tmp_pa
 
 def test_agl_run_stops_gracefully_on_sigterm(store, tmp_path):
     url, client = store
-    (running,) = client.enqueue_rollouts([{"task_id": "last", "input": {"sleep": 0.6, "reward": 1.0}}])
-    proc, log = _start(tmp_path, "--store", url, "--grace", "5")
+    gate = tmp_path / "gate"  # the running rollout ends only once the test opens it: no race with SIGTERM
+    (running,) = client.enqueue_rollouts(
+        [{"task_id": "last", "input": {"wait_for": str(gate), "reward": 1.0}}]
+    )
+    proc, log = _start(tmp_path, "--store", url, "--grace", "30")
     try:
         _wait_for(
             lambda: client.get_rollouts([running.rollout_id])[0].status == RolloutStatus.RUNNING, "it to run"
         )
         proc.send_signal(signal.SIGTERM)
+        _wait_for(
+            lambda: "SIGTERM: taking no more rollouts" in log.read_text(), "the runner to stop taking", 10
+        )
         (after_stop,) = client.enqueue_rollouts([{"task_id": "after", "input": {"reward": 1.0}}])
-        assert proc.wait(timeout=10) == 0
+        gate.touch()
+        assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -109,7 +116,7 @@ def test_agl_run_stops_gracefully_on_sigterm(store, tmp_path):
     assert finished.status == RolloutStatus.SUCCEEDED and finished.reward == 1.0
     assert client.get_rollouts([after_stop.rollout_id])[0].status == RolloutStatus.QUEUED
     assert "1 worker(s) in thread mode, rollout timeout none" in out
-    assert "SIGTERM: taking no more rollouts; waiting up to 5 s for 1 running" in out
+    assert "SIGTERM: taking no more rollouts; waiting up to 30 s for 1 running" in out
     assert "agl run: stopped; 1 done, 0 failed, 0 timed out, 0 running" in out
 
 
