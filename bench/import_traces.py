@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 import base64
-import http.client
 import json
 import os
 import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import urllib.parse
 from pathlib import Path
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from store_ingest import Server  # noqa: E402
+from store_ingest import Server, send_round  # noqa: E402
 
 from agl_core.importer import import_traces  # noqa: E402
 
@@ -100,31 +97,11 @@ def write_files(directory: Path, spans: int, per_record: int) -> tuple[Path, Pat
 
 def http_ingest(server: Server, bodies: list[bytes], per_body: int, content_type: str, senders: int) -> float:
     """Spans/s acknowledged (committed) while ``senders`` threads post every body once, back to back, each
-    on a keep-alive ``http.client`` connection (the lightest load generator at hand, as in
-    bench/store_ingest.py --peer)."""
-    parts = urllib.parse.urlsplit(server.url)
-    done = [0] * senders
-    ready = threading.Barrier(senders + 1, timeout=60)
-
-    def send(k: int) -> None:
-        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
-        conn.connect()
-        ready.wait()
-        for body in bodies[k::senders]:
-            conn.request("POST", "/v1/traces", body=body, headers={"content-type": content_type})
-            response = conn.getresponse()
-            response.read()
-            done[k] += per_body if response.status == 200 else 0
-        conn.close()
-
-    threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    return sum(done) / (time.perf_counter() - start)
+    on a keep-alive ``http.client`` connection (bench/store_ingest.py's senders)."""
+    rate, _, _ = send_round(
+        server.url, [bodies[k::senders] for k in range(senders)], per_body, content_type=content_type
+    )
+    return rate
 
 
 def main() -> int:

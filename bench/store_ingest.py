@@ -398,7 +398,11 @@ class PeerServer:
 
 
 def send_round(
-    url: str, bodies: list[list[bytes]], batch: int, client: str = "http.client"
+    url: str,
+    bodies: list[list[bytes]],
+    batch: int,
+    client: str = "http.client",
+    content_type: str = "application/x-protobuf",
 ) -> tuple[float, int, float]:
     """Post ``bodies[k]`` back to back from sender ``k`` (one thread and keep-alive connection each);
     returns (spans acknowledged per second of the round's wall time, responses other than 200, the
@@ -408,7 +412,7 @@ def send_round(
     acked = [0] * len(bodies)
     failed = [0] * len(bodies)
     cpu = [0.0] * len(bodies)
-    headers = {"content-type": "application/x-protobuf"}
+    headers = {"content-type": content_type}
     ready = threading.Barrier(len(bodies) + 1, timeout=60)
 
     def loop(k: int) -> None:

@@ -97,9 +97,9 @@ class TraceFile:
                 head = raw.read(64)
         except OSError:
             return False
-        if head[:2] == _GZIP_MAGIC or head[:4] == _ZSTD_MAGIC:
+        if _compression(head):
             return False
-        return self.format == "otlp-proto" or head.lstrip()[:1] != b"{"
+        return self.format == "otlp-proto" or not _looks_like_json(head)
 
     def holds(self, marker: bytes) -> bool:
         """Whether ``marker`` occurs in the file's first :attr:`size` bytes (a scan at memory speed, not
@@ -112,9 +112,8 @@ class TraceFile:
     def records(self) -> Iterator[Record | BadRecord]:
         with open(self.path, "rb") as raw:
             self._raw = raw
-            magic = raw.read(4)
+            compression = _compression(raw.read(4))
             raw.seek(0)
-            compression = "gzip" if magic[:2] == _GZIP_MAGIC else "zstd" if magic == _ZSTD_MAGIC else ""
             errors: tuple[type[BaseException], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
             stream: io.BufferedReader[Any]
             if compression == "gzip":
@@ -143,13 +142,13 @@ class TraceFile:
                 )
 
     def _read(self, stream: io.BufferedReader[Any], compression: str) -> Iterator[Record | BadRecord]:
-        head = stream.peek(64)[:64].lstrip()
+        head = stream.peek(64)[:64]
         fmt = self.format
         if fmt == "auto":
-            if not head:
+            if not head.lstrip():
                 self.detected = "empty"
                 return
-            fmt = "otlp-json" if head[:1] == b"{" else "otlp-proto"
+            fmt = "otlp-json" if _looks_like_json(head) else "otlp-proto"
         if fmt == "otlp-json":
             self.detected = "otlp-json" + (f" ({compression})" if compression else "")
             yield from _json_records(stream)
@@ -159,6 +158,16 @@ class TraceFile:
         else:
             self.detected = "otlp-proto, length-prefixed" + (f" ({compression})" if compression else "")
             yield from _prefixed_records(stream, self.size if self.bounded else None)
+
+
+def _compression(magic: bytes) -> str:
+    """``gzip``, ``zstd`` or ``""`` (not compressed), from a file's first four bytes."""
+    return "gzip" if magic[:2] == _GZIP_MAGIC else "zstd" if magic[:4] == _ZSTD_MAGIC else ""
+
+
+def _looks_like_json(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (uncompressed) is read as OTLP/JSON: a ``{`` after blanks."""
+    return head.lstrip()[:1] == b"{"
 
 
 class _ZstdFrames(io.RawIOBase):

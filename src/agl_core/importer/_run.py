@@ -197,6 +197,11 @@ def _write_all(
     sink.flush()
 
 
+def _held_bytes(row: SpanRow) -> int:
+    """About the memory a waiting row holds: its span's encoding and the tuple around it."""
+    return len(row[10]) + 256
+
+
 class _Waiting:
     """Rows read before their trace's rollout was certain, in the order read: kept here up to a memory
     budget, and beyond it given up (oldest trace first) for a second reading of their records, every
@@ -218,20 +223,19 @@ class _Waiting:
             self._defer(index, number, size, position)
             return
         self.rows.setdefault(trace_id, []).append((row, index, number, size, position))
-        self.bytes += len(row[10]) + 256  # the encoding and the tuple around it, about
+        self.bytes += _held_bytes(row)
         if self.bytes > self.budget:
             while self.rows and self.bytes > self.budget // 2:
                 oldest = next(iter(self.rows))
                 self.deferred.add(oldest)
                 for held, *place in self.rows.pop(oldest):
-                    self.bytes -= len(held[10]) + 256
+                    self.bytes -= _held_bytes(held)
                     self._defer(*place)
 
     def release(self, trace_id: bytes) -> list[tuple[SpanRow, int, int, int, int]]:
         """The rows of ``trace_id`` waiting here, in the order read, no longer held."""
         held = self.rows.pop(trace_id, [])
-        for row, *_ in held:
-            self.bytes -= len(row[10]) + 256
+        self.bytes -= sum(_held_bytes(row) for row, *_ in held)
         return held
 
     def _defer(self, index: int, number: int, size: int, position: int) -> None:
@@ -549,8 +553,9 @@ class _Embedded:
     def _write(
         self, rows: list[SpanRow], scopes: dict[bytes, tuple[bytes, bytes]], file: str, order: int
     ) -> None:
-        """Give each row without a rollout id its rollout, and hand the rows to the store's writer
-        (``order``: the place of ``file`` among the files)."""
+        """Give each row without a rollout id its rollout, and write the rows: here when the files are
+        read once, else through the store's writer thread (``order``: the place of ``file`` among the
+        files)."""
         grouping, rollouts, assigned = self.grouping, self.rollouts, self.assigned
         out: list[SpanRow] = []
         for row in rows:
