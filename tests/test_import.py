@@ -368,6 +368,25 @@ def test_a_file_written_while_it_is_imported(tmp_path, sqlite_store, monkeypatch
     again = import_traces([path], sqlite_store)
     assert (again.new_spans, again.problems, _rollout_ids(sqlite_store)) == (3, [], ["ro-1", "ro-2"])
 
+    # a record still being written when the import began, completed while it runs: left for next time
+    whole = proto_record(_record(_agent_run("ro-8")))
+    growing = _write(tmp_path / "growing.pb", proto_record(_record(_agent_run("ro-7"))) + whole[:40])
+    begun_with = growing.stat().st_size
+
+    def complete(phase: str, *_: Any) -> None:
+        if growing.stat().st_size == begun_with:
+            with open(growing, "ab") as f:
+                f.write(whole[40:])
+
+    summary = import_traces([growing], sqlite_store, progress=complete)
+    assert summary.problems == [
+        f"{growing}: record 1 (byte {begun_with - 40}): the record ends at byte"
+        f" {growing.stat().st_size}, past the {begun_with} bytes the file held when the import began (it is"
+        " being written): import the file again for the rest"
+    ]
+    assert "ro-7" in _rollout_ids(sqlite_store) and "ro-8" not in _rollout_ids(sqlite_store)
+    assert import_traces([growing], sqlite_store).new_spans == 3 and "ro-8" in _rollout_ids(sqlite_store)
+
     # a trace that waits (its session may yet be outranked by the rollout id the file holds), read again
     # after the file was rewritten under the import
     changing = _write(
