@@ -450,6 +450,123 @@ def test_a_store_that_fails_to_write_stops_the_import_with_a_store_error(tmp_pat
     assert calls == [3, 3] and _rollout_ids(sqlite_store) == ["ro-1"]
 
 
+def _writer_ready_at_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make an import that starts a writer process wait for it before its first write (a small import
+    would otherwise be over before the process has opened the store); returns the sizes of the batches
+    sent to it."""
+    from agl_core.importer import _writer
+
+    original_ready, original_send = _writer.WriterProcess.ready, _writer.WriterProcess.send
+    sent: list[int] = []
+
+    def ready(self: Any) -> bool:
+        deadline = time.monotonic() + 60
+        while not original_ready(self) and self._ended is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return original_ready(self)
+
+    def send(self: Any, rows: Any, scopes: Any) -> None:
+        sent.append(len(rows))
+        original_send(self, rows, scopes)
+
+    monkeypatch.setattr(_writer.WriterProcess, "ready", ready)
+    monkeypatch.setattr(_writer.WriterProcess, "send", send)
+    return sent
+
+
+def _stored(store: SqliteStore) -> list[tuple[Any, ...]]:
+    return [
+        (s.rollout_id, s.trace_id, s.span_id, s.name, s.attributes) for s in store.query_spans(limit=1_000)
+    ]
+
+
+def test_a_writer_process_stores_what_the_reading_process_would(tmp_path, monkeypatch):
+    """With workers, a large import read once sends its rows to a process that writes them, so decoding
+    and SQLite's writes run on two cores: the store ends up the same as written by the reading process,
+    the spans that waited for their rollout (here beyond the memory budget, read again) included."""
+
+    def late_rollout(provider: Any) -> None:
+        tracer = provider.get_tracer("t")
+        with tracer.start_as_current_span("root"):
+            with tracer.start_as_current_span("first", attributes={semconv.SESSION_ID: "s-late"}):
+                pass
+            with tracer.start_as_current_span("second", attributes={semconv.ROLLOUT_ID: "ro-late"}):
+                pass
+
+    spans = {s.name: s for s in _record(late_rollout)}
+    records = [proto_record(_record(_openinference_session(f"s-{n}", traces=3))) for n in range(40)]
+    records += [proto_record(_record(_agent_run(f"ro-{n}"))) for n in range(40)]
+    records.insert(10, proto_record([spans["first"]]))
+    records.append(proto_record([spans["second"], spans["root"]]))
+    path = _write(tmp_path / "t.pb", b"".join(records))
+    monkeypatch.setattr(_run, "_SPILL_MEMORY_BYTES", 1)
+
+    here = SqliteStore(tmp_path / "here.sqlite")
+    there = SqliteStore(tmp_path / "there.sqlite")
+    try:
+        expected = import_traces([path], here, parse_workers=0)
+        sent = _writer_ready_at_once(monkeypatch)
+        summary = import_traces([path], there, parse_workers=1)
+
+        assert (summary.spans, summary.new_spans, summary.rollouts, summary.problems) == (
+            expected.spans,
+            expected.new_spans,
+            expected.rollouts,
+            [],
+        )
+        assert sum(sent) == summary.spans == 40 * 9 + 40 * 3 + 3  # every row through the process
+        assert _stored(there) == _stored(here)
+        assert [s.name for s in there.query_spans(rollout_ids=["ro-late"])] == ["first", "second", "root"]
+        assert _rollout_ids(there) == _rollout_ids(here)
+    finally:
+        here.close()
+        there.close()
+
+
+def test_a_writer_process_that_dies_stops_the_import_with_a_store_error(tmp_path, sqlite_store, monkeypatch):
+    """The writing process killed under the import (out of memory, say): the import stops with a
+    retryable StoreUnavailableError naming it, what was committed stays, and importing again stores the
+    rest."""
+    from agl_core.importer import _writer
+    from agl_core.store import StoreUnavailableError
+
+    path = _write(
+        tmp_path / "t.pb", b"".join(proto_record(_record(_agent_run(f"ro-{n}"))) for n in range(20))
+    )
+    sent = _writer_ready_at_once(monkeypatch)
+    send = _writer.WriterProcess.send
+
+    def send_then_die(self: Any, rows: Any, scopes: Any) -> None:
+        send(self, rows, scopes)
+        if len(sent) == 5:
+            self._process.kill()
+            self._process.join()
+
+    monkeypatch.setattr(_writer.WriterProcess, "send", send_then_die)
+    with pytest.raises(StoreUnavailableError, match=r"the import's writer process exited \(code -9\)"):
+        import_traces([path], sqlite_store, parse_workers=1)
+    assert len(sent) == 6  # the sixth batch found the process gone
+    kept = _rollout_ids(sqlite_store)
+    assert len(kept) <= 5 and all(len(_by_rollout(sqlite_store, r)) == 3 for r in kept)
+
+    again = import_traces([path], sqlite_store, parse_workers=1)
+    assert (again.spans, again.new_spans, again.problems) == (60, 60 - 3 * len(kept), [])
+    assert len(_rollout_ids(sqlite_store)) == 20
+
+
+def test_a_writer_process_that_cannot_start_leaves_the_writes_to_the_reading_process(
+    tmp_path, sqlite_store, monkeypatch
+):
+    """A writing process that cannot open the store (here: refused its settings) is given up, and the
+    import writes everything itself."""
+    sent = _writer_ready_at_once(monkeypatch)
+    monkeypatch.setattr(SqliteStore, "synchronous", property(lambda self: "SOMETIMES"))
+    path = _write(tmp_path / "t.pb", b"".join(proto_record(_record(_agent_run(f"ro-{n}"))) for n in range(4)))
+    summary = import_traces([path], sqlite_store, parse_workers=1)
+    assert (summary.new_spans, summary.problems, sent) == (12, [], [])
+    assert len(_rollout_ids(sqlite_store)) == 4
+
+
 # --- what goes wrong --------------------------------------------------------------------------------------
 def test_a_malformed_line_is_named_and_skipped(tmp_path, sqlite_store, capsys):
     good = json_line(_record(_agent_run("ro-ok")))

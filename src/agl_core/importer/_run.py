@@ -4,8 +4,9 @@ A span's rollout can depend on spans read after it (a session named on a later s
 rollout id that outranks it). Into a store written directly, each record is decoded by the store's own
 ingest. Uncompressed protobuf files are read once: each record is decoded, and the spans of a trace
 whose rollout can no longer change (:meth:`Grouping.settled`, knowing which grouping keys the files'
-bytes hold at all) are written at once; the others wait, in memory up to 64 MiB, beyond it
-for a second reading of their records, until the end of the files. Other files (JSON, compressed, or
+bytes hold at all) are written at once (into a SQLite file, by a process of their own for large
+imports: :mod:`._writer`); the others wait, in memory up to 64 MiB, beyond it for a second reading of
+their records, until the end of the files. Other files (JSON, compressed, or
 any file when redacting) take two phases: the first reads the files and learns the grouping (a JSON
 record is parsed there, in worker processes for large imports, and its rows kept in a temporary spill,
 in memory up to 64 MiB and on disk beyond; a protobuf record is only scanned); the second gives each
@@ -39,8 +40,10 @@ from ..store._otlp import (
     decode_protobuf,
 )
 from ..store.redact import Redactor
+from ..store.sqlite import SqliteStore
 from ._files import BadRecord, Record, TraceFile, split_request
 from ._grouping import Grouping
+from ._writer import WriterProcess
 
 __all__ = ["ImportSummary", "Progress", "import_traces"]
 
@@ -126,8 +129,11 @@ def import_traces(
     ``redactor`` applies to a store written directly (a running store applies its own rules). Raises
     :class:`StoreError` when the store cannot be reached or written; what was committed before stays,
     and importing again is safe. ``parse_workers``: processes decoding the records of a store written
-    directly (default: one per CPU, at most 4, for files over 32 MB together; 0 decodes here); protobuf
-    records are decoded here unless ``redactor`` is given.
+    directly (default: one per CPU, at most 4, for files over 32 MB together on more than one CPU; 0
+    decodes here); protobuf records are decoded here unless ``redactor`` is given, and when they are read
+    once into a SQLite file, any workers mean one process writing their rows instead. A script that calls
+    this with workers needs the ``if __name__ == "__main__":`` guard that :mod:`multiprocessing` asks
+    for (the processes are spawned).
     """
     files = [TraceFile(Path(p), fmt) for p in paths]
     total = sum(f.size for f in files)
@@ -157,7 +163,8 @@ def import_traces(
         try:
             workers = parse_workers
             if workers is None:
-                workers = min(os.cpu_count() or 1, 4) if total > _WORKERS_FROM_BYTES else 0
+                cpus = os.cpu_count() or 1
+                workers = min(cpus, 4) if total > _WORKERS_FROM_BYTES and cpus > 1 else 0
             before = target.stats()["spans"]
             embedded = _Embedded(target, redactor, workers, grouping, rollouts, summary)
             try:
@@ -247,13 +254,18 @@ class _Embedded:
     :meth:`read_all` reads the files, :meth:`write_all` writes what is left to write.
 
     When every file is uncompressed protobuf and nothing is redacted, the files are read once
-    (:meth:`_read_once`): each record is decoded here and the rows of settled traces are written, in this
-    thread, in transactions of :data:`_COMMIT_SPANS`; the rows of traces still unsettled wait. Handed to
-    the store's writer thread instead, each of its statements waits for Python's lock while this thread
-    decodes (60k-span file, medians of 5: 65k spans/s through the writer thread, 69k written here).
-    How much reading once saves depends on what the files hold: with no rollout ids and a session on
-    each span (OpenInference's ``using_session``), or no grouping keys at all, every trace is settled at
-    once and nothing waits (the same file: 60k spans/s read twice, 65k read once).
+    (:meth:`_read_once`): each record is decoded here and the rows of settled traces are written in
+    transactions of :data:`_COMMIT_SPANS`; the rows of traces still unsettled wait. Into a SQLite file,
+    with workers (large imports on more than one core), the rows go to a process that writes them
+    (:class:`WriterProcess`), so that decoding here and SQLite's inserts, commits and checkpoints run on
+    two cores (200k-span file, 2 cores, medians of 3 alternating runs: 39k spans/s written here, 43k with
+    the process); until that process has opened the store (about 0.4 s) and without workers, they are
+    written in this thread. Not through the store's writer thread: each of its statements waits for
+    Python's lock while this thread decodes (60k-span file, medians of 5: 65k spans/s through the writer
+    thread, 69k written here). How much reading once saves depends on what the files hold: with no
+    rollout ids and a session on each span (OpenInference's ``using_session``), or no grouping keys at
+    all, every trace is settled at once and nothing waits (the same file: 60k spans/s read twice, 65k
+    read once).
 
     Otherwise in two phases. A JSON record costs ten times more to decode than a protobuf one, so it is
     decoded once: in phase 1 (in worker processes for large imports), its rows spilled and read back in
@@ -274,6 +286,9 @@ class _Embedded:
         summary: ImportSummary,
     ) -> None:
         self.grouping, self.rollouts, self.summary = grouping, rollouts, summary
+        self.store, self.workers = store, workers
+        #: read once into a SQLite file with workers: the process that writes the rows (see _read_once)
+        self.writer: WriterProcess | None = None
         self.pipeline = IngestPipeline(
             store, redactor=redactor, parse_workers=workers, max_commit_spans=_COMMIT_SPANS
         )
@@ -343,6 +358,8 @@ class _Embedded:
         complete. What the files may still hold is learnt by scanning their bytes for the grouping keys
         (a key no file holds can name no rollout), each key when first needed."""
         self.waiting = waiting = _Waiting(_SPILL_MEMORY_BYTES)
+        if self.workers > 0 and isinstance(self.store, SqliteStore):
+            self.writer = WriterProcess(self.store.path, self.store.synchronous)
         for f in self.files:
             f.bounded = True  # read what was scanned, not what a writer appended since
         grouping, settled, scopes = self.grouping, self.settled, self.scopes
@@ -511,6 +528,9 @@ class _Embedded:
     def write_all(self, progress: Progress | None) -> None:
         if self.waiting is not None:
             self._finish_waiting(self.waiting, progress)
+            if self.writer is not None:
+                self.writer.finish()
+                self.writer = None
             self._drain()
             return
         spill = self.spill
@@ -553,9 +573,9 @@ class _Embedded:
     def _write(
         self, rows: list[SpanRow], scopes: dict[bytes, tuple[bytes, bytes]], file: str, order: int
     ) -> None:
-        """Give each row without a rollout id its rollout, and write the rows: here when the files are
-        read once, else through the store's writer thread (``order``: the place of ``file`` among the
-        files)."""
+        """Give each row without a rollout id its rollout, and write the rows: when the files are read
+        once, here or through the writer process, else through the store's writer thread (``order``: the
+        place of ``file`` among the files)."""
         grouping, rollouts, assigned = self.grouping, self.rollouts, self.assigned
         out: list[SpanRow] = []
         for row in rows:
@@ -579,9 +599,13 @@ class _Embedded:
         if not out:
             return
         self.summary.spans += len(out)
-        if self.waiting is not None:  # read once: written here, see the class's docstring
+        if self.waiting is not None:  # read once: see the class's docstring
+            writer = self.writer
             for start in range(0, len(out), _COMMIT_SPANS):
-                self._commit_now(out[start : start + _COMMIT_SPANS], scopes)
+                if writer is not None and writer.ready():
+                    writer.send(out[start : start + _COMMIT_SPANS], scopes)
+                else:
+                    self._commit_now(out[start : start + _COMMIT_SPANS], scopes)
             return
         for start in range(0, len(out), _COMMIT_SPANS):
             batch = ParsedBatch(out[start : start + _COMMIT_SPANS], scopes, 0, "")
@@ -612,6 +636,8 @@ class _Embedded:
 
     def close(self) -> None:
         try:
+            if self.writer is not None:
+                self.writer.close()
             self.pipeline.close()
         finally:
             self.spill.close()

@@ -80,6 +80,11 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
         conn.execute("PRAGMA secure_delete=ON")
         return conn
 
+    @property
+    def synchronous(self) -> str:
+        """The ``PRAGMA synchronous`` level of its connections."""
+        return self._synchronous
+
     _purge_on_close = True
 
     def _unavailable(self, exc: BaseException) -> bool:
