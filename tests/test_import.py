@@ -85,6 +85,24 @@ def _agent_run(rollout_id: str) -> Callable[[Any], None]:
     return build
 
 
+def _late_rollout(session: str, rollout_id: str, *, other: bool = False) -> dict[str, ReadableSpan]:
+    """A trace (``root``) whose span ``first`` names ``session`` and whose span ``second`` names
+    ``rollout_id``; with ``other``, a second trace of the same session (``other``). By span name."""
+
+    def build(provider: Any) -> None:
+        tracer = provider.get_tracer("t")
+        with tracer.start_as_current_span("root"):
+            with tracer.start_as_current_span("first", attributes={semconv.SESSION_ID: session}):
+                pass
+            with tracer.start_as_current_span("second", attributes={semconv.ROLLOUT_ID: rollout_id}):
+                pass
+        if other:
+            with tracer.start_as_current_span("other", attributes={semconv.SESSION_ID: session}):
+                pass
+
+    return {s.name: s for s in _record(build)}
+
+
 def _openinference_session(session: str, traces: int = 2) -> Callable[[Any], None]:
     """Spans as OpenInference instrumentors write them: an AGENT span over an LLM and a TOOL span, each
     carrying ``session.id``, one trace per turn."""
@@ -322,17 +340,7 @@ def test_a_rollout_id_in_a_later_file_outranks_the_session_of_its_trace(
     second: the trace is the rollout's, and its spans are stored in the order read, whether they waited
     for it in memory or, beyond the memory budget, were read again."""
 
-    def build(provider: Any) -> None:
-        tracer = provider.get_tracer("t")
-        with tracer.start_as_current_span("root"):
-            with tracer.start_as_current_span("first", attributes={semconv.SESSION_ID: "s-1"}):
-                pass
-            with tracer.start_as_current_span("second", attributes={semconv.ROLLOUT_ID: "ro-x"}):
-                pass
-        with tracer.start_as_current_span("other", attributes={semconv.SESSION_ID: "s-1"}):
-            pass
-
-    spans = {s.name: s for s in _record(build)}
+    spans = _late_rollout("s-1", "ro-x", other=True)
     a = _write(tmp_path / "a.pb", proto_record([spans["first"], spans["other"]]))
     b = _write(tmp_path / "b.pb", proto_record([spans["second"], spans["root"]]))
     if memory == "read again":
@@ -485,15 +493,7 @@ def test_a_writer_process_stores_what_the_reading_process_would(tmp_path, monkey
     and SQLite's writes run on two cores: the store ends up the same as written by the reading process,
     the spans that waited for their rollout (here beyond the memory budget, read again) included."""
 
-    def late_rollout(provider: Any) -> None:
-        tracer = provider.get_tracer("t")
-        with tracer.start_as_current_span("root"):
-            with tracer.start_as_current_span("first", attributes={semconv.SESSION_ID: "s-late"}):
-                pass
-            with tracer.start_as_current_span("second", attributes={semconv.ROLLOUT_ID: "ro-late"}):
-                pass
-
-    spans = {s.name: s for s in _record(late_rollout)}
+    spans = _late_rollout("s-late", "ro-late")
     records = [proto_record(_record(_openinference_session(f"s-{n}", traces=3))) for n in range(40)]
     records += [proto_record(_record(_agent_run(f"ro-{n}"))) for n in range(40)]
     records.insert(10, proto_record([spans["first"]]))
