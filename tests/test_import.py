@@ -567,6 +567,87 @@ def test_a_writer_process_that_cannot_start_leaves_the_writes_to_the_reading_pro
     assert len(_rollout_ids(sqlite_store)) == 4
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """The processes :mod:`multiprocessing` spawned for ``pid`` (not its resource tracker), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _large_protobuf_file(path: Path, records: int, spans: int) -> Path:
+    """``records`` records of ``spans`` ~1 KB spans each (traces of 10, new ids in every record): over the
+    size from which an import uses worker processes."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    for n in range(spans):
+        span = scope.spans.add(name="chat", start_time_unix_nano=1, end_time_unix_nano=2)
+        span.span_id = (n + 1).to_bytes(8, "big")
+        for i in range(12):
+            span.attributes.add(key=f"app.field_{i}").value.string_value = "x" * 64
+    with open(path, "wb") as f:
+        for r in range(records):
+            for n, span in enumerate(scope.spans):
+                span.trace_id = (r * spans + n // 10 + 1).to_bytes(16, "big")
+            body = request.SerializeToString()
+            f.write(len(body).to_bytes(4, "big") + body)
+    return path
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_agl_import_interrupted_says_what_stays_and_leaves_no_process(tmp_path):
+    """Ctrl-C while a large import's writing process is busy: `agl import` says what stays and exits 130,
+    without a traceback; its writing process is gone; the same command again imports the rest."""
+    import signal
+
+    path = _large_protobuf_file(tmp_path / "big.pb", records=40, spans=1_000)
+    assert path.stat().st_size > _run._WORKERS_FROM_BYTES
+    db = tmp_path / "s.sqlite"
+    command = [sys.executable, "-m", "agl_core.cli", "import", str(path), "--store", str(db), "--quiet"]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's Ctrl-C finds it
+    )
+    try:
+        deadline = time.monotonic() + 60
+        writers: list[int] = []
+        while not writers and time.monotonic() < deadline and proc.poll() is None:
+            writers = _spawned_children(proc.pid)
+            time.sleep(0.005)
+        assert writers, "the import started no writing process"
+        os.kill(writers[0], signal.SIGSTOP)  # holds the import in its send: interrupted mid-import for sure
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(writers[0], signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "agl import: interrupted. What was written before stays" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in writers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in writers)
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    with _open(db) as store:
+        assert store.stats()["spans"] == 40_000
+
+
 # --- what goes wrong --------------------------------------------------------------------------------------
 def test_a_malformed_line_is_named_and_skipped(tmp_path, sqlite_store, capsys):
     good = json_line(_record(_agent_run("ro-ok")))

@@ -3,7 +3,8 @@
 Exit status: 0 when everything was imported; 1 when some lines or records were skipped (each named on
 stderr with its file and line, or record and byte offset) or the store refused some spans, the rest being
 imported; 2 when the import could not start or was stopped (bad arguments, a missing file, the store
-unreachable or failing; what was written before stays, and importing again is safe).
+unreachable or failing; what was written before stays, and importing again is safe); 130 when
+interrupted (Ctrl-C), the same.
 """
 
 from __future__ import annotations
@@ -119,6 +120,15 @@ def run_import(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.clear()
         return fail(f"stopped: {exc}. What was written before stays; importing again is safe.")
+    except KeyboardInterrupt:
+        if progress is not None:
+            progress.clear()
+        print(
+            "agl import: interrupted. What was written before stays; run the same command again to import"
+            " the rest (nothing is stored twice).",
+            file=sys.stderr,
+        )
+        return 130
     if progress is not None:
         progress.clear()
     for problem in summary.problems:
