@@ -567,6 +567,16 @@ def test_a_writer_process_that_cannot_start_leaves_the_writes_to_the_reading_pro
     assert len(_rollout_ids(sqlite_store)) == 4
 
 
+def test_an_import_over_before_its_writer_process_opened_the_store_needs_it_not(tmp_path, sqlite_store):
+    """A small import with workers ends before its writing process has opened the store (about 0.4 s):
+    everything is written by the importing process, and the process is ended, not waited for."""
+    path = _write(tmp_path / "t.pb", b"".join(proto_record(_record(_agent_run(f"ro-{n}"))) for n in range(3)))
+    started = time.monotonic()
+    summary = import_traces([path], sqlite_store, parse_workers=1)
+    assert (summary.new_spans, summary.problems, len(_rollout_ids(sqlite_store))) == (9, [], 3)
+    assert time.monotonic() - started < 30  # not the 30 s it would wait to join a process still starting
+
+
 def _spawned_children(pid: int) -> list[int]:
     """The processes :mod:`multiprocessing` spawned for ``pid`` (not its resource tracker), from /proc."""
     found = []

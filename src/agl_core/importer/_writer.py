@@ -87,9 +87,13 @@ class WriterProcess:
             self._raise(self._answer())
 
     def finish(self) -> None:
-        """Wait until every batch sent is committed, then let the process end (nothing to wait for when
-        it was given up before it started)."""
+        """Wait until every batch sent is committed, then let the process end. Nothing to wait for when it
+        never took a batch (given up, or the import was over before it had opened the store): it is
+        ended then."""
         if self._ended is not None:
+            return
+        if not self._ready:
+            self.close()
             return
         try:
             self._batches.send_bytes(b"")
