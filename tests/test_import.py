@@ -469,7 +469,7 @@ def _writer_ready_at_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def ready(self: Any) -> bool:
         deadline = time.monotonic() + 60
-        while not original_ready(self) and self._ended is None and time.monotonic() < deadline:
+        while not original_ready(self) and not self._ended and time.monotonic() < deadline:
             time.sleep(0.01)
         return original_ready(self)
 

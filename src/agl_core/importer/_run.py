@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import semconv, settings
 from ..store import Store, StoreClient, StoreError, StoreUnavailableError, open_store
-from ..store._ingest import IngestPipeline, Overloaded
+from ..store._ingest import IngestPipeline, Overloaded, as_store_error
 from ..store._otlp import (
     MAX_SPANS_PER_REQUEST,
     OtlpDecodeError,
@@ -286,7 +286,6 @@ class _Embedded:
         summary: ImportSummary,
     ) -> None:
         self.grouping, self.rollouts, self.summary = grouping, rollouts, summary
-        self.store, self.workers = store, workers
         #: read once into a SQLite file with workers: the process that writes the rows (see _read_once)
         self.writer: WriterProcess | None = None
         self.pipeline = IngestPipeline(
@@ -358,8 +357,9 @@ class _Embedded:
         complete. What the files may still hold is learnt by scanning their bytes for the grouping keys
         (a key no file holds can name no rollout), each key when first needed."""
         self.waiting = waiting = _Waiting(_SPILL_MEMORY_BYTES)
-        if self.workers > 0 and isinstance(self.store, SqliteStore):
-            self.writer = WriterProcess(self.store.path, self.store.synchronous)
+        store = self.pipeline.store
+        if self.pipeline.parse_workers > 0 and isinstance(store, SqliteStore):
+            self.writer = WriterProcess(store.path, store.synchronous)
         for f in self.files:
             f.bounded = True  # read what was scanned, not what a writer appended since
         grouping, settled, scopes = self.grouping, self.settled, self.scopes
@@ -626,7 +626,7 @@ class _Embedded:
         except StoreError:
             raise
         except Exception as exc:
-            raise StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip()) from exc
+            raise as_store_error(exc) from exc
 
     def _wait_write(self) -> None:
         if self.writing:

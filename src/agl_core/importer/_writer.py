@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store import StoreError, StoreUnavailableError
+from ..store._ingest import as_store_error
 from ..store._otlp import SpanRow
 
 __all__ = ["WriterProcess"]
@@ -59,13 +60,13 @@ class WriterProcess:
         batches_in.close()  # the process's ends: this process keeps only its own
         answers_out.close()
         self._ready = False
-        #: the process is gone, and why (None while it runs)
-        self._ended: str | None = None
+        #: the process is gone (stopped, failed, or given up before it took a batch)
+        self._ended = False
 
     def ready(self) -> bool:
         """Whether batches go to the process now: it has opened the store and is still running. A process
         that could not open the store is given up (False from then on), and the caller keeps writing."""
-        if self._ready or self._ended is not None:
+        if self._ready or self._ended:
             return self._ready
         if not self._answers.poll():
             return False
@@ -73,7 +74,6 @@ class WriterProcess:
         if answer[0] == "ready":
             self._ready = True
         else:  # it could not start: the importing process writes everything itself
-            self._ended = str(answer)
             self._stop()
         return self._ready
 
@@ -90,7 +90,7 @@ class WriterProcess:
         """Wait until every batch sent is committed, then let the process end. Nothing to wait for when it
         never took a batch (given up, or the import was over before it had opened the store): it is
         ended then."""
-        if self._ended is not None:
+        if self._ended:
             return
         if not self._ready:
             self.close()
@@ -129,8 +129,7 @@ class WriterProcess:
 
     def _stop(self) -> None:
         self._ready = False
-        if self._ended is None:
-            self._ended = "stopped"
+        self._ended = True
         self._batches.close()
         self._process.join(30)
         if self._process.is_alive():
@@ -180,11 +179,11 @@ def _serve(path: str, synchronous: str, batches: Connection, answers: Connection
         while data := received.get():
             rows, scopes = pickle.loads(data)
             store.add_span_rows(rows, scopes)
-    except StoreError as exc:
-        answers.send(("error", "store", str(exc)))
-        return
     except Exception as exc:
-        answers.send(("error", "unavailable", f"{type(exc).__name__}: {exc}".strip()))
+        error = as_store_error(exc)
+        answers.send(
+            ("error", "unavailable" if isinstance(error, StoreUnavailableError) else "store", str(error))
+        )
         return
     finally:
         store.close()

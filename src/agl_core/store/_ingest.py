@@ -33,6 +33,14 @@ __all__ = ["IngestPipeline", "Overloaded"]
 logger = logging.getLogger(__name__)
 
 
+def as_store_error(exc: Exception) -> StoreError:
+    """What a failed span write is reported as: a :class:`StoreError` as it is, anything else (a driver's
+    own error) as a retryable :class:`StoreUnavailableError` naming it."""
+    return (
+        exc if isinstance(exc, StoreError) else StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip())
+    )
+
+
 class Overloaded(Exception):
     """The store cannot take this request now (its write backlog or decode budget is full, or a parse
     worker was lost); the sender should retry after ``retry_after_s``. Receivers answer HTTP 503 +
@@ -251,11 +259,7 @@ class IngestPipeline:
             self.store.add_span_rows(rows, scopes)
         except Exception as exc:  # reported to every sender in the group as retryable; nothing was written
             logger.exception("agl store: writing %d spans failed", len(rows))
-            error = (
-                exc
-                if isinstance(exc, StoreError)
-                else StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip())
-            )
+            error = as_store_error(exc)
             for _, done in items:
                 done.set_exception(error)
         else:
