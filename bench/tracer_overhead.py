@@ -12,7 +12,9 @@ Beside them, in the same blocks, a floor: a do-nothing hook at the framework's s
 callback handler, an Agents SDK trace processor, wrappers of AutoGen's agent run and model call) that
 starts and ends one OpenTelemetry SDK span per agent step and per LLM call, with no attributes, through
 the same tracer provider: what any adapter that records those two spans with the OpenTelemetry SDK pays,
-before doing anything of its own. ``over floor`` is agl's cost beyond it.
+before doing anything of its own. ``over floor`` is agl's cost beyond it: negative where agl records its
+spans for less than the SDK's bare spans cost (the adapters build each span once, at its end, instead of
+through the SDK's span objects: ``agl_core._lean_spans``).
 
 Reference (DESIGN.md, same machine kind): Agent Lightning 0.3.0's tracer adds about 1.25 ms per call.
 Target: at most 0.1 ms per call for every adapter (the last line says, per adapter, whether it is met and
@@ -399,7 +401,7 @@ def main() -> int:
     worst = max(r["overhead_ms"] for r in results.values())
     verdicts = ", ".join(f"{name} {_verdict(r['overhead_ms'])}" for name, r in results.items())
     floors = ", ".join(
-        f"{name} {r['floor_ms']:+.3f} ms (agl {r['over_floor_ms']:+.3f} over it)"
+        f"{name} {r['floor_ms']:+.3f} ms (agl {r['over_floor_ms']:+.3f} against it)"
         for name, r in results.items()
     )
     print(

@@ -38,8 +38,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from agl_core import agent_header, semconv
-from agl_core.instrumentation import HookErrors, Instrumentor, Patches, start_span
-from agl_core.tracing import context_rollout_attributes, get_tracer, mark_span_error
+from agl_core.instrumentation import HookErrors, Instrumentor, Patches, adapter_tracer, start_span
+from agl_core.tracing import context_rollout_attributes, mark_span_error
 
 from . import _convert
 
@@ -339,7 +339,7 @@ def _install(tracer_provider: trace.TracerProvider | None, capture_content: bool
         trace_tool_span,
     )
 
-    tracing = _Tracing(get_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
+    tracing = _Tracing(adapter_tracer(tracer_provider), capture_content, HookErrors("AutoGen"))
     patches = Patches()
     try:
         for helper, wrap in (

@@ -9,6 +9,7 @@ built on; it imports no framework.
   the agent run on (an exception raised by the agent's code always reaches the agent unchanged).
 - :class:`OpenSpan` / :class:`OpenSpans`: what an adapter keeps per framework run (or span) id while the
   run is open, and :func:`start_span`, which opens the OTel span of a run under its parent's.
+- :func:`adapter_tracer`: the tracer adapters record with (lean spans on an SDK provider).
 - :func:`span_attributes`: the attributes every adapter span carries (rollout identity, ``agl.source``,
   agent name) merged with the adapter's own.
 - :func:`read_usage` / :func:`usage_attributes`: a framework's token-usage record as GenAI attributes.
@@ -28,6 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from . import semconv
+from ._lean_spans import LeanTracer, lean_tracer
 
 __all__ = [
     "HookErrors",
@@ -35,6 +37,7 @@ __all__ = [
     "OpenSpan",
     "OpenSpans",
     "Patches",
+    "adapter_tracer",
     "mark_span_failed",
     "read_usage",
     "span_attributes",
@@ -194,6 +197,14 @@ class OpenSpans(Generic[K, R]):
         return record if record is not None and not record.folded else None
 
 
+def adapter_tracer(tracer_provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    """The tracer an adapter records with (default provider: the global one). For an OpenTelemetry SDK
+    provider whose processors ask nothing of a live span (the batch and simple processors, agl's rollout
+    processor), its spans are built once, when they end, instead of through the SDK's span machinery
+    (:mod:`agl_core._lean_spans`); processors and exporters receive the same spans either way."""
+    return lean_tracer(tracer_provider or trace.get_tracer_provider(), "agl")
+
+
 def span_attributes(
     source: str,
     attributes: Mapping[str, Any],
@@ -223,8 +234,10 @@ def start_span(
 ) -> trace.Span:
     """Start (not make current) the span of a framework run: a child of ``parent``'s span, else of the
     current context's; attributes as :func:`span_attributes` merges them."""
-    context = trace.set_span_in_context(parent.span) if parent is not None else otel_context.get_current()
     attrs = span_attributes(source, attributes, rollout=rollout, agent=agent)
+    if type(tracer) is LeanTracer:
+        return tracer.start_child(name, parent.span if parent is not None else None, kind, attrs)
+    context = trace.set_span_in_context(parent.span) if parent is not None else otel_context.get_current()
     return tracer.start_span(name, context=context, kind=kind, attributes=attrs)
 
 
@@ -236,15 +249,16 @@ def mark_span_failed(span: trace.Span, error_type: str, description: str) -> Non
 
 
 # --- token usage -------------------------------------------------------------------------------------
-_INPUT_KEYS = ("input_tokens", "prompt_tokens")
-_OUTPUT_KEYS = ("output_tokens", "completion_tokens")
+# Called on every LLM call, on the agent's path: written as few Python calls as it takes.
 
 
 def _count(value: object) -> int | None:
+    if type(value) is int:
+        return value
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
+        return int(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
@@ -253,36 +267,34 @@ def _count(value: object) -> int | None:
 def read_usage(usage: object) -> tuple[int | None, int | None]:
     """``(input tokens, output tokens)`` of a usage record: a mapping or an object, with the Responses
     names (``input_tokens`` / ``output_tokens``) or the Chat Completions ones (``prompt_tokens`` /
-    ``completion_tokens``). A count that is missing or not a whole number is ``None``."""
+    ``completion_tokens``); of two, the first that holds a count. A count that is missing or not a whole
+    number is ``None``."""
     if usage is None:
         return None, None
-    # Called once per LLM call: the record's kind is checked once, not per key.
-    if isinstance(usage, Mapping):
-        get: Callable[[str], object] = usage.get
+    if type(usage) is dict or isinstance(usage, Mapping):
+        get = usage.get
+        first_in, second_in = get("input_tokens"), get("prompt_tokens")
+        first_out, second_out = get("output_tokens"), get("completion_tokens")
     else:
-
-        def get(key: str) -> object:
-            return getattr(usage, key, None)
-
-    return _first_count(get, _INPUT_KEYS), _first_count(get, _OUTPUT_KEYS)
-
-
-def _first_count(get: Callable[[str], object], keys: tuple[str, ...]) -> int | None:
-    for key in keys:
-        count = _count(get(key))
-        if count is not None:
-            return count
-    return None
+        first_in, second_in = getattr(usage, "input_tokens", None), getattr(usage, "prompt_tokens", None)
+        first_out = getattr(usage, "output_tokens", None)
+        second_out = getattr(usage, "completion_tokens", None)
+    counted_in = _count(first_in)
+    if counted_in is None:
+        counted_in = _count(second_in)
+    counted_out = _count(first_out)
+    if counted_out is None:
+        counted_out = _count(second_out)
+    return counted_in, counted_out
 
 
 def usage_attributes(input_tokens: object, output_tokens: object) -> dict[str, int]:
     """``gen_ai.usage.input_tokens`` / ``output_tokens`` for the counts that are whole numbers."""
     attrs = {}
-    for attribute, value in (
-        (semconv.GEN_AI_USAGE_INPUT_TOKENS, input_tokens),
-        (semconv.GEN_AI_USAGE_OUTPUT_TOKENS, output_tokens),
-    ):
-        count = _count(value)
-        if count is not None:
-            attrs[attribute] = count
+    count = input_tokens if type(input_tokens) is int else _count(input_tokens)
+    if count is not None:
+        attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = count
+    count = output_tokens if type(output_tokens) is int else _count(output_tokens)
+    if count is not None:
+        attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = count
     return attrs

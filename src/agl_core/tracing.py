@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 from datetime import datetime
@@ -23,6 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Status, StatusCode
 
 from . import semconv, settings
+from ._lean_spans import LeanSpan
 from .rewards import Reward, RewardSink, StoredReward, make_reward
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "join_rollout",
     "make_otlp_exporter",
     "rollout_attributes",
+    "rollout_identity",
     "rollout_scope",
     "setup_tracing",
 ]
@@ -54,11 +57,27 @@ class RolloutContext:
     attempt_id: str | None = None
     task_id: str | None = None
 
+    @functools.cached_property
+    def identity(self) -> Mapping[str, str]:
+        """:func:`rollout_attributes` of this rollout, built once: shared, so never to be changed (a plain
+        dict: ``{**identity, ...}`` copies a dict in one step, a mapping proxy key by key)."""
+        return rollout_attributes(self)
+
 
 def current_rollout() -> RolloutContext | None:
     """The rollout of the calling context, or ``None`` outside any rollout."""
     value = otel_context.get_value(_ROLLOUT_KEY)
     return value if isinstance(value, RolloutContext) else None
+
+
+_NO_IDENTITY: Mapping[str, str] = {}
+
+
+def rollout_identity() -> Mapping[str, str]:
+    """The current rollout's identity attributes as :func:`rollout_attributes` gives them, built once per
+    rollout (empty outside a rollout), for hooks that run on every span: shared, so never to be changed."""
+    rollout = current_rollout()
+    return rollout.identity if rollout is not None else _NO_IDENTITY
 
 
 def rollout_attributes(rollout: RolloutContext | None = None) -> dict[str, str]:
@@ -108,13 +127,15 @@ _IDENTITY_KEYS = (semconv.ROLLOUT_ID, semconv.ATTEMPT_ID, semconv.TASK_ID)
 
 def context_rollout_attributes(context: otel_context.Context | None = None) -> dict[str, Any]:
     """:func:`rollout_attributes` of ``context`` (default: the current one); where it holds no rollout,
-    the identity attributes of its current span, when that is an SDK span that carries them (code a
+    the identity attributes of its current span, when that is an SDK or adapter span that carries them (code a
     framework runs in a context of its own, under a span started inside the rollout)."""
     value = otel_context.get_value(_ROLLOUT_KEY, context)
     if isinstance(value, RolloutContext):
         return rollout_attributes(value)
     parent = trace.get_current_span(context)
-    inherited = parent.attributes if isinstance(parent, ReadableSpan) and parent.attributes else {}
+    inherited = (
+        parent.attributes if isinstance(parent, (ReadableSpan, LeanSpan)) and parent.attributes else {}
+    )
     return {k: inherited[k] for k in _IDENTITY_KEYS if k in inherited}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import Any
 from uuid import UUID
@@ -18,12 +19,12 @@ from agl_core.instrumentation import (
     HookErrors,
     Instrumentor,
     OpenSpan,
-    OpenSpans,
+    adapter_tracer,
     mark_span_failed,
     start_span,
 )
 from agl_core.spantree import langgraph_role
-from agl_core.tracing import get_tracer, mark_span_error, rollout_attributes
+from agl_core.tracing import mark_span_error, rollout_identity
 
 from . import _convert
 
@@ -40,14 +41,15 @@ class _Run(OpenSpan):
     owner: AglCallbackHandler | None = None
 
 
-#: The open runs of every agl handler in the process, by LangChain run id. One table, so that a run
-#: reaching two agl handlers (one given in ``callbacks`` and the one ``instrument()`` adds) is recorded
-#: once, and each finds the other's runs as parents.
-_RUNS: OpenSpans[UUID, _Run] = OpenSpans()
+#: The open runs of every agl handler in the process, by LangChain run id as its 128-bit number (a UUID
+#: hashes in Python code, an int does not; an LLM call's ~8 events look runs up a dozen times). One
+#: table, so that a run reaching two agl handlers (one given in ``callbacks`` and the one ``instrument()``
+#: adds) is recorded once, and each finds the other's runs as parents.
+_RUNS: dict[int, _Run] = {}
 
-#: The calling agent each open LLM run set (:mod:`agl_core.agent_header`), by run id: put back when the run
-#: ends. Only the handler recording a run sets it, so each is put back once.
-_AGENT_TOKENS: dict[UUID, Token[str | None]] = {}
+#: The calling agent each open LLM run set (:mod:`agl_core.agent_header`), by run id (number): put back
+#: when the run ends. Only the handler recording a run sets it, so each is put back once.
+_AGENT_TOKENS: dict[int, Token[str | None]] = {}
 
 #: Who holds :mod:`agl_core.agent_header`'s httpx hook: :func:`instrument`, or a handler in ``callbacks``.
 _HOOK_USER = "langchain"
@@ -110,21 +112,22 @@ class AglCallbackHandler(BaseCallbackHandler):
         return True
 
     # --- span bookkeeping ----------------------------------------------------------------------------
+    # The hooks take a run's key (``run_id.int``) and its parent's record once, and pass them on.
     def _start(
         self,
-        run_id: UUID,
-        parent_run_id: UUID | None,
+        key: int,
+        parent: _Run | None,
         name: str,
         attributes: dict[str, Any],
         kind: SpanKind = SpanKind.INTERNAL,
         agent: str | None = None,
     ) -> None:
-        if self._tracer is None:
-            self._tracer = get_tracer(self._tracer_provider)
-        parent = _RUNS.get(parent_run_id)
-        rollout = rollout_attributes() or (parent.rollout if parent is not None else {})
+        tracer = self._tracer
+        if tracer is None:
+            tracer = self._tracer = adapter_tracer(self._tracer_provider)
+        rollout = rollout_identity() or (parent.rollout if parent is not None else {})
         span = start_span(
-            self._tracer,
+            tracer,
             name,
             source=semconv.SOURCE_LANGCHAIN,
             attributes=attributes,
@@ -132,36 +135,35 @@ class AglCallbackHandler(BaseCallbackHandler):
             parent=parent,
             kind=kind,
         )
-        _RUNS.add(run_id, _Run(span, rollout, agent, owner=self))
+        _RUNS[key] = _Run(span, rollout, agent, False, self)
 
-    def _claims(self, run_id: UUID, parent_run_id: UUID | None) -> bool:
-        """Whether a starting run is this handler's to record: it is recording and no agl handler has the
-        run yet."""
-        return self.recording and run_id not in _RUNS
+    def _claims(self, key: int, parent: _Run | None) -> bool:
+        """Whether a starting run (``parent``: its parent's record, if open) is this handler's to record:
+        it is recording and no agl handler has the run yet."""
+        return self.recording and key not in _RUNS
 
-    def _pop(self, run_id: UUID) -> trace.Span | None:
+    def _pop(self, key: int) -> trace.Span | None:
         """The run's span to end, when this handler records the run and the span is the run's own."""
-        run = _RUNS.get(run_id)
+        run = _RUNS.get(key)
         if run is None or run.owner is not self:
             return None
-        _RUNS.pop(run_id)
+        del _RUNS[key]
         return run.span if not run.folded else None
 
-    def _enclosing_agent(self, parent_run_id: UUID | None) -> str | None:
+    def _enclosing_agent(self, parent: _Run | None) -> str | None:
         """The agent the parent run belongs to (``agent_name`` when the handler was given one)."""
         if self.agent_name:
             return self.agent_name
-        parent = _RUNS.get(parent_run_id)
         return parent.agent if parent is not None else None
 
     def _succeed(self, run_id: UUID) -> None:
         # Success leaves the status UNSET, as OpenTelemetry asks of instrumentation libraries.
-        span = self._pop(run_id)
+        span = self._pop(run_id.int)
         if span is not None:
             span.end()
 
     def _fail(self, run_id: UUID, error: BaseException) -> None:
-        span = self._pop(run_id)
+        span = self._pop(run_id.int)
         if span is not None:
             mark_span_error(span, error)
             span.end()
@@ -175,9 +177,13 @@ class AglCallbackHandler(BaseCallbackHandler):
         serialized: dict[str, Any] | None,
         run_id: UUID,
         parent_run_id: UUID | None,
-        content: str | None,
+        content: Callable[[], str] | None,
         kwargs: dict[str, Any],
     ) -> None:
+        key = run_id.int
+        parent = _RUNS.get(parent_run_id.int) if parent_run_id is not None else None
+        if not self._claims(key, parent):
+            return
         model = _convert.model_name(serialized, kwargs)
         attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: operation}
         if model:
@@ -185,27 +191,27 @@ class AglCallbackHandler(BaseCallbackHandler):
         params = kwargs.get("invocation_params") or {}
         if isinstance(params.get("temperature"), (int, float)):
             attrs[semconv.GEN_AI_REQUEST_TEMPERATURE] = float(params["temperature"])
-        agent = self._enclosing_agent(parent_run_id)
+        agent = self._enclosing_agent(parent)
         if agent:
             attrs[semconv.GEN_AI_AGENT_NAME] = agent
-            self._name_calling_agent(run_id, agent)
+            self._name_calling_agent(key, agent)
         if self.capture_content and content is not None:
-            attrs[semconv.GEN_AI_INPUT_MESSAGES] = content
+            attrs[semconv.GEN_AI_INPUT_MESSAGES] = content()
         name = f"{operation} {model}" if model else operation
-        self._start(run_id, parent_run_id, name, attrs, SpanKind.CLIENT, agent)
+        self._start(key, parent, name, attrs, SpanKind.CLIENT, agent)
 
     @staticmethod
-    def _name_calling_agent(run_id: UUID, agent: str) -> None:
+    def _name_calling_agent(key: int, agent: str) -> None:
         """Make ``agent`` the calling agent until the run ends. Left alone when it is already (a batch
         starts one run per prompt in a row and ends them in the same order: only the first one's token
         may put the value back, or the last reset would bring the agent back)."""
         agent_header.install_httpx_hook(_HOOK_USER)  # a handler given in callbacks, without instrument()
         if agent_header.current_agent() != agent:
-            _AGENT_TOKENS[run_id] = agent_header.set_agent(agent)
+            _AGENT_TOKENS[key] = agent_header.set_agent(agent)
 
     @staticmethod
-    def _release_calling_agent(run_id: UUID) -> None:
-        token = _AGENT_TOKENS.pop(run_id, None)
+    def _release_calling_agent(key: int) -> None:
+        token = _AGENT_TOKENS.pop(key, None)
         if token is not None:
             agent_header.reset_agent(token)
 
@@ -219,9 +225,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
-            if not self._claims(run_id, parent_run_id):
-                return
-            content = _convert.messages_json(messages) if self.capture_content else None
+            content = (lambda: _convert.messages_json(messages)) if self.capture_content else None
             self._llm_start(semconv.OP_CHAT, serialized, run_id, parent_run_id, content, kwargs)
         except Exception:
             self.hook_errors.report("on_chat_model_start")
@@ -236,17 +240,17 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
-            if not self._claims(run_id, parent_run_id):
-                return
-            content = json.dumps(prompts[:1]) if self.capture_content else None
+            content = (lambda: json.dumps(prompts[:1])) if self.capture_content else None
             self._llm_start(semconv.OP_TEXT_COMPLETION, serialized, run_id, parent_run_id, content, kwargs)
         except Exception:
             self.hook_errors.report("on_llm_start")
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         try:
-            self._release_calling_agent(run_id)
-            span = self._pop(run_id)
+            key = run_id.int
+            if _AGENT_TOKENS:
+                self._release_calling_agent(key)
+            span = self._pop(key)
             if span is None:
                 return
             span.set_attributes(_convert.end_attributes(response, capture_content=self.capture_content))
@@ -256,7 +260,7 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         try:
-            self._release_calling_agent(run_id)
+            self._release_calling_agent(run_id.int)
             self._fail(run_id, error)
         except Exception:
             self.hook_errors.report("on_llm_error")
@@ -272,22 +276,23 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
-            if not self._claims(run_id, parent_run_id):
+            key = run_id.int
+            parent = _RUNS.get(parent_run_id.int) if parent_run_id is not None else None
+            if not self._claims(key, parent):
                 return
-            parent = _RUNS.get(parent_run_id)
-            if kwargs.get("run_type") in _FOLDED_RUN_TYPES and parent is not None:
-                _RUNS.add(run_id, _Run(parent.span, parent.rollout, parent.agent, folded=True, owner=self))
+            if parent is not None and kwargs.get("run_type") in _FOLDED_RUN_TYPES:
+                _RUNS[key] = _Run(parent.span, parent.rollout, parent.agent, True, self)
                 return
             name = _convert.run_name(serialized, kwargs, "chain")
             attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_STEP}
-            agent = self._enclosing_agent(parent_run_id)
+            agent = self._enclosing_agent(parent)
             starts_agent = parent_run_id is None and agent is not None
             if agent is None and langgraph_role(name, kwargs.get("metadata")):
                 agent, starts_agent = name, True
             if starts_agent:
                 attrs[semconv.GEN_AI_OPERATION_NAME] = semconv.OP_INVOKE_AGENT
                 attrs[semconv.GEN_AI_AGENT_NAME] = agent
-            self._start(run_id, parent_run_id, name, attrs, agent=agent)
+            self._start(key, parent, name, attrs, agent=agent)
         except Exception:
             self.hook_errors.report("on_chain_start")
 
@@ -314,7 +319,9 @@ class AglCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         try:
-            if not self._claims(run_id, parent_run_id):
+            key = run_id.int
+            parent = _RUNS.get(parent_run_id.int) if parent_run_id is not None else None
+            if not self._claims(key, parent):
                 return
             name = _convert.run_name(serialized, kwargs, "tool")
             attrs: dict[str, Any] = {
@@ -324,10 +331,10 @@ class AglCallbackHandler(BaseCallbackHandler):
             call_id = kwargs.get("tool_call_id") or (kwargs.get("metadata") or {}).get("tool_call_id")
             if isinstance(call_id, str):
                 attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
-            agent = self._enclosing_agent(parent_run_id)
+            agent = self._enclosing_agent(parent)
             if agent:
                 attrs[semconv.GEN_AI_AGENT_NAME] = agent
-            self._start(run_id, parent_run_id, f"{semconv.OP_EXECUTE_TOOL} {name}", attrs, agent=agent)
+            self._start(key, parent, f"{semconv.OP_EXECUTE_TOOL} {name}", attrs, agent=agent)
         except Exception:
             self.hook_errors.report("on_tool_start")
 
@@ -339,7 +346,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             if error is None:
                 self._succeed(run_id)
                 return
-            span = self._pop(run_id)
+            span = self._pop(run_id.int)
             if span is not None:
                 mark_span_failed(span, semconv.ERROR_TYPE_TOOL_RESULT, error)
                 span.end()
@@ -372,13 +379,12 @@ class _RegisteredHandler(AglCallbackHandler):
         self._tracer = None
         self.hook_errors = HookErrors("LangChain")
 
-    def _claims(self, run_id: UUID, parent_run_id: UUID | None) -> bool:
+    def _claims(self, key: int, parent: _Run | None) -> bool:
         # LangChain does not keep the order of a run's handlers from parent to child (LangGraph merges
         # callback managers), so a child run may reach this handler before the handler that records its
         # parent: it leaves the run to that one, which gets the run too (inherited from the parent).
-        if not self.recording or run_id in _RUNS:
+        if not self.recording or key in _RUNS:
             return False
-        parent = _RUNS.get(parent_run_id)
         return parent is None or parent.owner is self
 
     def _idle(self) -> bool:

@@ -64,7 +64,10 @@ def run_name(serialized: Mapping[str, Any] | None, kwargs: Mapping[str, Any], de
 
 def response_id(response: Any) -> str | None:
     """The provider's completion id of an ``LLMResult``, where the integration reports it."""
-    output = getattr(response, "llm_output", None) or {}
+    return _response_id(getattr(response, "llm_output", None) or {}, response)
+
+
+def _response_id(output: Mapping[str, Any], response: Any) -> str | None:
     found = output.get("id")
     if isinstance(found, str):
         return found
@@ -84,7 +87,10 @@ def response_id(response: Any) -> str | None:
 def usage(response: Any) -> tuple[int | None, int | None]:
     """(input tokens, output tokens) reported for an ``LLMResult``: in its ``llm_output``, else in the
     ``usage_metadata`` of its (last) message."""
-    output = getattr(response, "llm_output", None) or {}
+    return _usage(getattr(response, "llm_output", None) or {}, response)
+
+
+def _usage(output: Mapping[str, Any], response: Any) -> tuple[int | None, int | None]:
     prompt, completion = read_usage(output.get("token_usage") or output.get("usage"))
     if prompt is None:
         for batch in getattr(response, "generations", None) or []:
@@ -95,12 +101,13 @@ def usage(response: Any) -> tuple[int | None, int | None]:
 
 
 def end_attributes(response: Any, *, capture_content: bool) -> dict[str, Any]:
-    """Completion id, usage and (optionally) output messages of an ``LLMResult``."""
-    attrs: dict[str, Any] = {}
-    completion_id = response_id(response)
+    """Completion id, usage and (optionally) output messages of an ``LLMResult`` (called at the end of
+    every LLM call: its ``llm_output`` is read once)."""
+    output = getattr(response, "llm_output", None) or {}
+    attrs: dict[str, Any] = usage_attributes(*_usage(output, response))
+    completion_id = _response_id(output, response)
     if completion_id:
         attrs[semconv.GEN_AI_RESPONSE_ID] = completion_id
-    attrs.update(usage_attributes(*usage(response)))
     if capture_content:
         attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = output_json(response)
     return attrs

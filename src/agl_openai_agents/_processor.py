@@ -18,10 +18,11 @@ from agl_core.instrumentation import (
     Instrumentor,
     OpenSpan,
     OpenSpans,
+    adapter_tracer,
     mark_span_failed,
     start_span,
 )
-from agl_core.tracing import get_tracer, rollout_attributes
+from agl_core.tracing import rollout_attributes
 
 from . import _convert
 
@@ -95,7 +96,7 @@ class AglTracingProcessor(TracingProcessor):
         self, *, tracer_provider: trace.TracerProvider | None = None, capture_content: bool = False
     ) -> None:
         self.capture_content = capture_content
-        self._tracer = get_tracer(tracer_provider)
+        self._tracer = adapter_tracer(tracer_provider)
         self._open: OpenSpans[str, _Open] = OpenSpans()
         self._headers = _headers_overrides()
         self.hook_errors = HookErrors("OpenAI Agents SDK")
