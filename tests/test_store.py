@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import sqlite3
 import time
 
 import httpx
@@ -17,7 +18,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from agl_core import semconv
 from agl_core.records import RolloutStatus
 from agl_core.store import NotFoundError, StoreError
+from agl_core.store._otlp import extract_rows
+from agl_core.store.sqlite import PAGE_SIZE, SqliteStore
 from agl_core.tracing import emit_reward, rollout_scope
+
+from .test_store_ingest import make_request
 
 
 def _provider(url: str) -> TracerProvider:
@@ -293,3 +298,22 @@ def test_span_queries_by_attempt_and_time(store):
     first = store.query_spans(rollout_ids=["ro-q"], limit=1)[0]
     assert [s.name for s in store.query_spans(rollout_ids=["ro-q"], after_seq=first.seq)] == ["b", "c"]
     assert spans[0].attributes == store.query_spans(attempt_id="at-1")[0].attributes
+
+
+def test_new_sqlite_files_get_large_pages_and_old_ones_keep_theirs(tmp_path):
+    new = SqliteStore(tmp_path / "new.sqlite")
+    old_path = tmp_path / "old.sqlite"
+    with sqlite3.connect(old_path) as conn:  # a file an earlier agl made, with SQLite's 4 KiB pages
+        conn.execute("PRAGMA page_size=4096")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE kept (x)")
+    old = SqliteStore(old_path)
+    try:
+        for store, pages in ((new, PAGE_SIZE), (old, 4096)):
+            assert store._writer.execute("PRAGMA page_size").fetchone() == (pages,)
+            batch = extract_rows(make_request("ro-pages", 40))
+            assert store.add_span_rows(batch.rows, batch.scopes) == 40
+            assert len(store.query_spans(rollout_ids=["ro-pages"])) == 40
+    finally:
+        new.close()
+        old.close()

@@ -169,6 +169,29 @@ def test_decode_budget_and_full_backlog_refuse_before_decoding(sqlite_store):
         pipeline.close()
 
 
+def test_a_store_without_parse_workers_keeps_to_the_decode_budget(sqlite_store):
+    """Decoding in the server process (``--parse-workers 0``) is refused past the decode budget as in a
+    worker, before the body is decoded, with the retryable answer; once the budget frees, it is stored."""
+    service = StoreService(sqlite_store, parse_workers=0)
+    url = service.start_http_background()
+    body = make_request("ro-b", 300).SerializeToString()
+    headers = {"content-type": "application/x-protobuf"}
+    try:
+        service.pipeline.max_decoding_bytes = len(body)
+        service.pipeline.admit(1)  # another request is being decoded
+        refused = httpx.post(url + "/v1/traces", content=body, headers=headers)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "decoding" in refused.text
+        assert sqlite_store.stats()["spans"] == 0
+        service.pipeline._release(1)
+        stored = httpx.post(url + "/v1/traces", content=body, headers=headers)
+        assert stored.status_code == 200
+        assert sqlite_store.stats()["spans"] == 300
+        assert service.pipeline._decoding == 0
+    finally:
+        service.close()
+
+
 def _workers(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children(recursive=True) if "python" in p.name().lower()]
 

@@ -127,6 +127,17 @@ class IngestPipeline:
         """Decode and validate a request body (raises ``OtlpDecodeError``) in the calling thread."""
         return _parse(body, json_body, self.redactor)
 
+    def parse_admitted(self, body: bytes, *, json_body: bool = False) -> ParsedBatch:
+        """:meth:`parse` in the calling thread, within the write backlog and decode budget: refused with
+        :class:`Overloaded` before decoding as :meth:`admit` says (the path of a store without parse
+        workers)."""
+        size = len(body)
+        self.admit(size)
+        try:
+            return self.parse(body, json_body=json_body)
+        finally:
+            self._release(size)
+
     def admit(self, size: int) -> None:
         """Refuse (:class:`Overloaded`) a body of ``size`` bytes before it is decoded when the write
         backlog is full or the bytes already being decoded would pass ``max_decoding_bytes``; otherwise

@@ -361,7 +361,7 @@ def create_store_app(
             if ingest.has_workers:
                 batch = await asyncio.wrap_future(ingest.parse_async(body, json_body=as_json))
             else:
-                batch = await run_in_threadpool(ingest.parse, body, json_body=as_json)
+                batch = await run_in_threadpool(ingest.parse_admitted, body, json_body=as_json)
             await asyncio.wrap_future(ingest.submit(batch))
         except _HttpError as exc:
             return _otlp_error(exc.status, str(exc), as_json=as_json)
