@@ -579,7 +579,7 @@ def breakdown(args: argparse.Namespace) -> int:
     from agl_core.store._otlp import decode_protobuf, extract_rows
     from agl_core.store._sql import schema
     from agl_core.store.redact import parse_rules
-    from agl_core.store.sqlite import SqliteStore
+    from agl_core.store.sqlite import PAGE_SIZE, SqliteStore
 
     size = args.batch
     maker = Batches(
@@ -591,6 +591,7 @@ def breakdown(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = SqliteStore(Path(tmp) / "stages.sqlite")
         bare = sqlite3.connect(Path(tmp) / "bare.sqlite", isolation_level=None)
+        bare.execute(f"PRAGMA page_size={PAGE_SIZE}")  # as the store's own files
         bare.execute("PRAGMA journal_mode=WAL")
         bare.execute("PRAGMA synchronous=NORMAL")
         bare.executescript(
