@@ -268,3 +268,20 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_a_lean_span_made_current_ends_and_records_what_escapes() -> None:
+    provider, exported = _provider()
+    tracer = adapter_tracer(provider)
+    with pytest.raises(KeyError), tracer.start_as_current_span("step", attributes={"a": 1}) as step:
+        assert isinstance(step, LeanSpan) and trace.get_current_span() is step
+        with tracer.start_as_current_span("inner", end_on_exit=False) as inner:
+            assert inner.get_span_context().trace_id == step.get_span_context().trace_id
+        assert inner.is_recording()  # left open
+        raise KeyError("missing")
+    inner.end()
+    step_done, inner_done = exported.get_finished_spans()  # in the order they ended
+    assert inner_done.parent is not None and inner_done.parent.span_id == step.get_span_context().span_id
+    assert step_done.status.status_code is StatusCode.ERROR
+    assert [e.name for e in step_done.events] == ["exception"]
+    assert trace.get_current_span() is not step

@@ -27,6 +27,7 @@ allow are dropped with the SDK's warning; sequences become tuples).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -214,28 +215,28 @@ class LeanTracer(trace.Tracer):
         return span
 
     @_agnosticcontextmanager
-    def start_as_current_span(
-        self,
-        name: str,
-        context: otel_context.Context | None = None,
-        kind: SpanKind = SpanKind.INTERNAL,
-        attributes: types.Attributes = None,
-        links: Sequence[Link] | None = (),
-        start_time: int | None = None,
-        record_exception: bool = True,
-        set_status_on_exception: bool = True,
-        end_on_exit: bool = True,
-    ) -> Iterator[trace.Span]:
-        span = self.start_span(
-            name, context, kind, attributes, links, start_time, record_exception, set_status_on_exception
-        )
-        with trace.use_span(
-            span,
-            end_on_exit=end_on_exit,
-            record_exception=record_exception,
-            set_status_on_exception=set_status_on_exception,
-        ) as current:
-            yield current
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Iterator[trace.Span]:
+        with _current(self.start_span, args, kwargs) as span:
+            yield span
+
+
+@contextlib.contextmanager
+def _current(
+    start_span: Callable[..., trace.Span], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[trace.Span]:
+    """``Tracer.start_as_current_span`` for a tracer's ``start_span`` (its arguments by keyword after the
+    name and context, as OpenTelemetry's own instrumentations pass them)."""
+    end_on_exit = kwargs.pop("end_on_exit", True)
+    record_exception = kwargs.get("record_exception", True)
+    set_status_on_exception = kwargs.get("set_status_on_exception", True)
+    span = start_span(*args, **kwargs)
+    with trace.use_span(
+        span,
+        end_on_exit=end_on_exit,
+        record_exception=record_exception,
+        set_status_on_exception=set_status_on_exception,
+    ) as current:
+        yield current
 
 
 class LeanSpan(trace.Span):
@@ -403,7 +404,7 @@ class _GlobalTracer(trace.Tracer):
 
     @_agnosticcontextmanager
     def start_as_current_span(self, *args: Any, **kwargs: Any) -> Iterator[trace.Span]:
-        with self._resolve().start_as_current_span(*args, **kwargs) as span:
+        with _current(self._resolve().start_span, args, kwargs) as span:
             yield span
 
 
