@@ -82,22 +82,25 @@ def _silent_start(processor: SpanProcessor) -> bool:
     return isinstance(processor, _QUIET_PROCESSORS) or type(processor).on_start is SpanProcessor.on_start
 
 
-def _silent_end(processor: SpanProcessor) -> bool:
-    from .tracing import RolloutSpanProcessor  # tracing imports this module
+def _rollout_processor(processor: SpanProcessor) -> bool:
+    """agl's :class:`~agl_core.tracing.RolloutSpanProcessor` (marked by a class attribute: that module
+    imports this one): its ``on_start`` only stamps the rollout on a span that lacks it, its ``on_end``
+    does nothing."""
+    return getattr(type(processor), "lean_spans_rollout_hook", False) is True
 
-    return type(processor).on_end in (SpanProcessor.on_end, RolloutSpanProcessor.on_end)
+
+def _silent_end(processor: SpanProcessor) -> bool:
+    return type(processor).on_end is SpanProcessor.on_end or _rollout_processor(processor)
 
 
 def _quiet(processor: SpanProcessor) -> bool:
-    from .tracing import RolloutSpanProcessor  # tracing imports this module
-
     if isinstance(processor, _QUIET_PROCESSORS):
         return True
     kind = type(processor)
     ending = getattr(kind, "_on_ending", None)
     if ending is not None and ending is not getattr(SpanProcessor, "_on_ending", None):
         return False
-    return isinstance(processor, RolloutSpanProcessor) or kind.on_start is SpanProcessor.on_start
+    return _rollout_processor(processor) or kind.on_start is SpanProcessor.on_start
 
 
 class LeanTracer(trace.Tracer):

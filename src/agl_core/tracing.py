@@ -102,6 +102,9 @@ class RolloutSpanProcessor(SpanProcessor):
     your own tracer provider when you export spans some other way.
     """
 
+    #: Tells adapters' lean spans (agl_core._lean_spans) what on_start and on_end below do.
+    lean_spans_rollout_hook = True
+
     def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
         # Runs for every span of the provider: the attributes view is built once (the SDK makes a new
         # one on each access).
