@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from agl_core import semconv
 from agl_core.server import BackgroundServer
 from agl_core.store import AsyncStoreClient, StoreClient, StoreUnavailableError
-from agl_core.store._ingest import IngestPipeline
+from agl_core.store._ingest import IngestPipeline, _parse_elsewhere, _with_bodies
 from agl_core.store._otlp import OtlpDecodeError, decode_protobuf, extract_rows, span_slices
 from agl_core.store.redact import MASK, parse_rules
 from agl_core.store.service import RetentionPolicy, StoreService, parse_duration
@@ -525,6 +525,35 @@ def test_parse_workers_decode_in_another_process_with_the_same_result():
         assert len(remote.rows) == 300 and b"x@y.org" not in remote.rows[0][10]
         with pytest.raises(OtlpDecodeError):
             pipeline.parse_async(b"\xff" * 20_000).result(60)
+    finally:
+        pipeline.close()
+
+
+def test_a_parse_worker_sends_back_where_each_span_lies_and_the_store_gets_its_bytes():
+    """Without redaction a worker returns each span's place in the body, not its bytes; the rows the
+    store then writes are those of a parse in its own process (spans with and without a rollout id, with
+    an attempt id before the rollout id, a span with an invalid id, a second resource and scope)."""
+    request = make_request("ro-o", 200, attrs=3)
+    spans = request.resource_spans[0].scope_spans[0].spans
+    del spans[7].attributes[0]  # no rollout id
+    spans[8].attributes.insert(0, spans[8].attributes[0])  # attempt id first, then the rollout id
+    spans[8].attributes[0].key = semconv.ATTEMPT_ID
+    spans[9].span_id = b"\0" * 8  # invalid: rejected
+    extra = make_request("ro-o2", 30, first=500)
+    request.resource_spans.add().CopyFrom(extra.resource_spans[0])
+    body = request.SerializeToString()
+    pipeline = IngestPipeline(store=None, parse_workers=1)
+    try:
+        remote = pipeline.parse_async(body).result(60)
+        local = pipeline.parse(body)
+        assert remote == local
+        assert len(remote.rows) == 229 and remote.rejected == 1
+        by_name = {row[3]: row for row in remote.rows}
+        assert by_name["span-8"][7] is None and by_name["span-9"][7:9] == ("ro-o", "ro-o")
+        assert {row[7] for row in remote.rows} == {"ro-o", "ro-o2", None}
+        sent_back = _parse_elsewhere(body, False, None)
+        assert all(type(row[10]) is tuple for row in sent_back.rows)  # places, not bytes
+        assert _with_bodies(sent_back, body) == local
     finally:
         pipeline.close()
 

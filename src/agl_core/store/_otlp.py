@@ -232,12 +232,16 @@ def extract_rows(
     request: ExportTraceServiceRequest,
     redact: Callable[[Any], None] | None = None,
     raw: bytes | None = None,
+    *,
+    offsets: bool = False,
 ) -> ParsedBatch:
     """Validate each span and turn it into a :class:`SpanRow`.
 
     A span with an invalid id is rejected on its own (counted, first reason kept); the rest are kept.
     ``redact`` is applied to every resource, scope and span message before anything is encoded. ``raw``,
-    the protobuf body ``request`` was decoded from, lets unredacted spans keep the bytes they arrived as.
+    the protobuf body ``request`` was decoded from, lets unredacted spans keep the bytes they arrived as;
+    with ``offsets`` such a span's row holds, in place of those bytes, their ``(start, end)`` in ``raw``
+    (for a process that sends the rows to one that holds ``raw``: not rows a store can write).
     """
     total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
     if total > MAX_SPANS_PER_REQUEST:
@@ -291,16 +295,23 @@ def extract_rows(
                     continue
                 if where is not None:
                     start, end = where[n]
-                    body = raw[start:end]  # type: ignore[index]
+                    if offsets:
+                        # the caller holds ``raw``: the span's place in it, not a copy of its bytes
+                        has_rollout = raw.find(rollout_marker, start, end) >= 0  # type: ignore[union-attr]
+                        body: bytes | tuple[int, int] = (start, end)
+                    else:
+                        body = raw[start:end]  # type: ignore[index]
+                        has_rollout = rollout_marker in body
                 else:
                     if redact is not None:
                         redact(span)
                     body = span.SerializeToString()
+                    has_rollout = rollout_marker in body
                 rollout_id = attempt_id = None
                 # Walking the attributes is the costly part of ingest; a span whose bytes do not even
                 # contain the rollout key has no rollout id. agl writes its identity attributes first,
                 # so the walk usually stops after two.
-                if rollout_marker in body:
+                if has_rollout:
                     for kv in span.attributes:
                         key = kv.key
                         if key == rollout_key:
@@ -315,7 +326,7 @@ def extract_rows(
                 if len(name) > _MAX_NAME or "\x00" in name:
                     name = _clean_text(name[:_MAX_NAME])
                 append(
-                    (
+                    (  # type: ignore[arg-type]  # body: (start, end) with ``offsets`` (see above)
                         trace_id,
                         span_id,
                         parent or None,
