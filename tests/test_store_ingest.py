@@ -558,6 +558,22 @@ def test_a_parse_worker_sends_back_where_each_span_lies_and_the_store_gets_its_b
         pipeline.close()
 
 
+def test_a_failure_putting_a_workers_rows_together_reaches_the_request(monkeypatch):
+    import agl_core.store._ingest as ingest
+
+    def broken(batch, body):
+        raise RuntimeError("rows could not be put together")
+
+    monkeypatch.setattr(ingest, "_with_bodies", broken)
+    pipeline = IngestPipeline(store=None, parse_workers=1)
+    try:
+        with pytest.raises(RuntimeError, match="put together"):
+            pipeline.parse_async(make_request("ro-f", 200).SerializeToString()).result(60)
+        assert pipeline._decoding == 0
+    finally:
+        pipeline.close()
+
+
 def test_unredacted_spans_are_stored_as_the_bytes_they_arrived_as():
     request = make_request("ro-a", 3)
     second = request.resource_spans.add()  # a second resource, its two scopes: order kept everywhere

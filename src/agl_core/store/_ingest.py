@@ -213,7 +213,12 @@ class IngestPipeline:
             elif exc is not None:
                 done.set_exception(exc)
             else:
-                done.set_result(_with_bodies(inner.result(), body))
+                # whatever happens here must reach ``done``: a callback's exception would leave the
+                # request waiting for ever
+                try:
+                    done.set_result(_with_bodies(inner.result(), body))
+                except Exception as failed:
+                    done.set_exception(failed)
 
         inner.add_done_callback(finished)
         return done
