@@ -94,13 +94,14 @@ def _silent_end(processor: SpanProcessor) -> bool:
 
 
 def _quiet(processor: SpanProcessor) -> bool:
+    """Whether a processor lets spans be lean: it asks nothing of the live span (no ``_on_ending`` of its
+    own, an ``on_start`` that does nothing or is agl's rollout processor's)."""
     if isinstance(processor, _QUIET_PROCESSORS):
         return True
-    kind = type(processor)
-    ending = getattr(kind, "_on_ending", None)
+    ending = getattr(type(processor), "_on_ending", None)
     if ending is not None and ending is not getattr(SpanProcessor, "_on_ending", None):
         return False
-    return _rollout_processor(processor) or kind.on_start is SpanProcessor.on_start
+    return _silent_start(processor) or _rollout_processor(processor)
 
 
 class LeanTracer(trace.Tracer):

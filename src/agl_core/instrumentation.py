@@ -291,10 +291,10 @@ def read_usage(usage: object) -> tuple[int | None, int | None]:
 def usage_attributes(input_tokens: object, output_tokens: object) -> dict[str, int]:
     """``gen_ai.usage.input_tokens`` / ``output_tokens`` for the counts that are whole numbers."""
     attrs = {}
-    count = input_tokens if type(input_tokens) is int else _count(input_tokens)
+    count = _count(input_tokens)
     if count is not None:
         attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = count
-    count = output_tokens if type(output_tokens) is int else _count(output_tokens)
+    count = _count(output_tokens)
     if count is not None:
         attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = count
     return attrs

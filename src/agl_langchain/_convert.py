@@ -62,12 +62,9 @@ def run_name(serialized: Mapping[str, Any] | None, kwargs: Mapping[str, Any], de
     return default
 
 
-def response_id(response: Any) -> str | None:
-    """The provider's completion id of an ``LLMResult``, where the integration reports it."""
-    return _response_id(getattr(response, "llm_output", None) or {}, response)
-
-
 def _response_id(output: Mapping[str, Any], response: Any) -> str | None:
+    """The provider's completion id of an ``LLMResult`` (``output``: its ``llm_output``), where the
+    integration reports it."""
     found = output.get("id")
     if isinstance(found, str):
         return found
@@ -84,13 +81,9 @@ def _response_id(output: Mapping[str, Any], response: Any) -> str | None:
     return None
 
 
-def usage(response: Any) -> tuple[int | None, int | None]:
-    """(input tokens, output tokens) reported for an ``LLMResult``: in its ``llm_output``, else in the
-    ``usage_metadata`` of its (last) message."""
-    return _usage(getattr(response, "llm_output", None) or {}, response)
-
-
 def _usage(output: Mapping[str, Any], response: Any) -> tuple[int | None, int | None]:
+    """(input tokens, output tokens) reported for an ``LLMResult``: in its ``llm_output`` (``output``),
+    else in the ``usage_metadata`` of its (last) message."""
     prompt, completion = read_usage(output.get("token_usage") or output.get("usage"))
     if prompt is None:
         for batch in getattr(response, "generations", None) or []:
