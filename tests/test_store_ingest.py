@@ -432,8 +432,12 @@ def test_hostile_values(service):
 
 
 @pytest.mark.skipif(shutil.which("kill") is None, reason="needs kill")
-def test_sigkill_loses_no_acknowledged_span(tmp_path):
-    """Kill -9 the server in the middle of ingestion; every acknowledged span is there after a restart."""
+@pytest.mark.parametrize("attrs", [3, 12], ids=["written-by-the-store", "written-by-workers"])
+def test_sigkill_loses_no_acknowledged_span(tmp_path, attrs):
+    """Kill -9 the server in the middle of ingestion; every acknowledged span is there after a restart.
+    Exports of 50 spans with 3 attributes are under 16 KB and written by the store process; with 12 they
+    go to the parse workers, which write them themselves and die with the store (SIGTERM from the
+    kernel)."""
     db = tmp_path / "crash.sqlite"
     port = _free_port()
 
@@ -472,7 +476,7 @@ def test_sigkill_loses_no_acknowledged_span(tmp_path):
         with httpx.Client(timeout=5) as http:
             b = 0
             while not stop.is_set():
-                body = make_request(f"ro-k{k}", 50, first=1 + b * 50).SerializeToString()
+                body = make_request(f"ro-k{k}", 50, first=1 + b * 50, attrs=attrs).SerializeToString()
                 try:
                     response = http.post(
                         f"http://127.0.0.1:{port}/v1/traces",

@@ -105,9 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--parse-workers",
         type=int,
-        default=1,
-        help="processes decoding OTLP beside the writer; 0 decodes in the server process"
-        " (default: %(default)s)",
+        default=2,
+        help="processes decoding OTLP beside the server; on a SQLite file they also write what they"
+        " decode, taking turns; 0 decodes and writes in the server process (default: %(default)s)",
     )
     serve.add_argument(
         "--max-pending-spans",

@@ -45,8 +45,7 @@ def start_grpc_server(
                     grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)"
                 )
         try:
-            batch = pipeline.parse_async(body).result()
-            pipeline.submit(batch).result()
+            batch = pipeline.ingest_async(body).result()
         except OtlpDecodeError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -29,7 +30,7 @@ from ._otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
 from .base import StoreError, StoreUnavailableError
 from .redact import Redactor
 
-__all__ = ["IngestPipeline", "Overloaded"]
+__all__ = ["IngestPipeline", "Ingested", "Overloaded"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,64 @@ def _with_bodies(batch: ParsedBatch, body: bytes) -> ParsedBatch:
     return dataclasses.replace(batch, rows=rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ingested:
+    """What became of one export request: ``spans`` kept (written, or already stored), ``rejected`` and
+    the first rejection's reason (OTLP's partial success)."""
+
+    spans: int
+    rejected: int
+    error_message: str
+
+
+#: Bodies smaller than this are decoded in the receiving process: shipping them costs more than decoding.
+_SHIP_BYTES = 16_384
+
+#: In a worker process: the store each (file, synchronous) is written through, opened at first use.
+_worker_stores: dict[tuple[str, str], Any] = {}
+
+
+def _write_elsewhere(
+    body: bytes, json_body: bool, redactor: Redactor | None, target: tuple[str, str]
+) -> Ingested:
+    """In a worker process: decode ``body`` and commit its spans into the SQLite file ``target``
+    (path, synchronous), taking turns with the store process and the other workers
+    (:meth:`SqliteStore.share_writes`). Any failure to write comes back as a :class:`StoreError`."""
+    batch = _parse(body, json_body, redactor)
+    if batch.rows:
+        try:
+            store = _worker_stores.get(target)
+            if store is None:
+                from .sqlite import SqliteStore
+
+                store = SqliteStore(target[0], synchronous=target[1], checkpoints=False)
+                store.share_writes()
+                _worker_stores[target] = store
+            store.add_span_rows(batch.rows, batch.scopes)
+        except Exception as exc:
+            raise as_store_error(exc) from None
+    return Ingested(len(batch.rows), batch.rejected, batch.error_message)
+
+
+def _pass_on(done: Future[Any]) -> Callable[[Future[Any]], None]:
+    """A done-callback that settles ``done`` as the future it is called with was settled."""
+
+    def settle(source: Future[Any]) -> None:
+        exc = source.exception()
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(source.result())
+
+    return settle
+
+
+def _resolved(value: Any) -> Future[Any]:
+    done: Future[Any] = Future()
+    done.set_result(value)
+    return done
+
+
 class IngestPipeline:
     def __init__(
         self,
@@ -104,6 +163,7 @@ class IngestPipeline:
         max_commit_spans: int = 20_000,
         parse_workers: int = 0,
         max_decoding_bytes: int = 64 * 1024 * 1024,
+        workers_write: bool = False,
     ) -> None:
         if max_pending_spans < 1 or max_commit_spans < 1:
             raise ValueError("max_pending_spans and max_commit_spans must be >= 1")
@@ -112,6 +172,16 @@ class IngestPipeline:
         self.store = store
         self.redactor = redactor if redactor else None
         self.parse_workers = parse_workers
+        # Workers that write what they decode (a SQLite store): the rows never cross back to this
+        # process, and two workers decode and write at once, taking turns only on the write itself.
+        self._target: tuple[str, str] | None = None
+        if workers_write and parse_workers:
+            from .sqlite import SqliteStore
+
+            if not isinstance(store, SqliteStore):
+                raise ValueError("workers_write needs a SqliteStore")
+            store.share_writes()
+            self._target = (str(store.path), store.synchronous)
         self._pool_lock = threading.Lock()
         self._pool = self._new_pool() if parse_workers else None
         self.workers_restarted = 0
@@ -187,7 +257,7 @@ class IngestPipeline:
         self.admit(size)
         done: Future[ParsedBatch] = Future()
         pool = self._pool
-        if pool is None or size < 16_384:
+        if pool is None or size < _SHIP_BYTES:
             try:
                 done.set_result(self.parse(body, json_body=json_body))
             except BaseException as exc:
@@ -221,6 +291,62 @@ class IngestPipeline:
                     done.set_exception(failed)
 
         inner.add_done_callback(finished)
+        return done
+
+    def ingest_async(self, body: bytes, *, json_body: bool = False) -> Future[Ingested]:
+        """Decode ``body`` and write its spans; the future resolves once they are committed. With
+        writing workers, a worker does both; otherwise :meth:`parse_async` then :meth:`submit`. Raises
+        :class:`Overloaded` (before decoding) as :meth:`admit` says; the future fails with
+        ``OtlpDecodeError``, :class:`Overloaded` (a worker was lost) or :class:`StoreError`."""
+        pool, target, size = self._pool, self._target, len(body)
+        if pool is None or target is None or size < _SHIP_BYTES:
+            return self._then(self.parse_async(body, json_body=json_body), self.write_async)
+        self.admit(size)
+        try:
+            inner = pool.submit(_write_elsewhere, body, json_body, self.redactor, target)
+        except (BrokenProcessPool, RuntimeError):
+            self._release(size)
+            self._replace_pool(pool)
+            raise Overloaded("a parse worker of the store was lost; it was restarted, retry") from None
+        done: Future[Ingested] = Future()
+
+        def finished(inner: Future[Ingested]) -> None:
+            self._release(size)
+            exc = inner.exception()
+            if isinstance(exc, BrokenProcessPool):
+                self._replace_pool(pool)
+                done.set_exception(
+                    Overloaded("a parse worker of the store was lost; it was restarted, retry")
+                )
+            elif exc is not None:
+                done.set_exception(exc)
+            else:
+                self.store.checkpoint_soon()
+                done.set_result(inner.result())
+
+        inner.add_done_callback(finished)
+        return done
+
+    def write_async(self, batch: ParsedBatch) -> Future[Ingested]:
+        """:meth:`submit` a parsed batch; the future resolves to what became of its request."""
+        return self._then(
+            self.submit(batch), lambda n: _resolved(Ingested(n, batch.rejected, batch.error_message))
+        )
+
+    @staticmethod
+    def _then(first: Future[Any], step: Callable[[Any], Future[Any]]) -> Future[Any]:
+        """A future for ``step(first's result)`` (itself a future), failing as either fails."""
+        done: Future[Any] = Future()
+
+        def chain(first: Future[Any]) -> None:
+            try:
+                second = step(first.result())
+            except BaseException as exc:
+                done.set_exception(exc)
+                return
+            second.add_done_callback(_pass_on(done))
+
+        first.add_done_callback(chain)
         return done
 
     def _replace_pool(self, broken: ProcessPoolExecutor) -> None:

@@ -194,10 +194,23 @@ def _fields(data: bytes, start: int, end: int, wanted: int) -> list[tuple[int, i
     out = []
     pos = start
     while pos < end:
-        tag, pos = _varint(data, pos)
+        # one-byte tags and one- or two-byte lengths (spans up to 16 KB) read inline: this walk runs
+        # once per span of every request
+        tag = data[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _varint(data, pos)
         kind = tag & 7
         if kind == 2:
-            size, pos = _varint(data, pos)
+            size = data[pos]
+            if size < 0x80:
+                pos += 1
+            elif data[pos + 1] < 0x80:
+                size = (size & 0x7F) | data[pos + 1] << 7
+                pos += 2
+            else:
+                size, pos = _varint(data, pos)
             if tag >> 3 == wanted:
                 out.append((pos, pos + size))
             pos += size
@@ -315,11 +328,11 @@ def extract_rows(
                     for kv in span.attributes:
                         key = kv.key
                         if key == rollout_key:
-                            rollout_id = _id_value(kv.value)
+                            rollout_id = _id_text(kv.value)
                             if attempt_id is not None:
                                 break
                         elif key == attempt_key:
-                            attempt_id = _id_value(kv.value)
+                            attempt_id = _id_text(kv.value)
                             if rollout_id is not None:
                                 break
                 name = span.name
@@ -346,6 +359,14 @@ def extract_rows(
 def _clean_text(text: str) -> str:
     """Indexed text columns hold no NUL characters (PostgreSQL refuses them); the body keeps the original."""
     return text.replace("\x00", "") if "\x00" in text else text
+
+
+def _id_text(value: AnyValue) -> str | None:
+    """:func:`_id_value`, the common case (a short clean string) without its checks' calls."""
+    text = value.string_value
+    if text and len(text) <= _MAX_ID and "\x00" not in text:
+        return text
+    return _id_value(value)
 
 
 def _id_value(value: AnyValue) -> str | None:

@@ -235,9 +235,26 @@ class SqlStore(Generic[_C]):
     def _retryable(self, exc: BaseException, what: str) -> StoreUnavailableError:
         return StoreUnavailableError(f"the database could not {what}: {type(exc).__name__}: {exc}".strip())
 
+    def _hold_writers(self) -> None:
+        """Keep writers in other processes out until :meth:`_let_writers_in` (called with the write lock
+        held, before the transaction begins); a backend whose database does that itself does nothing."""
+
+    def _let_writers_in(self) -> None:
+        """Undo :meth:`_hold_writers` once the transaction has ended."""
+
+    @contextlib.contextmanager
+    def _writing_alone(self) -> Iterator[None]:
+        """The write lock, and writers in other processes held off (:meth:`_hold_writers`)."""
+        with self._write_lock:
+            self._hold_writers()
+            try:
+                yield
+            finally:
+                self._let_writers_in()
+
     @contextlib.contextmanager
     def _write(self) -> Iterator[_C]:
-        with self._write_lock:
+        with self._writing_alone():
             if self._closed:
                 raise StoreError("the store is closed")
             try:
@@ -302,7 +319,7 @@ class SqlStore(Generic[_C]):
         return rows
 
     def close(self) -> None:
-        with self._write_lock:
+        with self._writing_alone():
             if not self._closed and self._purge_on_close:
                 with contextlib.suppress(Exception):
                     self._purge(self._writer)
@@ -833,7 +850,7 @@ class SqlStore(Generic[_C]):
                     " WHERE s.trace_id = reward_ids.trace_id AND s.span_id = reward_ids.span_id)",
                 )
         if deleted:
-            with self._write_lock:
+            with self._writing_alone():
                 if not self._closed:
                     self._purge(self._writer)
         return deleted

@@ -359,10 +359,10 @@ def create_store_app(
         try:
             body = await _read_body(request)
             if ingest.has_workers:
-                batch = await asyncio.wrap_future(ingest.parse_async(body, json_body=as_json))
+                batch = await asyncio.wrap_future(ingest.ingest_async(body, json_body=as_json))
             else:
-                batch = await run_in_threadpool(ingest.parse_admitted, body, json_body=as_json)
-            await asyncio.wrap_future(ingest.submit(batch))
+                parsed = await run_in_threadpool(ingest.parse_admitted, body, json_body=as_json)
+                batch = await asyncio.wrap_future(ingest.write_async(parsed))
         except _HttpError as exc:
             return _otlp_error(exc.status, str(exc), as_json=as_json)
         except OtlpDecodeError as exc:

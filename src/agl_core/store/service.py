@@ -14,6 +14,7 @@ from ._ingest import IngestPipeline
 from .base import Store
 from .redact import Redactor
 from .server import create_store_app
+from .sqlite import SqliteStore
 
 __all__ = ["RetentionPolicy", "StoreService", "parse_duration"]
 
@@ -77,7 +78,11 @@ class StoreService:
         self.token = token
         self.retention = retention
         self.pipeline = IngestPipeline(
-            store, redactor=redactor, max_pending_spans=max_pending_spans, parse_workers=parse_workers
+            store,
+            redactor=redactor,
+            max_pending_spans=max_pending_spans,
+            parse_workers=parse_workers,
+            workers_write=isinstance(store, SqliteStore),
         )
         self.app = create_store_app(store, token=token, pipeline=self.pipeline, redactor=redactor)
         self.maintenance_interval_s = maintenance_interval_s

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sqlite3
 import sys
 import threading
@@ -56,7 +57,7 @@ def _variable_limit(conn: sqlite3.Connection) -> int:
 class SqliteStore(SqlStore[sqlite3.Connection]):
     """The :class:`~agl_core.store.base.Store` on one SQLite file."""
 
-    def __init__(self, path: str | Path, *, synchronous: str = "NORMAL") -> None:
+    def __init__(self, path: str | Path, *, synchronous: str = "NORMAL", checkpoints: bool = True) -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
         if str(path) == ":memory:":
@@ -67,7 +68,12 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._synchronous = synchronous.upper()
         self._checkpoints: threading.Thread | None = None
+        #: whether this store checkpoints the WAL (not a writer process beside the one that does)
+        self._checkpointing = checkpoints
+        #: the lock file writers in several processes take turns on (:meth:`share_writes`)
+        self._turns: int | None = None
         self._checkpoint_due = threading.Event()
+        self._checkpoints_lock = threading.Lock()
         self._stopping = False
         super().__init__()
         self._writer.executescript(_SCHEMA)
@@ -94,7 +100,40 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
         """The ``PRAGMA synchronous`` level of its connections."""
         return self._synchronous
 
-    _purge_on_close = True
+    @property
+    def _purge_on_close(self) -> bool:  # type: ignore[override]
+        return self._checkpointing
+
+    def share_writes(self) -> None:
+        """Take turns with writers of the same file in other processes that called this too (ingest
+        workers, :mod:`agl_core.store._ingest`): each transaction is begun holding an exclusive
+        ``flock`` on ``<file>-agl-write.lock``, so a writer waiting for another is woken the moment it
+        commits, instead of SQLite's busy handler polling with sleeps of 1-100 ms. The kernel drops the
+        lock of a process that dies."""
+        if self._turns is not None:
+            return
+        import fcntl  # noqa: F401  (POSIX only: say so here, not at the first write)
+
+        lock = self.path.with_name(self.path.name + "-agl-write.lock")
+        self._turns = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def _hold_writers(self) -> None:
+        if self._turns is not None:
+            import fcntl
+
+            fcntl.flock(self._turns, fcntl.LOCK_EX)
+
+    def _let_writers_in(self) -> None:
+        if self._turns is not None:
+            import fcntl
+
+            fcntl.flock(self._turns, fcntl.LOCK_UN)
+
+    def checkpoint_soon(self) -> None:
+        """Tell the checkpointer that another process committed to the WAL."""
+        if self._checkpointing:
+            self._start_checkpoints()
+            self._checkpoint_due.set()
 
     def _unavailable(self, exc: BaseException) -> bool:
         # disk full, I/O error, locked past the busy timeout: the write may succeed when retried
@@ -111,12 +150,16 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
 
     def _commit(self, conn: sqlite3.Connection) -> None:
         conn.execute("COMMIT")
+        self.checkpoint_soon()
+
+    def _start_checkpoints(self) -> None:
         if self._checkpoints is None:
-            self._checkpoints = threading.Thread(
-                target=self._checkpoint_loop, name="agl-sqlite-checkpoint", daemon=True
-            )
-            self._checkpoints.start()
-        self._checkpoint_due.set()
+            with self._checkpoints_lock:
+                if self._checkpoints is None:
+                    self._checkpoints = threading.Thread(
+                        target=self._checkpoint_loop, name="agl-sqlite-checkpoint", daemon=True
+                    )
+                    self._checkpoints.start()
 
     def _checkpoint_loop(self) -> None:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -135,7 +178,7 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
                     if pages >= limit_pages:
                         # the writer kept appending meanwhile: finish with writes held off, so that the
                         # next write starts the WAL over
-                        with self._write_lock:
+                        with self._writing_alone():
                             if self._closed:
                                 return
                             conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
@@ -152,6 +195,10 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
             self._checkpoint_due.set()
             thread.join(60)
         super().close()
+        with self._write_lock:
+            if self._turns is not None:
+                os.close(self._turns)
+                self._turns = None
 
     def _insert_spans(self, conn: sqlite3.Connection, rows: Sequence[SpanRow]) -> int:
         before = conn.total_changes
