@@ -207,3 +207,89 @@ def test_rollout_ids_come_from_agl_attributes_in_a_worker_too(sqlite_store):
         assert rows == [("ro-ids", "ro-ids-a1")]
     finally:
         pipeline.close()
+
+
+# --- the worker pool itself ------------------------------------------------------------------------------
+def _digest(body: bytes, salt: str) -> tuple[int, str, int]:
+    """Runs in a worker: what it received."""
+    import hashlib
+
+    return len(body), hashlib.sha256(body).hexdigest() + salt, os.getpid()
+
+
+def _nap(body: bytes, seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("local state")
+        self.handle = threading.Lock()  # cannot be pickled
+
+
+def _fail(body: bytes, kind: str) -> None:
+    if kind == "value":
+        raise ValueError(f"bad body of {len(body)} bytes")
+    raise _Unpicklable()
+
+
+def test_a_worker_gets_the_body_as_sent_and_its_errors_come_back():
+    import hashlib
+
+    from agl_core.store._workers import WorkerPool
+
+    pool = WorkerPool(2)
+    try:
+        big = os.urandom(3 * 1024 * 1024)  # three times the pipe's buffer
+        size, digest, pid = pool.submit(_digest, big, "!").result(60)
+        assert (size, digest) == (len(big), hashlib.sha256(big).hexdigest() + "!")
+        assert pid != os.getpid()
+        assert pool.submit(_digest, b"", "").result(60)[0] == 0
+        with pytest.raises(ValueError, match="bad body of 5 bytes"):
+            pool.submit(_fail, b"12345", "value").result(60)
+        with pytest.raises(RuntimeError, match="_Unpicklable"):
+            pool.submit(_fail, b"", "unpicklable").result(60)
+        # four at once on two workers: the rest wait for a free one
+        results = [pool.submit(_digest, bytes([i]) * 1000, str(i)) for i in range(4)]
+        assert [r.result(60)[1][-1] for r in results] == ["0", "1", "2", "3"]
+    finally:
+        pool.shutdown()
+
+
+def test_a_killed_worker_fails_only_its_job_and_is_replaced():
+    import signal
+
+    from agl_core.store._workers import WorkerLost, WorkerPool
+
+    pool = WorkerPool(1)
+    try:
+        first_pid = pool.submit(_nap, b"", 0).result(60)
+        held = pool.submit(_nap, b"", 60)
+        waiting = pool.submit(_digest, b"abc", "")
+        time.sleep(0.3)
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(WorkerLost, match="restarted"):
+            held.result(30)
+        size, _, pid = waiting.result(60)  # taken by the new worker
+        assert size == 3 and pid != first_pid
+        assert pool.restarted == 1
+    finally:
+        pool.shutdown()
+
+
+def test_shutting_down_answers_the_held_job_and_refuses_the_rest():
+    from agl_core.store._workers import WorkerLost, WorkerPool
+
+    pool = WorkerPool(1)
+    held = pool.submit(_nap, b"", 1.0)
+    waiting = pool.submit(_nap, b"", 0)
+    time.sleep(0.2)
+    pid = None
+    pool.shutdown()
+    pid = held.result(0)  # finished before the worker stopped
+    assert isinstance(pid, int)
+    with pytest.raises(WorkerLost, match="shutting down"):
+        waiting.result(0)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(_nap, b"", 0)

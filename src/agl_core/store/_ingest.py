@@ -11,22 +11,16 @@ acknowledged before it is committed.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
-import multiprocessing
-import os
 import queue
-import signal
-import sys
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
 from typing import Any
 
 from ._otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
+from ._workers import WorkerLost, WorkerPool
 from .base import StoreError, StoreUnavailableError
 from .redact import Redactor
 
@@ -51,24 +45,6 @@ class Overloaded(Exception):
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-def _watch_parent(parent: int) -> None:
-    """Parse-worker initializer: exit when the store process is gone, however it ended."""
-    if sys.platform.startswith("linux"):
-        try:  # the kernel sends SIGTERM when the parent dies (PR_SET_PDEATHSIG = 1)
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # died before prctl took effect
-        os._exit(0)
-
-    def poll() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=poll, name="agl-parent-watch", daemon=True).start()
 
 
 def _parse(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBatch:
@@ -182,9 +158,7 @@ class IngestPipeline:
                 raise ValueError("workers_write needs a SqliteStore")
             store.share_writes()
             self._target = (str(store.path), store.synchronous)
-        self._pool_lock = threading.Lock()
-        self._pool = self._new_pool() if parse_workers else None
-        self.workers_restarted = 0
+        self._pool = WorkerPool(parse_workers) if parse_workers else None
         # Bytes being decoded at once: decoding expands a body many times over in memory, so beyond this
         # budget a request is refused before it is decoded (retryable), not after.
         self.max_decoding_bytes = max_decoding_bytes
@@ -199,14 +173,10 @@ class IngestPipeline:
         self._start_lock = threading.Lock()
         self.refused_requests = 0
 
-    def _new_pool(self) -> ProcessPoolExecutor:
-        # spawn, not fork: the server process runs threads (gRPC, uvicorn) that must not be forked.
-        return ProcessPoolExecutor(
-            self.parse_workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_watch_parent,
-            initargs=(os.getpid(),),
-        )
+    @property
+    def workers_restarted(self) -> int:
+        """Parse workers started in place of one that died."""
+        return self._pool.restarted if self._pool is not None else 0
 
     @property
     def has_workers(self) -> bool:
@@ -265,21 +235,13 @@ class IngestPipeline:
             finally:
                 self._release(size)
             return done
-        try:
-            inner = pool.submit(_parse_elsewhere, body, json_body, self.redactor)
-        except (BrokenProcessPool, RuntimeError):
-            self._release(size)
-            self._replace_pool(pool)
-            raise Overloaded("a parse worker of the store was lost; it was restarted, retry") from None
+        inner = self._ship(pool, size, _parse_elsewhere, body, json_body, self.redactor)
 
         def finished(inner: Future[ParsedBatch]) -> None:
             self._release(size)
             exc = inner.exception()
-            if isinstance(exc, BrokenProcessPool):
-                self._replace_pool(pool)
-                done.set_exception(
-                    Overloaded("a parse worker of the store was lost; it was restarted, retry")
-                )
+            if isinstance(exc, WorkerLost):
+                done.set_exception(Overloaded(str(exc)))
             elif exc is not None:
                 done.set_exception(exc)
             else:
@@ -302,22 +264,14 @@ class IngestPipeline:
         if pool is None or target is None or size < _SHIP_BYTES:
             return self._then(self.parse_async(body, json_body=json_body), self.write_async)
         self.admit(size)
-        try:
-            inner = pool.submit(_write_elsewhere, body, json_body, self.redactor, target)
-        except (BrokenProcessPool, RuntimeError):
-            self._release(size)
-            self._replace_pool(pool)
-            raise Overloaded("a parse worker of the store was lost; it was restarted, retry") from None
+        inner = self._ship(pool, size, _write_elsewhere, body, json_body, self.redactor, target)
         done: Future[Ingested] = Future()
 
         def finished(inner: Future[Ingested]) -> None:
             self._release(size)
             exc = inner.exception()
-            if isinstance(exc, BrokenProcessPool):
-                self._replace_pool(pool)
-                done.set_exception(
-                    Overloaded("a parse worker of the store was lost; it was restarted, retry")
-                )
+            if isinstance(exc, WorkerLost):
+                done.set_exception(Overloaded(str(exc)))
             elif exc is not None:
                 done.set_exception(exc)
             else:
@@ -349,14 +303,14 @@ class IngestPipeline:
         first.add_done_callback(chain)
         return done
 
-    def _replace_pool(self, broken: ProcessPoolExecutor) -> None:
-        with self._pool_lock:
-            if self._pool is not broken:  # another request rebuilt it already, or the pipeline closed
-                return
-            logger.warning("agl store: a parse worker died; starting new ones")
-            self._pool = self._new_pool()
-            self.workers_restarted += 1
-        broken.shutdown(wait=False, cancel_futures=True)
+    def _ship(self, pool: WorkerPool, size: int, function: Any, body: bytes, *args: Any) -> Future[Any]:
+        """``pool.submit``; a pool shut down (the store is stopping) gives back the decode budget and
+        refuses with :class:`Overloaded`."""
+        try:
+            return pool.submit(function, body, *args)
+        except RuntimeError:
+            self._release(size)
+            raise Overloaded("the store is shutting down; retry") from None
 
     def _busy_message(self) -> str:
         return (
@@ -432,10 +386,8 @@ class IngestPipeline:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued, then stop the writer (and the parse workers)."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout_s)
