@@ -76,24 +76,32 @@ def _serve(jobs: Connection, answers: Connection, parent: int) -> None:
     ``("ok", result)`` or ``("error", exception)``; an empty first message (or the pipe's end) stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the store process's to handle
     _watch_parent(parent)
-    while True:
-        try:
-            head = jobs.recv_bytes()
-        except (EOFError, OSError):
-            return
-        if not head:
-            return
-        function, args = pickle.loads(head)
-        body = jobs.recv_bytes()
-        try:
-            answer: tuple[str, Any] = ("ok", function(body, *args))
-        except Exception as exc:
-            answer = ("error", exc)
-        try:
-            data = pickle.dumps(answer, pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # an exception that cannot be pickled: say what it was
-            data = pickle.dumps(("error", RuntimeError(f"{type(answer[1]).__name__}: {exc}")))
-        answers.send_bytes(data)
+    while _run_one(jobs, answers):
+        pass
+
+
+def _run_one(jobs: Connection, answers: Connection) -> bool:
+    """One job; False at the end. Its body, result and exception (whose traceback holds the decoded
+    request) are let go when this returns, not kept until the next job comes."""
+    try:
+        head = jobs.recv_bytes()
+    except (EOFError, OSError):
+        return False
+    if not head:
+        return False
+    function, args = pickle.loads(head)
+    body = jobs.recv_bytes()
+    try:
+        answer: tuple[str, Any] = ("ok", function(body, *args))
+    except Exception as exc:
+        exc.__traceback__ = None
+        answer = ("error", exc)
+    try:
+        data = pickle.dumps(answer, pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # an exception that cannot be pickled: say what it was
+        data = pickle.dumps(("error", RuntimeError(f"{type(answer[1]).__name__}: {exc}")))
+    answers.send_bytes(data)
+    return True
 
 
 def _deliver(done: Future[Any], answer: tuple[str, Any]) -> None:
