@@ -65,7 +65,9 @@ def test_workers_write_big_exports_while_the_store_process_writes_the_rest(sqlit
     def sender(k: int) -> None:
         with httpx.Client(timeout=60) as http:
             for b in range(6):
-                r = http.post(url + "/v1/traces", content=_big(f"ro-big-{k}", first=1 + 120 * b), headers=PROTOBUF)
+                r = http.post(
+                    url + "/v1/traces", content=_big(f"ro-big-{k}", first=1 + 120 * b), headers=PROTOBUF
+                )
                 if r.status_code != 200:
                     failures.append(f"big {k}/{b}: {r.status_code} {r.text}")
                 small = make_request(f"ro-small-{k}", 5, first=1 + 5 * b).SerializeToString()
