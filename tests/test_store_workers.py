@@ -295,3 +295,24 @@ def test_shutting_down_answers_the_held_job_and_refuses_the_rest():
         waiting.result(0)
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(_nap, b"", 0)
+
+
+def test_workers_start_when_a_job_needs_one():
+    """A store that never receives a big export starts no worker process; the second starts only when
+    two jobs are held at once."""
+    import psutil
+
+    from agl_core.store._workers import WorkerPool
+
+    before = {p.pid for p in psutil.Process().children()}
+    pool = WorkerPool(2)
+    try:
+        assert {p.pid for p in psutil.Process().children()} == before
+        pool.submit(_nap, b"", 0).result(60)
+        pool.submit(_nap, b"", 0).result(60)  # the first worker is idle again: no second one
+        assert len({p.pid for p in psutil.Process().children()} - before) == 1
+        both = [pool.submit(_nap, b"", 0.5) for _ in range(2)]
+        assert len({f.result(60) for f in both}) == 2
+        assert len({p.pid for p in psutil.Process().children()} - before) == 2
+    finally:
+        pool.shutdown()

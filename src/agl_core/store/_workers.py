@@ -134,7 +134,8 @@ class _Worker:
 
 
 class WorkerPool:
-    """``size`` worker processes (spawned: the store process runs threads that must not be forked);
+    """Up to ``size`` worker processes (spawned: the store process runs threads that must not be forked),
+    each started when a job finds no idle one (a store that never receives a big export starts none);
     :meth:`submit` runs ``function(body, *args)`` in one of them."""
 
     def __init__(self, size: int) -> None:
@@ -147,7 +148,9 @@ class WorkerPool:
         #: workers started in place of one that died
         self.restarted = 0
         self._started = 0
-        self._workers = [self._start() for _ in range(size)]
+        self._size = size
+        self._workers: list[_Worker] = []
+        # a message wakes the answer thread: b"+" to wait on a new worker too, b"" to stop
         self._wake_reader, self._wake = self._context.Pipe(duplex=False)
         self._thread = threading.Thread(target=self._answer_loop, name="agl-store-workers", daemon=True)
         self._thread.start()
@@ -165,6 +168,10 @@ class WorkerPool:
             if self._closed:
                 raise RuntimeError("the worker pool is shut down")
             worker = next((w for w in self._workers if w.job is None), None)
+            if worker is None and len(self._workers) < self._size:
+                worker = self._start()
+                self._workers.append(worker)
+                self._wake.send_bytes(b"+")
             if worker is None:
                 self._waiting.append((done, head, body))
             else:
@@ -190,7 +197,7 @@ class WorkerPool:
             ready = wait(
                 [w.answers for w in workers] + [w.process.sentinel for w in workers] + [self._wake_reader]
             )
-            if self._wake_reader in ready:
+            if self._wake_reader in ready and not self._wake_reader.recv_bytes():
                 return
             for worker in workers:
                 answer: tuple[str, Any] | None = None
