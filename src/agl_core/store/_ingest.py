@@ -1,12 +1,14 @@
 """The ingest pipeline shared by the OTLP/HTTP and OTLP/gRPC receivers.
 
 Request bodies are decoded and validated in the request thread, or, with ``parse_workers``, in worker
-processes so decoding runs beside the writer on another core. One writer thread commits whatever has
-queued up since its last commit in a single transaction (group commit), then acknowledges every request
-in it. The backlog is
-bounded: past ``max_pending_spans`` a request is refused with :class:`Overloaded`, which the receivers
-turn into the protocol's retryable answer (HTTP 503 + Retry-After, gRPC UNAVAILABLE). Nothing is
-acknowledged before it is committed.
+processes (:mod:`._workers`) so decoding runs beside the writer on another core. One writer thread commits
+whatever has queued up since its last commit in a single transaction (group commit), then acknowledges
+every request in it. On a SQLite store the workers write too (``workers_write``): a worker commits what it
+decoded itself and the request is acknowledged after that commit, the writers of the file taking turns
+(:meth:`SqliteStore.share_writes`). The backlog is bounded: past ``max_pending_spans`` spans waiting for
+the writer, or past the decode budget of bodies being decoded (or decoded and written by a worker), a
+request is refused with :class:`Overloaded`, which the receivers turn into the protocol's retryable
+answer (HTTP 503 + Retry-After, gRPC UNAVAILABLE). Nothing is acknowledged before it is committed.
 """
 
 from __future__ import annotations
@@ -221,8 +223,8 @@ class IngestPipeline:
     def parse_async(self, body: bytes, *, json_body: bool = False) -> Future[ParsedBatch]:
         """Like :meth:`parse`, in a worker process when the pipeline has them (small bodies stay here:
         shipping them costs more than decoding them). Refuses with :class:`Overloaded` before decoding
-        (see :meth:`admit`). A worker that dies (killed, out of memory) fails only the requests it held,
-        with :class:`Overloaded` so their senders retry; the pool is rebuilt for the next ones."""
+        (see :meth:`admit`). A worker that dies (killed, out of memory) fails only the request it held,
+        with :class:`Overloaded` so its sender retries; another worker takes its place."""
         size = len(body)
         self.admit(size)
         done: Future[ParsedBatch] = Future()
@@ -236,8 +238,16 @@ class IngestPipeline:
                 self._release(size)
             return done
         inner = self._ship(pool, size, _parse_elsewhere, body, json_body, self.redactor)
+        return self._answered(inner, size, lambda parsed: _with_bodies(parsed, body))
 
-        def finished(inner: Future[ParsedBatch]) -> None:
+    def _answered(self, inner: Future[Any], size: int, result: Callable[[Any], Any]) -> Future[Any]:
+        """The request's future for a worker's job ``inner``: the decode budget is given back when the
+        job ends; a lost worker refuses the request retryably (:class:`Overloaded`); otherwise it gets
+        ``result(the worker's answer)``, or what that raised (a callback's exception would leave the
+        request waiting for ever)."""
+        done: Future[Any] = Future()
+
+        def finished(inner: Future[Any]) -> None:
             self._release(size)
             exc = inner.exception()
             if isinstance(exc, WorkerLost):
@@ -245,10 +255,8 @@ class IngestPipeline:
             elif exc is not None:
                 done.set_exception(exc)
             else:
-                # whatever happens here must reach ``done``: a callback's exception would leave the
-                # request waiting for ever
                 try:
-                    done.set_result(_with_bodies(inner.result(), body))
+                    done.set_result(result(inner.result()))
                 except Exception as failed:
                     done.set_exception(failed)
 
@@ -265,21 +273,11 @@ class IngestPipeline:
             return self._then(self.parse_async(body, json_body=json_body), self.write_async)
         self.admit(size)
         inner = self._ship(pool, size, _write_elsewhere, body, json_body, self.redactor, target)
-        done: Future[Ingested] = Future()
+        return self._answered(inner, size, self._written_elsewhere)
 
-        def finished(inner: Future[Ingested]) -> None:
-            self._release(size)
-            exc = inner.exception()
-            if isinstance(exc, WorkerLost):
-                done.set_exception(Overloaded(str(exc)))
-            elif exc is not None:
-                done.set_exception(exc)
-            else:
-                self.store.checkpoint_soon()
-                done.set_result(inner.result())
-
-        inner.add_done_callback(finished)
-        return done
+    def _written_elsewhere(self, ingested: Ingested) -> Ingested:
+        self.store.checkpoint_soon()  # a worker's commit grew the WAL: the store process checkpoints
+        return ingested
 
     def write_async(self, batch: ParsedBatch) -> Future[Ingested]:
         """:meth:`submit` a parsed batch; the future resolves to what became of its request."""
