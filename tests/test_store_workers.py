@@ -316,3 +316,58 @@ def test_workers_start_when_a_job_needs_one():
         assert len({p.pid for p in psutil.Process().children()} - before) == 2
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("-1", "--parse-workers must be between 0 and 64"),
+        ("65", "--parse-workers must be between 0 and 64"),
+        ("two", "argument --parse-workers: invalid int value: 'two'"),
+    ],
+)
+def test_store_serve_refuses_a_bad_worker_count(tmp_path, value, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "s.sqlite")]
+        + ["--no-grpc", "--parse-workers", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "s.sqlite").exists()
+
+
+def test_the_real_grpc_exporter_reaches_a_worker_that_writes(sqlite_store):
+    """OTLP/gRPC takes the same path as OTLP/HTTP: a batch over 16 KB from the SDK's gRPC exporter is
+    decoded and committed by a worker before the exporter is answered."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from agl_core.tracing import rollout_scope
+
+    in_process: list[int] = []
+    original = sqlite_store.add_span_rows
+    sqlite_store.add_span_rows = lambda rows, scopes: in_process.append(len(rows)) or original(rows, scopes)
+    service = StoreService(sqlite_store, parse_workers=1)
+    port = service.start_grpc("127.0.0.1", 0)
+    try:
+        provider = TracerProvider()
+        provider.add_span_processor(
+            BatchSpanProcessor(
+                GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True), max_export_batch_size=400
+            )
+        )
+        tracer = provider.get_tracer("t")
+        with rollout_scope("ro-grpc", tracer_provider=provider):
+            for i in range(300):
+                with tracer.start_as_current_span(f"step-{i}", attributes={"payload": "z" * 80}):
+                    pass
+        assert provider.force_flush(30_000)
+        provider.shutdown()
+        (root,) = sqlite_store.query_spans(rollout_ids=["ro-grpc"], limit=1)
+        assert len(sqlite_store.query_spans(trace_id=root.trace_id)) == 301
+        assert not in_process or max(in_process) < 300  # the big batch never reached this process's writer
+    finally:
+        service.close()
