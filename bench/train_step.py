@@ -474,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     # per side: wall seconds and CPU seconds of each timed step
     times: dict[str, tuple[list[float], list[float]]] = {"agl": ([], []), "trl": ([], [])}
     trl_generate_s: list[float] = []
-    trl_side = TrlSide(args.trl_python, spec)
+    # absolute (not resolved: a venv's python is a link): the TRL side runs in the temp directory
+    trl_side = TrlSide(os.path.abspath(args.trl_python), spec)
     try:
         ours = {
             "torch": torch.__version__,
