@@ -3,8 +3,13 @@ own tracer would give them, and the SDK's tracer takes over wherever that could 
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import subprocess
 import sys
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -285,3 +290,122 @@ def test_a_lean_span_made_current_ends_and_records_what_escapes() -> None:
     assert step_done.status.status_code is StatusCode.ERROR
     assert [e.name for e in step_done.events] == ["exception"]
     assert trace.get_current_span() is not step
+
+
+class _HeldExporter(InMemorySpanExporter):
+    """Holds its first export until released (the batch processor's export thread waits there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def export(self, spans: Any) -> Any:
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().export(spans)
+
+
+def _ended(tracer: trace.Tracer, *names: str) -> None:
+    for name in names:
+        tracer.start_span(name).end()
+
+
+def test_ended_spans_queue_in_the_sdks_batch_processor_without_a_system_call_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exporter = InMemorySpanExporter()
+    batch = BatchSpanProcessor(exporter, schedule_delay_millis=60_000)
+    provider, _ = _provider(RolloutSpanProcessor(), batch)
+    tracer = adapter_tracer(provider)
+    assert isinstance(tracer, LeanTracer)
+    assert batch.on_end not in tracer.hooks().ends  # queued by the lean tracer itself
+    calls: list[int] = []
+    real_getpid = os.getpid
+
+    def counted_getpid() -> int:
+        calls.append(1)
+        return real_getpid()
+
+    with rollout_scope("r-1", tracer_provider=provider):  # its own span is the SDK's
+        monkeypatch.setattr(os, "getpid", counted_getpid)
+        _record(tracer)
+        monkeypatch.undo()
+    assert calls == []
+    provider.force_flush()
+    sdk_provider, sdk_exported = _provider(RolloutSpanProcessor())
+    with rollout_scope("r-1", tracer_provider=sdk_provider):
+        _record(sdk_provider.get_tracer("agl"))
+    lean_ids: dict[int, int] = {}
+    sdk_ids: dict[int, int] = {}
+    lean_spans = exporter.get_finished_spans()
+    assert [_view(s, lean_ids) for s in lean_spans] == [
+        _view(s, sdk_ids) for s in sdk_exported.get_finished_spans()
+    ]
+
+
+def test_the_batch_processors_queue_keeps_its_limit_its_wake_up_and_its_shutdown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    exporter = _HeldExporter()
+    batch = BatchSpanProcessor(
+        exporter, max_queue_size=4, max_export_batch_size=4, schedule_delay_millis=60_000
+    )
+    provider, _ = _provider(batch)
+    tracer = adapter_tracer(provider)
+    _ended(tracer, "a", "b", "c", "d")  # a full batch wakes the export thread at once
+    assert exporter.entered.wait(10)
+    with caplog.at_level(logging.WARNING):
+        _ended(tracer, "e", "f", "g", "h", "i")  # the queue holds 4: the oldest goes, with the SDK's warning
+    assert any("Queue full" in r.getMessage() for r in caplog.records)
+    exporter.release.set()
+    provider.force_flush()
+    assert sorted(s.name for s in exporter.get_finished_spans()) == ["a", "b", "c", "d", "f", "g", "h", "i"]
+    provider.shutdown()
+    _ended(tracer, "late")  # after shutdown the SDK's emit turns it away
+    assert "late" not in [s.name for s in exporter.get_finished_spans()]
+
+
+def test_a_batch_processor_with_an_on_end_of_its_own_is_called() -> None:
+    class Counting(BatchSpanProcessor):
+        def __init__(self) -> None:
+            super().__init__(InMemorySpanExporter())
+            self.ended: list[str] = []
+
+        def on_end(self, span: ReadableSpan) -> None:
+            self.ended.append(span.name)
+            super().on_end(span)
+
+    counting = Counting()
+    provider, exported = _provider(counting)
+    _ended(adapter_tracer(provider), "a", "b")
+    assert counting.ended == ["a", "b"] and len(exported.get_finished_spans()) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_queues_and_exports_its_own_spans() -> None:
+    exporter = InMemorySpanExporter()
+    provider, _ = _provider(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    tracer = adapter_tracer(provider)
+    _ended(tracer, "parent-before")
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running (3.12+)
+        pid = os.fork()
+    if pid == 0:  # the child: the SDK's fork handler gave it an empty queue and an export thread
+        code = 1
+        try:
+            _ended(tracer, "child")
+            provider.force_flush()
+            names = [s.name for s in exporter.get_finished_spans()]
+            os.write(write, json.dumps(names).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        child_names = json.loads(answer.read())
+    assert os.waitpid(pid, 0)[1] == 0
+    assert child_names == ["child"]  # the parent's queued span stayed in the parent
+    provider.force_flush()
+    assert [s.name for s in exporter.get_finished_spans()] == ["parent-before"]
