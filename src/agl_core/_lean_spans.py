@@ -23,14 +23,10 @@ What stays the SDK's: the id generator, the sampler (asked as the SDK asks it, e
 parent-based always-on sampler is answered without the call), a tracer switched off by the provider's
 configurator (a non-recording span), and attribute cleaning (values of types OpenTelemetry does not
 allow are dropped with the SDK's warning; sequences become tuples).
-
-One thing differs from the SDK's path: an ended span goes into the SDK's batch span processor's queue
-without the fork check its ``emit`` makes for each span (see :func:`_end_hook`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -108,52 +104,6 @@ def _quiet(processor: SpanProcessor) -> bool:
     return _silent_start(processor) or _rollout_processor(processor)
 
 
-#: What the SDK's batch span processor (1.33 and later) keeps in its shared batch processor and this module's
-#: queueing reads.
-_BATCH_FIELDS = ("_shutdown", "_max_queue_size", "_max_export_batch_size", "_worker_awaken", "emit")
-
-
-def _end_hook(processor: SpanProcessor) -> Callable[[ReadableSpan], None]:
-    """``processor.on_end``, except for the SDK's own batch span processor: the same queueing without the
-    fork check its ``emit`` makes for every span.
-
-    That check calls ``os.getpid()``, a system call; on the agent's path, between the framework's own work,
-    one costs the agent several microseconds per span (the caches and TLB it leaves cold), against 0.1 us
-    in a tight loop. The processor needs no per-span check: it re-initialises itself in a forked child
-    through ``os.register_at_fork``, which every fork made by Python runs. Queueing here is the SDK's:
-    a sampled span goes to the left of its queue and wakes the export thread at a full batch; at shutdown
-    or with the queue full the SDK's own ``emit`` takes the span (its message, its dropped-span count). A
-    subclass with an ``on_end`` of its own, or an SDK whose batch processor is shaped otherwise, keeps
-    ``on_end``."""
-    if (
-        not isinstance(processor, BatchSpanProcessor)
-        or type(processor).on_end is not BatchSpanProcessor.on_end
-    ):
-        return processor.on_end
-    batch: Any = getattr(processor, "_batch_processor", None)
-    if (
-        batch is None
-        or not isinstance(getattr(batch, "_queue", None), collections.deque)
-        or not all(hasattr(batch, field) for field in _BATCH_FIELDS)
-    ):
-        return processor.on_end
-    emit = batch.emit
-
-    def on_end(span: ReadableSpan) -> None:
-        context = span.context
-        if not (context and context.trace_flags.sampled):
-            return
-        queue = batch._queue  # read each time: the fork handler may replace it
-        if batch._shutdown or len(queue) >= batch._max_queue_size:
-            emit(span)
-            return
-        queue.appendleft(span)
-        if len(queue) >= batch._max_export_batch_size and not batch._worker_awaken.is_set():
-            batch._worker_awaken.set()
-
-    return on_end
-
-
 class LeanTracer(trace.Tracer):
     """Starts :class:`LeanSpan` s for an SDK tracer (see the module's docstring for when it is used); falls
     back to that tracer whenever the provider's processors stop qualifying."""
@@ -185,7 +135,7 @@ class LeanTracer(trace.Tracer):
                 # both does something there and lets spans be lean)
                 tuple(p.on_start for p in processors if not _silent_start(p)),
                 # on_end where it does something
-                tuple(_end_hook(p) for p in processors if not _silent_end(p)),
+                tuple(p.on_end for p in processors if not _silent_end(p)),
             )
         return hooks
 
