@@ -16,15 +16,13 @@ import psutil
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from agl_core.store import StoreClient
 from agl_core.store._ingest import IngestPipeline, Overloaded
 from agl_core.store._otlp import MAX_SPANS_PER_REQUEST
 from agl_core.store.service import StoreService
-from agl_core.tracing import rollout_scope
 
+from ._exports import export_steps
 from .test_store_ingest import make_request
 
 
@@ -220,17 +218,7 @@ def test_a_killed_parse_worker_is_replaced_and_no_span_is_lost(sqlite_store):
         if retry.status_code == 503:
             assert retry.headers["retry-after"] == "1"
         # the real exporter: retries 503 until the rebuilt pool answers
-        provider = TracerProvider()
-        provider.add_span_processor(
-            BatchSpanProcessor(OTLPSpanExporter(endpoint=url + "/v1/traces"), max_export_batch_size=400)
-        )
-        tracer = provider.get_tracer("t")
-        with rollout_scope("ro-e", tracer_provider=provider):
-            for i in range(300):
-                with tracer.start_as_current_span(f"step-{i}", attributes={"payload": "y" * 60}):
-                    pass
-        assert provider.force_flush(30_000)
-        provider.shutdown()
+        export_steps(OTLPSpanExporter(endpoint=url + "/v1/traces"), "ro-e", 300, "y" * 60)
         with StoreClient(url) as client:
             (root,) = client.all_spans(["ro-e"])  # the rollout span; its steps share its trace
             assert len(client.query_spans(trace_id=root.trace_id)) == 301

@@ -19,6 +19,7 @@ from agl_core.store._ingest import IngestPipeline
 from agl_core.store.service import StoreService
 from agl_core.store.sqlite import SqliteStore
 
+from ._exports import export_steps
 from .test_store_ingest import make_request
 
 PROTOBUF = {"content-type": "application/x-protobuf"}
@@ -342,10 +343,6 @@ def test_the_real_grpc_exporter_reaches_a_worker_that_writes(sqlite_store):
     """OTLP/gRPC takes the same path as OTLP/HTTP: a batch over 16 KB from the SDK's gRPC exporter is
     decoded and committed by a worker before the exporter is answered."""
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    from agl_core.tracing import rollout_scope
 
     in_process: list[int] = []
     original = sqlite_store.add_span_rows
@@ -353,19 +350,7 @@ def test_the_real_grpc_exporter_reaches_a_worker_that_writes(sqlite_store):
     service = StoreService(sqlite_store, parse_workers=1)
     port = service.start_grpc("127.0.0.1", 0)
     try:
-        provider = TracerProvider()
-        provider.add_span_processor(
-            BatchSpanProcessor(
-                GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True), max_export_batch_size=400
-            )
-        )
-        tracer = provider.get_tracer("t")
-        with rollout_scope("ro-grpc", tracer_provider=provider):
-            for i in range(300):
-                with tracer.start_as_current_span(f"step-{i}", attributes={"payload": "z" * 80}):
-                    pass
-        assert provider.force_flush(30_000)
-        provider.shutdown()
+        export_steps(GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True), "ro-grpc", 300, "z" * 80)
         (root,) = sqlite_store.query_spans(rollout_ids=["ro-grpc"], limit=1)
         assert len(sqlite_store.query_spans(trace_id=root.trace_id)) == 301
         assert not in_process or max(in_process) < 300  # the big batch never reached this process's writer
