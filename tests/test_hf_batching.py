@@ -216,3 +216,54 @@ def test_sampling_draws_each_token_as_often_as_its_probability_and_never_an_impo
     # one possible token, at either end of the vocabulary
     assert {sample(torch.tensor([0.0, 0.0, 3.0]), generator) for _ in range(50)} == {2}
     assert {sample(torch.tensor([5.0, 0.0, 0.0]), generator) for _ in range(50)} == {0}
+
+
+def _sampled(backend: Any, prompts: list[str], *, together: bool, seed: int | None = None) -> list[tuple]:
+    """The responses (token ids) to ``prompts``, asked all at once or one after another, sorted per prompt."""
+
+    def ask(text: str) -> ChatRequest:
+        return ChatRequest(
+            messages=[{"role": "user", "content": text}], max_tokens=8, temperature=1.0, seed=seed
+        )
+
+    async def run() -> list[list[Completion]]:
+        if together:
+            return list(await asyncio.gather(*(_collect(backend, ask(p)) for p in prompts)))
+        return [await _collect(backend, ask(p)) for p in prompts]
+
+    results = asyncio.run(run())
+    return sorted((p, tuple(c.response_ids)) for p, got in zip(prompts, results, strict=True) for c in got)
+
+
+def test_a_seeded_backend_samples_the_same_responses_whatever_order_requests_arrive_in(tiny_policy):
+    """``HFBackend(seed=...)`` (``train.seed`` in a run): a group of rollouts asking the same prompt gets the
+    same set of samples whether its requests arrive together, one by one, or in another order; another seed,
+    another policy version, or no seed samples differently; a request's own seed still decides its own."""
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    group = ["two plus two", "two plus two", "two plus two", "nine minus one", "nine minus one"]
+
+    def backend(seed: int | None) -> HFBackend:
+        return HFBackend(model, tokenizer, model_name="tiny", seed=seed)
+
+    first, second, other, unseeded = backend(3), backend(3), backend(4), backend(None)
+    try:
+        batched = _sampled(first, group, together=True)
+        assert len({r for _, r in batched}) == len(group)  # every rollout of the group drew its own sample
+        assert _sampled(second, group[::-1], together=False) == batched
+        assert _sampled(other, group, together=True) != batched
+        assert _sampled(unseeded, group, together=True) != batched
+
+        # a new policy version starts the prompts' seed sequences afresh: new samples, the same for both
+        first.policy_version = second.policy_version = 1
+        at_v1 = _sampled(first, group, together=True)
+        assert at_v1 != batched and _sampled(second, group, together=False) == at_v1
+
+        # a request's own seed wins over the backend's: the same sample from every backend
+        mine = _sampled(first, group[:1], together=True, seed=11)
+        assert _sampled(other, group[:1], together=True, seed=11) == mine
+        assert _sampled(unseeded, group[:1], together=True, seed=11) == mine
+    finally:
+        for b in (first, second, other, unseeded):
+            b.close()

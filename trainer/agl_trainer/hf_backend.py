@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -73,6 +74,38 @@ class _Job:
     open_choices: int = 0
     #: The adapter serving the request when the backend routes by agent (``None``: the base model).
     policy: str | None = None
+    #: Seeds choice ``i``'s sampler with ``seed + i``: the request's own seed, else the backend's
+    #: (:class:`_Seeds`), else ``None`` (fresh entropy).
+    seed: int | None = None
+
+
+class _Seeds:
+    """Seeds for requests that bring none, derived from a base seed (``train.seed``) and the request.
+
+    The ``k``-th request for the same prompt under the same policy (version and adapter) gets the ``k``-th
+    seed of that prompt. A group's rollouts ask for the same prompt, and the order in which their requests
+    arrive varies with thread timing, but the set of seeds the group gets does not, so neither do the
+    responses it samples (up to rounding in batched forward passes, which moves a draw only when it falls
+    within that much of a token's boundary). Counts are kept for the current policy version only.
+    """
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self._lock = threading.Lock()
+        self._version: int | None = None
+        self._counts: dict[bytes, int] = {}
+
+    def next(self, version: int, policy: str | None, prompt_ids: Sequence[int]) -> int:
+        key = hashlib.blake2b(
+            f"{self.base}|{version}|{policy}|{','.join(map(str, prompt_ids))}".encode(), digest_size=16
+        ).digest()
+        with self._lock:
+            if version != self._version:
+                self._version, self._counts = version, {}
+            k = self._counts.get(key, 0)
+            self._counts[key] = k + 1
+        seed = hashlib.blake2b(key + k.to_bytes(8, "little"), digest_size=8).digest()
+        return int.from_bytes(seed, "little") >> 1  # torch takes seeds below 2**63
 
 
 class _PolicyLock:
@@ -206,8 +239,8 @@ class _Row:
         self.job = job
         self.index = index
         self.generator = torch.Generator(device=backend.device)
-        if request.seed is not None:
-            self.generator.manual_seed(request.seed + index)
+        if job.seed is not None:
+            self.generator.manual_seed((job.seed + index) % 2**63)
         else:
             self.generator.seed()
         self.forced = list(job.forced_ids)
@@ -251,8 +284,11 @@ class HFBackend:
         route: Callable[[str | None], str | None] | None = None,
         continuous: bool = True,
         prefill_tokens: int = 2048,
+        seed: int | None = None,
     ) -> None:
         self.model = model
+        #: With ``seed``, requests without a seed of their own sample reproducibly (:class:`_Seeds`).
+        self._seeds = _Seeds(seed) if seed is not None else None
         #: Padded prompt tokens per prefill pass (see :meth:`_prefill`).
         self.prefill_tokens = max(1, prefill_tokens)
         #: Let requests that arrive while a batch decodes join it (continuous batching); ``False`` runs each
@@ -359,8 +395,19 @@ class HFBackend:
                 policy = self.route(request.agent)
             except ValueError as exc:  # an agent two policies match
                 raise UpstreamError(400, str(exc)) from exc
+        seed = request.seed
+        if seed is None and self._seeds is not None:
+            seed = self._seeds.next(self.policy_version, policy, prompt_ids)
         return _Job(
-            request, prompt_ids, max_new, tool_format, forced_ids, sink, open_choices=request.n, policy=policy
+            request,
+            prompt_ids,
+            max_new,
+            tool_format,
+            forced_ids,
+            sink,
+            open_choices=request.n,
+            policy=policy,
+            seed=seed,
         )
 
     def _submit(self, job: _Job) -> None:

@@ -279,6 +279,7 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
                 model_name=config.model.served_name,
                 default_max_tokens=config.gateway.default_max_tokens,
                 route=None if router is None else router.policy_for,
+                seed=config.train.seed,
             )
         )
 
