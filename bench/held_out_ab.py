@@ -1,0 +1,219 @@
+"""Benchmark: the main job's held-out result, seed by seed, for an earlier commit and the code as it stands.
+
+A change meant to make training faster or leaner must not make it learn less. One run says little: the
+main job ends anywhere from 0.64 to 0.97 held-out depending on its sampling. With ``train.seed`` seeding
+every sampled call (the transformers backend's seeds per prompt), a seed fixes a run's rollouts, so two
+versions of the trainer given the same seed sample the same responses for as long as their numbers agree,
+and any difference in what they learn shows up seed by seed instead of drowning in the spread between
+seeds.
+
+For each seed, this runs the main job (``agl train examples/calc_autogen/config.yaml``) twice: once in a
+git worktree of ``--base`` (with ``--patch`` applied: a commit from before seeded sampling needs it, see
+``bench/patches/``), imported ahead of the installed package, and once on this checkout, both in this
+interpreter's environment. It prints, per seed, each side's held-out reward after training, wall time and
+peak resident memory, then the mean over seeds, the difference paired by seed and by held-out task, and
+last the verdict: a held-out loss is a mean difference below zero by more than twice its paired standard
+error (over every seed's held-out tasks).
+
+    python bench/held_out_ab.py --base 3fcd040 --patch bench/patches/seeded_sampling_3fcd040.patch \\
+        --seeds 0,1,2,3 [--out runs/held_out_ab] [--set KEY=VALUE ...]
+    python bench/held_out_ab.py --report runs/held_out_ab      # the table of runs already finished
+
+Runs left in ``--out`` (``base-SEED``, ``current-SEED``) are reported, not run again, so an interrupted
+comparison resumes. A full main job takes 15-25 minutes on 2 cores; the sides run one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = Path("examples") / "calc_autogen" / "config.yaml"
+SIDES = ("base", "current")
+RESULT = "ab.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", help="the earlier commit (any git revision)")
+    parser.add_argument("--patch", help="a patch applied to the base worktree (git apply)")
+    parser.add_argument("--seeds", default="0,1,2,3", help="comma-separated train.seed values (0,1,2,3)")
+    parser.add_argument("--out", default="runs/held_out_ab", help="where the runs go (runs/held_out_ab)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides")
+    parser.add_argument("--report", metavar="OUT", help="only report the finished runs in OUT")
+    args = parser.parse_args(argv)
+    if args.report:
+        out = Path(args.report)
+        if not out.is_dir():
+            parser.error(f"--report: no directory {out} (give the --out of an earlier comparison)")
+        return report(out)
+    if not args.base:
+        parser.error("--base is required (the commit to compare against), or --report OUT")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: give integers separated by commas, e.g. 0,1,2,3")
+    if not seeds:
+        parser.error("--seeds: give at least one seed")
+    patch = Path(args.patch).resolve() if args.patch else None
+    if patch is not None and not patch.is_file():
+        parser.error(f"--patch: no file {patch}")
+    for item in args.set:
+        if "=" not in item:
+            parser.error(f"--set {item!r}: write KEY=VALUE")
+    try:
+        base_commit = _git("rev-parse", "--verify", f"{args.base}^{{commit}}")
+    except subprocess.CalledProcessError:
+        parser.error(f"--base {args.base!r} is not a commit of this repository")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tree = out / "base-tree"
+    _base_tree(tree, base_commit, patch)
+    try:
+        for seed in seeds:
+            for side in SIDES:
+                run_dir = out / f"{side}-{seed}"
+                if (run_dir / RESULT).is_file():
+                    print(f"{side} seed {seed}: finished earlier, reported as it is", flush=True)
+                    continue
+                source = tree if side == "base" else ROOT
+                print(f"{side} seed {seed}: running in {source} ...", flush=True)
+                if not _run(source, run_dir, seed, args.set):
+                    return 1
+    finally:
+        _git("worktree", "remove", "--force", str(tree), check=False)
+    return report(out)
+
+
+def _git(*args: str, check: bool = True) -> str:
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=check)
+    return done.stdout.strip()
+
+
+def _base_tree(tree: Path, commit: str, patch: Path | None) -> None:
+    """A worktree of ``commit`` at ``tree`` with ``patch`` applied (a fresh one each time)."""
+    if tree.exists():
+        _git("worktree", "remove", "--force", str(tree), check=False)
+    _git("worktree", "prune")
+    _git("worktree", "add", "--detach", str(tree), commit)
+    if patch is not None:
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+
+
+def _run(source: Path, run_dir: Path, seed: int, overrides: list[str]) -> bool:
+    """One main job from ``source``'s code into ``run_dir``; its figures in ``run_dir/ab.json``."""
+    env = dict(os.environ)
+    # the packages of ``source`` ahead of whatever this environment installed (an editable checkout)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(source / "src"), str(source / "trainer")] + [p for p in [env.get("PYTHONPATH")] if p]
+    )
+    command = [sys.executable, "-m", "agl_core.cli", "train", str(CONFIG), "--overwrite"]
+    for item in [f"output_dir={run_dir}", f"train.seed={seed}", "logging.progress=plain", *overrides]:
+        command += ["--set", item]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with (run_dir / "agl.log").open("w") as log:
+        process = subprocess.Popen(command, cwd=source, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+    wall = time.monotonic() - started
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        print(f"  failed (exit {code}); its output: {run_dir / 'agl.log'}", file=sys.stderr)
+        return False
+    held_out = [r for r in _metrics(run_dir) if r.get("kind") == "val"]
+    if len(held_out) < 2:
+        print(f"  no held-out result before and after training in {run_dir}/metrics.jsonl", file=sys.stderr)
+        return False
+    result = {
+        "seed": seed,
+        "wall_s": round(wall, 1),
+        # ru_maxrss is in KiB on Linux: the job's process (its own children, if any, are waited by it)
+        "peak_rss_kib": usage.ru_maxrss,
+        "before": held_out[0]["task_scores"],
+        "after": held_out[-1]["task_scores"],
+    }
+    (run_dir / RESULT).write_text(json.dumps(result))
+    print(f"  held-out {_mean(result['after']):.3f} after, {wall / 60:.1f} min", flush=True)
+    return True
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
+
+
+def _mean(scores: dict[str, float]) -> float:
+    return statistics.fmean(scores.values())
+
+
+def _zero(x: float) -> bool:
+    return abs(x) < 1e-9
+
+
+def _positive(x: float) -> bool:
+    return x >= 1e-9
+
+
+def _negative(x: float) -> bool:
+    return x <= -1e-9
+
+
+def report(out: Path) -> int:
+    """The table of the finished runs in ``out`` and the verdict; 1 when a held-out loss shows."""
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in sorted(out.glob(f"*-*/{RESULT}")):
+        side, _, number = path.parent.name.rpartition("-")
+        if side in SIDES and number.lstrip("-").isdigit():
+            results[(side, int(number))] = json.loads(path.read_text())
+    seeds = sorted(
+        {seed for side, seed in results if (("base", seed) in results and ("current", seed) in results)}
+    )
+    if not seeds:
+        print(f"no seed has finished on both sides in {out}", file=sys.stderr)
+        return 1
+    print("held-out reward after training, wall time and peak resident memory by seed (base | current)")
+    print(f"{'seed':>4} {'base':>7} {'current':>7} {'diff':>7}   {'wall':>17}   {'peak RSS':>17}")
+    diffs: list[float] = []
+    task_diffs: list[float] = []
+    for seed in seeds:
+        base, current = results[("base", seed)], results[("current", seed)]
+        b, c = _mean(base["after"]), _mean(current["after"])
+        diffs.append(c - b)
+        shared = sorted(set(base["after"]) & set(current["after"]))
+        task_diffs += [current["after"][t] - base["after"][t] for t in shared]
+        print(
+            f"{seed:>4} {b:>7.3f} {c:>7.3f} {c - b:>+7.3f}"
+            f"   {base['wall_s'] / 60:>6.1f} | {current['wall_s'] / 60:>4.1f} min"
+            f"   {base['peak_rss_kib'] / 2**20:>6.2f} | {current['peak_rss_kib'] / 2**20:>4.2f} GiB"
+        )
+    base_mean = statistics.fmean(_mean(results[("base", s)]["after"]) for s in seeds)
+    current_mean = statistics.fmean(_mean(results[("current", s)]["after"]) for s in seeds)
+    difference = statistics.fmean(task_diffs)
+    se = statistics.stdev(task_diffs) / math.sqrt(len(task_diffs)) if len(task_diffs) > 1 else 0.0
+    same, higher, lower = (sum(1 for d in diffs if test(d)) for test in (_zero, _positive, _negative))
+    print(
+        f"mean over {len(seeds)} seed(s): base {base_mean:.3f}, current {current_mean:.3f}; current the"
+        f" same for {same}, higher for {higher}, lower for {lower}"
+    )
+    loss = difference < -2 * se
+    verdict = "a held-out loss" if loss else "no held-out loss"
+    print(
+        f"held-out difference (current - base) {difference:+.3f} ± {se:.3f} (paired SE over"
+        f" {len(task_diffs)} seed x task pairs): {verdict} (target: not below -2 SE)"
+    )
+    return 1 if loss else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
