@@ -102,6 +102,44 @@ def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(
         backend.close()
 
 
+def test_a_request_arriving_as_the_last_row_ends_starts_afresh_and_is_not_counted_as_joining(tiny_policy):
+    """The worker looks for newcomers after the rows that finished leave; a request sent the moment the
+    previous one completed can be found there with no row left to join. It is served the same, and not
+    counted among the requests that joined a batch."""
+    from agl_trainer.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=16)
+    backend.logits_processor = _Hold(backend.stop_ids)
+    first, second = _request("first", 5), _request("second", 4)
+    alone = asyncio.run(_collect(backend, second))
+    looked_with_none_left = threading.Event()
+    join = backend._join
+
+    def slow_join(running: int) -> list[Any]:
+        if running == 0 and not looked_with_none_left.is_set():
+            # a busy machine: the next request is queued before the worker looks
+            deadline = time.monotonic() + 30
+            while not backend._queue and time.monotonic() < deadline:
+                time.sleep(0.005)
+            looked_with_none_left.set()
+        return join(running)
+
+    backend._join = slow_join  # type: ignore[method-assign]
+    try:
+
+        async def back_to_back() -> list[Completion]:
+            await _collect(backend, first)
+            return await _collect(backend, second)
+
+        got = asyncio.run(back_to_back())
+        assert looked_with_none_left.is_set()
+        assert backend.joined_requests == 0
+        assert [c.response_ids for c in got] == [c.response_ids for c in alone]
+    finally:
+        backend.close()
+
+
 def test_no_request_joins_while_a_weight_update_waits(tiny_policy):
     """A batch stops admitting newcomers once the trainer waits for the lock, so the update gets in after
     the rows already decoding, not after every request that keeps arriving."""

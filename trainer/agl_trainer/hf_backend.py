@@ -688,7 +688,8 @@ class HFBackend:
                     state.logits = out.logits[:, -1].float()
                     state.positions = state.positions + 1
                 if joining:  # continuous batching: new requests join the rows being decoded
-                    self.joined_requests += len(joining)
+                    if state.rows:  # (with none left, they start the batch afresh: nothing to join)
+                        self.joined_requests += len(joining)
                     joined = self._prefill(joining)
                     state = state.merged(joined) if state.rows else joined
         finally:
