@@ -207,7 +207,7 @@ def report(out: Path) -> int:
         f" same for {same}, higher for {higher}, lower for {lower}"
     )
     loss = difference < -2 * se
-    verdict = "a held-out loss" if loss else "no held-out loss"
+    verdict = f"a held-out loss, {-2 * se - difference:.3f} below -2 SE" if loss else "no held-out loss"
     print(
         f"held-out difference (current - base) {difference:+.3f} ± {se:.3f} (paired SE over"
         f" {len(task_diffs)} seed x task pairs): {verdict} (target: not below -2 SE)"

@@ -62,7 +62,10 @@ def test_a_loss_beyond_twice_its_paired_error_fails(
         _finished(tmp_path, "current", seed, lower)
     assert bench.report(tmp_path) == 1
     last = capsys.readouterr().out.splitlines()[-1]
-    assert "-0.500" in last and last.endswith("a held-out loss (target: not below -2 SE)")
+    # 40 pairs, half of them -1: mean -0.5, SE 0.080; -2 SE is -0.160, the loss 0.340 below it
+    assert "-0.500 ± 0.080" in last and last.endswith(
+        "a held-out loss, 0.340 below -2 SE (target: not below -2 SE)"
+    )
 
 
 def test_a_small_difference_within_the_noise_is_no_loss(
