@@ -103,9 +103,9 @@ def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(
 
 
 def test_a_request_arriving_as_the_last_row_ends_starts_afresh_and_is_not_counted_as_joining(tiny_policy):
-    """The worker looks for newcomers after the rows that finished leave; a request sent the moment the
-    previous one completed can be found there with no row left to join. It is served the same, and not
-    counted among the requests that joined a batch."""
+    """A request sent the moment the previous one completed can be queued before the worker is done with
+    the batch that has no row left. It starts the next batch, is served the same, and is not counted
+    among the requests that joined a batch."""
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
@@ -113,19 +113,19 @@ def test_a_request_arriving_as_the_last_row_ends_starts_afresh_and_is_not_counte
     backend.logits_processor = _Hold(backend.stop_ids)
     first, second = _request("first", 5), _request("second", 4)
     alone = asyncio.run(_collect(backend, second))
-    looked_with_none_left = threading.Event()
-    join = backend._join
+    queued_before_the_batch_ended = threading.Event()
+    complete = backend._complete
 
-    def slow_join(running: int) -> list[Any]:
-        if running == 0 and not looked_with_none_left.is_set():
-            # a busy machine: the next request is queued before the worker looks
+    def slow_complete(row: Any, version: int) -> None:
+        complete(row, version)  # the first request's answer is out: the client sends the next one
+        if not queued_before_the_batch_ended.is_set():
+            # a busy machine: the next request is queued before the worker goes on
             deadline = time.monotonic() + 30
             while not backend._queue and time.monotonic() < deadline:
                 time.sleep(0.005)
-            looked_with_none_left.set()
-        return join(running)
+            queued_before_the_batch_ended.set()
 
-    backend._join = slow_join  # type: ignore[method-assign]
+    backend._complete = slow_complete  # type: ignore[method-assign]
     try:
 
         async def back_to_back() -> list[Completion]:
@@ -133,7 +133,7 @@ def test_a_request_arriving_as_the_last_row_ends_starts_afresh_and_is_not_counte
             return await _collect(backend, second)
 
         got = asyncio.run(back_to_back())
-        assert looked_with_none_left.is_set()
+        assert queued_before_the_batch_ended.is_set()
         assert backend.joined_requests == 0
         assert [c.response_ids for c in got] == [c.response_ids for c in alone]
     finally:

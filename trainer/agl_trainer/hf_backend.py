@@ -667,31 +667,28 @@ class HFBackend:
                     if not row.job.cancelled:
                         self._step(row, state.logits[r], logp[r], version)
                 state.keep([r for r, row in enumerate(state.rows) if not row.done])
+                if not state.rows:
+                    return  # requests queued meanwhile start the next batch (after any waiting update)
                 joining = self._join(len(state.rows))
-                if not state.rows and not joining:
-                    return
-                if state.rows:
-                    state.mask = torch.cat(
-                        [state.mask, torch.ones((len(state.rows), 1), dtype=state.mask.dtype, device=device)],
-                        dim=1,
-                    )
-                    step_ids = torch.tensor([[row.response[-1]] for row in state.rows], device=device)
-                    out = self._forward(
-                        input_ids=step_ids,
-                        attention_mask=state.mask,
-                        position_ids=state.positions[:, None],
-                        use_cache=True,
-                        **{cache_key(): state.past},
-                        **self._adapters([row.job for row in state.rows]),
-                    )
-                    state.past = out[cache_key()]
-                    state.logits = out.logits[:, -1].float()
-                    state.positions = state.positions + 1
+                state.mask = torch.cat(
+                    [state.mask, torch.ones((len(state.rows), 1), dtype=state.mask.dtype, device=device)],
+                    dim=1,
+                )
+                step_ids = torch.tensor([[row.response[-1]] for row in state.rows], device=device)
+                out = self._forward(
+                    input_ids=step_ids,
+                    attention_mask=state.mask,
+                    position_ids=state.positions[:, None],
+                    use_cache=True,
+                    **{cache_key(): state.past},
+                    **self._adapters([row.job for row in state.rows]),
+                )
+                state.past = out[cache_key()]
+                state.logits = out.logits[:, -1].float()
+                state.positions = state.positions + 1
                 if joining:  # continuous batching: new requests join the rows being decoded
-                    if state.rows:  # (with none left, they start the batch afresh: nothing to join)
-                        self.joined_requests += len(joining)
-                    joined = self._prefill(joining)
-                    state = state.merged(joined) if state.rows else joined
+                    self.joined_requests += len(joining)
+                    state = state.merged(self._prefill(joining))
         finally:
             if was_training:
                 self.model.train()
