@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from main_job_profile import read_metrics  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = Path("examples") / "calc_autogen" / "config.yaml"
 SIDES = ("base", "current")
@@ -77,20 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tree = out / "base-tree"
-    _base_tree(tree, base_commit, patch)
+    pending = []
+    for seed in seeds:
+        for side in SIDES:
+            if (out / f"{side}-{seed}" / RESULT).is_file():
+                print(f"{side} seed {seed}: finished earlier, reported as it is", flush=True)
+            else:
+                pending.append((seed, side))
+    if any(side == "base" for _, side in pending):
+        _base_tree(tree, base_commit, patch)
     try:
-        for seed in seeds:
-            for side in SIDES:
-                run_dir = out / f"{side}-{seed}"
-                if (run_dir / RESULT).is_file():
-                    print(f"{side} seed {seed}: finished earlier, reported as it is", flush=True)
-                    continue
-                source = tree if side == "base" else ROOT
-                print(f"{side} seed {seed}: running in {source} ...", flush=True)
-                if not _run(source, run_dir, seed, args.set):
-                    return 1
+        for seed, side in pending:
+            run_dir = out / f"{side}-{seed}"
+            source = tree if side == "base" else ROOT
+            print(f"{side} seed {seed}: running in {source} ...", flush=True)
+            if not _run(source, run_dir, seed, args.set):
+                return 1
     finally:
-        _git("worktree", "remove", "--force", str(tree), check=False)
+        if tree.exists():
+            _git("worktree", "remove", "--force", str(tree), check=False)
     return report(out)
 
 
@@ -129,7 +137,8 @@ def _run(source: Path, run_dir: Path, seed: int, overrides: list[str]) -> bool:
     if code != 0:
         print(f"  failed (exit {code}); its output: {run_dir / 'agl.log'}", file=sys.stderr)
         return False
-    held_out = [r for r in _metrics(run_dir) if r.get("kind") == "val"]
+    metrics = run_dir / "metrics.jsonl"
+    held_out = [r for r in read_metrics(metrics) if r.get("kind") == "val"] if metrics.is_file() else []
     if len(held_out) < 2:
         print(f"  no held-out result before and after training in {run_dir}/metrics.jsonl", file=sys.stderr)
         return False
@@ -146,27 +155,8 @@ def _run(source: Path, run_dir: Path, seed: int, overrides: list[str]) -> bool:
     return True
 
 
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    )
-
-
 def _mean(scores: dict[str, float]) -> float:
     return statistics.fmean(scores.values())
-
-
-def _zero(x: float) -> bool:
-    return abs(x) < 1e-9
-
-
-def _positive(x: float) -> bool:
-    return x >= 1e-9
-
-
-def _negative(x: float) -> bool:
-    return x <= -1e-9
 
 
 def report(out: Path) -> int:
@@ -184,12 +174,12 @@ def report(out: Path) -> int:
         return 1
     print("held-out reward after training, wall time and peak resident memory by seed (base | current)")
     print(f"{'seed':>4} {'base':>7} {'current':>7} {'diff':>7}   {'wall':>17}   {'peak RSS':>17}")
-    diffs: list[float] = []
+    means: list[tuple[float, float]] = []
     task_diffs: list[float] = []
     for seed in seeds:
         base, current = results[("base", seed)], results[("current", seed)]
         b, c = _mean(base["after"]), _mean(current["after"])
-        diffs.append(c - b)
+        means.append((b, c))
         shared = sorted(set(base["after"]) & set(current["after"]))
         task_diffs += [current["after"][t] - base["after"][t] for t in shared]
         print(
@@ -197,11 +187,13 @@ def report(out: Path) -> int:
             f"   {base['wall_s'] / 60:>6.1f} | {current['wall_s'] / 60:>4.1f} min"
             f"   {base['peak_rss_kib'] / 2**20:>6.2f} | {current['peak_rss_kib'] / 2**20:>4.2f} GiB"
         )
-    base_mean = statistics.fmean(_mean(results[("base", s)]["after"]) for s in seeds)
-    current_mean = statistics.fmean(_mean(results[("current", s)]["after"]) for s in seeds)
+    base_mean = statistics.fmean(b for b, _ in means)
+    current_mean = statistics.fmean(c for _, c in means)
     difference = statistics.fmean(task_diffs)
     se = statistics.stdev(task_diffs) / math.sqrt(len(task_diffs)) if len(task_diffs) > 1 else 0.0
-    same, higher, lower = (sum(1 for d in diffs if test(d)) for test in (_zero, _positive, _negative))
+    higher = sum(1 for b, c in means if c - b >= 1e-9)
+    lower = sum(1 for b, c in means if c - b <= -1e-9)
+    same = len(means) - higher - lower
     print(
         f"mean over {len(seeds)} seed(s): base {base_mean:.3f}, current {current_mean:.3f}; current the"
         f" same for {same}, higher for {higher}, lower for {lower}"
