@@ -66,12 +66,20 @@ def test_fit_trains_a_function_defined_in_the_test_in_thread_mode(tmp_path):
     # where the step's time went: the backend generated 4 calls of up to 4 tokens inside the rollouts
     (row,) = metrics_rows(out, "train")
     phases = row["phases"]
-    assert set(phases) == {"rollouts", "generation", "transitions", "update", "publish"}, phases
+    parts = ("generation", "prefill", "decode")  # generation's parts, inside the rollouts
+    assert set(phases) == {"rollouts", "transitions", "update", "publish", *parts}, phases
     assert 0 < phases["generation"] <= phases["rollouts"] + 0.05
+    assert 0 < phases["prefill"] and 0 < phases["decode"]
+    assert phases["prefill"] + phases["decode"] <= phases["generation"] + 0.01
     assert phases["update"] > 0 and phases["publish"] >= 0
-    assert sum(phases.values()) - phases["generation"] <= row["seconds"] + 0.05
+    assert sum(v for k, v in phases.items() if k not in parts) <= row["seconds"] + 0.05
     assert row["generation_tokens_per_s"] > 0 and row["peak_rss_mb"] > 100
-    assert any(line.startswith("  time: rollouts ") and "generating" in line for line in lines), lines
+    # the four prompts share their chat template's start, but not one whole 16-token block of it
+    assert 0 <= row["prefix_reuse"] <= 1
+    timing = [line for line in lines if line.startswith("  time: rollouts ")]
+    assert timing and "generating" in timing[0] and ": prefill " in timing[0] and ", decode " in timing[0], (
+        lines
+    )
     assert result.before is not None and result.after is not None
     assert (result.before.mean, result.before.n, result.after.mean, result.after.n) == (1.0, 2, 0.0, 2)
     assert (result.change, result.change_se) == (-1.0, 0.0)

@@ -42,19 +42,46 @@ async def _collect(backend: Any, request: ChatRequest) -> list[Completion]:
     return [e async for e in backend.generate("tiny", request) if isinstance(e, Completion)]
 
 
+def _count_prefill_passes(backend: Any, passes: list[int]) -> None:
+    """Record the number of prompts in each prefill pass of ``backend``'s batches."""
+    new_batch = backend._new_batch
+
+    def counting(version: int) -> Any:
+        state = new_batch(version)
+        for name in ("_prefill", "_prefill_packed"):  # padded passes (both caches), packed ones (slots)
+            if hasattr(state, name):
+                one_pass = getattr(state, name)
+                setattr(
+                    state,
+                    name,
+                    lambda jobs, *rest, run=one_pass: passes.append(len(jobs)) or run(jobs, *rest),
+                )
+        return state
+
+    backend._new_batch = counting
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "dynamic"])
 @pytest.mark.parametrize("prefill_tokens", [2048, 1])
-def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(tiny_policy, prefill_tokens):
+def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(
+    tiny_policy, prefill_tokens, kv_cache
+):
     """With ``prefill_tokens`` 1 every prompt is prefilled in a pass of its own and the passes merged
-    (the same tokens and logprobs either way)."""
+    (the same tokens and logprobs either way), whichever way the keys and values are kept."""
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(
-        model, tokenizer, model_name="tiny", default_max_tokens=16, prefill_tokens=prefill_tokens
+        model,
+        tokenizer,
+        model_name="tiny",
+        default_max_tokens=16,
+        prefill_tokens=prefill_tokens,
+        kv_cache=kv_cache,
     )
+    assert backend.kv_cache == kv_cache
     passes: list[int] = []
-    one_pass = backend._prefill_pass
-    backend._prefill_pass = lambda jobs: passes.append(len(jobs)) or one_pass(jobs)  # type: ignore[method-assign]
+    _count_prefill_passes(backend, passes)
     hold = _Hold(backend.stop_ids)
     backend.logits_processor = hold
     long, short, pair = (
@@ -182,21 +209,31 @@ def test_no_request_joins_while_a_weight_update_waits(tiny_policy):
 
 class _Relay:
     """Logits processor: masks the stop tokens, and signals when a prompt's row has generated ``at``
-    tokens (so the test can send the next request while that one is still decoding)."""
+    tokens (so the test can send the next request while that one is still decoding). Once ``armed``,
+    it then holds the decoding thread until ``queued()`` says the next request is in the queue (or the
+    prompt is in ``last``), so a busy machine cannot end the batch before the request gets there."""
 
     def __init__(self, stop_ids: frozenset[int], at: int) -> None:
         self.stop_ids = sorted(stop_ids)
         self.at = at
         self.reached: dict[tuple[int, ...], threading.Event] = {}
+        self.armed = False
+        self.queued: Any = lambda: True
+        self.last: set[tuple[int, ...]] = set()
 
     def __call__(self, prompt_ids: Any, response: list[int], logits: torch.Tensor) -> torch.Tensor:
         logits[self.stop_ids] = float("-inf")
         if len(response) == self.at:
             self.reached.setdefault(tuple(prompt_ids), threading.Event()).set()
+            if self.armed and tuple(prompt_ids) not in self.last:
+                deadline = time.monotonic() + 30
+                while not self.queued() and time.monotonic() < deadline:
+                    time.sleep(0.001)
         return logits
 
 
-def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_policy):
+@pytest.mark.parametrize("kv_cache", ["slots", "dynamic"])
+def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_policy, kv_cache):
     """Eight requests, each sent while the one before it is half-way through, keep one batch decoding
     from the first to the last. The cache is as wide as the rows still in it need (the columns of rows
     that left are dropped), not one column more for every step the batch has lived, and every request
@@ -204,18 +241,26 @@ def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_p
     from agl_trainer.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
-    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=12)
+    backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=12, kv_cache=kv_cache)
     relay = _Relay(backend.stop_ids, at=6)
     backend.logits_processor = relay
     requests = [_request(f"request {i}" + " and some more words" * (i % 3), 12) for i in range(8)]
     widths: list[int] = []
-    forward = backend._forward
-    backend._forward = lambda **kw: widths.append(kw["attention_mask"].shape[1]) or forward(**kw)  # type: ignore[method-assign]
+    forward = backend.forward
+    # the mask's last dimension: the columns attention reads (2-D mask: dynamic cache; 4-D: slots)
+    # (a packed prefill pass has no mask: its width is each prompt's own)
+    backend.forward = lambda **kw: (
+        (  # type: ignore[method-assign]
+            kw.get("attention_mask") is not None and widths.append(kw["attention_mask"].shape[-1])
+        )
+        or forward(**kw)
+    )
     try:
         alone = [asyncio.run(_collect(backend, r)) for r in requests]
         prompts = [tuple(backend._prepare(r, lambda e: None).prompt_ids) for r in requests]
         for prompt in prompts:
             relay.reached[prompt] = threading.Event()
+        relay.armed, relay.queued, relay.last = True, lambda: bool(backend._queue), {prompts[-1]}
         widths.clear()
 
         async def relayed() -> list[list[Completion]]:

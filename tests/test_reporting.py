@@ -52,3 +52,29 @@ def test_plain_display_prints_lines_only():
         display.line("step 1/3 ...")
         display.end_step(1, reward=0.5, loss=0.0, tokens_per_s=10.0)
     assert lines == ["step 1/3 ..."]
+
+
+def test_the_step_time_line_splits_generation_into_prefill_and_decode():
+    import dataclasses
+
+    from agl_trainer.reporting import _phases_text
+    from agl_trainer.results import StepMetrics
+
+    required = [
+        f for f in dataclasses.fields(StepMetrics) if f.default is f.default_factory is dataclasses.MISSING
+    ]
+    fields = {f.name: None for f in required}
+    metrics = StepMetrics(
+        **fields,
+        phases={"rollouts": 25.4, "generation": 24.7, "prefill": 3.14, "decode": 21.5, "update": 14.2},
+        generation_tokens_per_s=28.4,
+        prefix_reuse=0.9312,
+        peak_rss_mb=2458.0,
+    )
+    assert _phases_text(metrics) == (
+        "time: rollouts 25.4s (generating 24.7s: prefill 3.1s, decode 21.5s, 28 tok/s, 93% of prompt tokens"
+        " cached), update 14.2s; peak RSS 2.4 GB"
+    )
+    # a backend that counts no parts (vLLM): the rollouts alone
+    bare = dataclasses.replace(metrics, phases={"rollouts": 25.4, "update": 14.2}, prefix_reuse=None)
+    assert _phases_text(bare) == "time: rollouts 25.4s, update 14.2s; peak RSS 2.4 GB"

@@ -508,10 +508,27 @@ class VLLMServingConfig(_Strict):
         return self
 
 
+class HFServingConfig(_Strict):
+    #: How the transformers backend keeps keys and values: ``slots`` (a preallocated cache written in
+    #: place, prompt prefixes reused) or ``dynamic`` (transformers' own cache, every prompt prefilled
+    #: whole: the backend as it was before, for comparison).
+    kv_cache: Literal["slots", "dynamic"] = "slots"
+    #: Memory for the keys and values of prompt prefixes shared by calls under one policy version (the
+    #: agent's system prompt and tool schemas), in MiB; least recently used blocks go first; 0 turns
+    #: prefix reuse off. SmolLM2-135M in float32 takes 45 KiB per token: 256 MiB is about 5,800 tokens.
+    prefix_cache_mb: float = pydantic.Field(256.0, ge=0.0, le=1_048_576.0)
+    #: Tokens per prefix-cache block: a prompt reuses the whole blocks it shares with one seen before.
+    prefix_block_tokens: int = pydantic.Field(16, ge=1, le=4096)
+    #: Most sequences decoded together (a request's ``n`` choices count each).
+    max_batch: int = pydantic.Field(16, ge=1, le=4096)
+
+
 class ServingConfig(_Strict):
     #: ``hf``: transformers in the trainer's process, sharing the trained weights (CPU, or one GPU);
     #: ``vllm``: a vLLM server that loads the LoRA adapter of each new policy version at runtime.
     backend: Literal["hf", "vllm"] = "hf"
+    #: Settings of ``backend: hf``.
+    hf: HFServingConfig = HFServingConfig()
     #: Settings of ``backend: vllm``.
     vllm: VLLMServingConfig = VLLMServingConfig()
 
@@ -519,6 +536,8 @@ class ServingConfig(_Strict):
     def _vllm_only_with_vllm(self) -> ServingConfig:
         if self.backend != "vllm" and "vllm" in self.model_fields_set:
             raise ValueError("serving.vllm applies only with serving.backend: vllm")
+        if self.backend != "hf" and "hf" in self.model_fields_set:
+            raise ValueError("serving.hf applies only with serving.backend: hf")
         return self
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -47,10 +48,15 @@ from agl_core.gateway.tools import ToolFormat, forced_prefix
 from agl_core.plugins import ServedBackend
 from agl_core.policies import BASE
 
+from . import fast_linear
+from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode
+from .kv_cache import PrefixCache, SlotCache, cache_shape
 from .memory import release_free_memory
-from .model import cache_key, padded_groups
 
-__all__ = ["HFBackend", "LogitsProcessor", "serve_with_transformers"]
+__all__ = ["KV_CACHES", "HFBackend", "LogitsProcessor", "serve_with_transformers"]
+
+#: The ways the backend keeps keys and values (``HFBackend(kv_cache=...)``, ``serving.hf.kv_cache``).
+KV_CACHES = ("slots", "dynamic")
 
 logger = logging.getLogger(__name__)
 
@@ -113,18 +119,25 @@ class _PolicyLock:
 
     Anyone but the worker takes it with ``with backend.lock:`` (the trainer around an optimizer step); the
     worker takes it per batch with :meth:`acquire_for_batch`, which first lets every waiting holder in, so a
-    steady stream of requests cannot keep an update waiting for more than the batch in progress."""
+    steady stream of requests cannot keep an update waiting for more than the batch in progress.
+
+    Whoever takes it with :meth:`acquire` may change the weights, so once it is theirs,
+    ``on_external_acquire`` runs (the backend drops every key and value it has cached)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._changed = threading.Condition()
         self._waiting = 0
+        self.on_external_acquire: Callable[[], None] | None = None
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         with self._changed:
             self._waiting += 1
         try:
-            return self._lock.acquire(blocking, timeout)
+            acquired = self._lock.acquire(blocking, timeout)
+            if acquired and self.on_external_acquire is not None:
+                self.on_external_acquire()
+            return acquired
         finally:
             with self._changed:
                 self._waiting -= 1
@@ -162,73 +175,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     if token >= probs.shape[0]:  # the draw rounded up to the total: the last token that can be drawn
         token = int(torch.nonzero(probs)[-1, 0])
     return token
-
-
-class _Decoding:
-    """Rows being decoded together: their KV cache (left-padded to one width), attention mask, next
-    positions and the logits of each row's next token."""
-
-    def __init__(
-        self, rows: list[_Row], past: Any, logits: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
-    ) -> None:
-        self.rows, self.past, self.logits, self.mask, self.positions = rows, past, logits, mask, positions
-
-    def keep(self, indices: list[int]) -> None:
-        """Only the rows at ``indices`` go on."""
-        if len(indices) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in indices]
-        if not indices:
-            return
-        select = torch.tensor(indices, device=self.mask.device)
-        self.past.batch_select_indices(select)
-        self.logits, self.mask, self.positions = (
-            self.logits[select],
-            self.mask[select],
-            self.positions[select],
-        )
-        self._trim()
-
-    def _trim(self) -> None:
-        """Drop the columns on the left that no row attends to any more (they were the padding of rows
-        that have left). Without this, a batch that requests keep joining (continuous batching through a
-        whole held-out run) widens by one column per decoding step for as long as it lives: every row's
-        cache and every step's attention grow with the batch's age, not the row's own length."""
-        first = int(torch.argmax(self.mask.any(dim=0).to(torch.int8)))
-        if first == 0:
-            return
-        for layer in self.past.layers:  # views: the next step's concatenation makes the new tensors
-            layer.keys = layer.keys[..., first:, :]
-            layer.values = layer.values[..., first:, :]
-        self.mask = self.mask[:, first:]
-
-    def merged(self, *others: _Decoding) -> _Decoding:
-        """These rows and ``others``' as one batch (one copy of each cache layer): the narrower sides'
-        caches and masks are padded on the left (masked out), so every row keeps its own positions."""
-        parts = (self, *others)
-        width = max(part.mask.shape[1] for part in parts)
-
-        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - t.shape[dim]
-            if missing == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = missing
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-        for layers in zip(*(part.past.layers for part in parts), strict=True):
-            mine = layers[0]
-            mine.keys = torch.cat([pad(layer.keys, -2) for layer in layers], dim=0)
-            mine.values = torch.cat([pad(layer.values, -2) for layer in layers], dim=0)
-            for layer in layers[1:]:  # each side's own copy goes as soon as it is merged
-                layer.keys = layer.values = None
-        return _Decoding(
-            [row for part in parts for row in part.rows],
-            self.past,
-            torch.cat([part.logits for part in parts]),
-            torch.cat([pad(part.mask, 1) for part in parts]),
-            torch.cat([part.positions for part in parts]),
-        )
 
 
 class _Row:
@@ -285,7 +231,17 @@ class HFBackend:
         continuous: bool = True,
         prefill_tokens: int = 2048,
         seed: int | None = None,
+        kv_cache: str = "slots",
+        prefix_cache_mb: float = 256.0,
+        prefix_block_tokens: int = 16,
+        static_decode: bool | None = None,
+        cuda_graphs: bool = True,
+        packed_linears: bool | None = None,
     ) -> None:
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be 0 (no prefix cache) or more, not {prefix_cache_mb}")
         self.model = model
         #: With ``seed``, requests without a seed of their own sample reproducibly (:class:`_Seeds`).
         self._seeds = _Seeds(seed) if seed is not None else None
@@ -331,6 +287,45 @@ class HFBackend:
         self.generated_tokens = 0
         #: Requests that joined a batch already decoding (continuous batching).
         self.joined_requests = 0
+        #: Seconds spent prefilling prompts and decoding tokens (inside ``generation_s``), decoding steps,
+        #: and prompt tokens prefilled or taken from the prefix cache instead.
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+        self.decode_steps = 0
+        self.prefilled_tokens = 0
+        self.reused_tokens = 0
+        #: ``slots``: a preallocated cache written in place, and prompt prefixes reused (``prefix_cache``);
+        #: ``dynamic``: transformers' own cache, every prompt prefilled whole (also for an architecture
+        #: the slots do not cover).
+        shape = cache_shape(model) if kv_cache == "slots" else None
+        if kv_cache == "slots" and shape is None:
+            logger.info("agl: %s is served with transformers' dynamic cache", type(model).__name__)
+        self.kv_cache = "slots" if shape is not None else "dynamic"
+        self._slots = SlotCache(shape) if shape is not None else None
+        #: Keys and values of prompt prefixes under the current policy version (``None``: off).
+        self.prefix_cache = (
+            PrefixCache(block_tokens=prefix_block_tokens, max_bytes=int(prefix_cache_mb * 2**20))
+            if shape is not None and prefix_cache_mb > 0
+            else None
+        )
+        #: Decoding steps with fixed shapes (every slot, the cache's whole width): the default on a GPU,
+        #: where ``cuda_graphs`` captures the step once and replays it. Not with adapters per agent.
+        if static_decode is None:
+            static_decode = shape is not None and shape.device.type == "cuda"
+        self._static = (
+            StaticDecode(self, self._slots, graphs=cuda_graphs)
+            if static_decode and self._slots is not None and route is None
+            else None
+        )
+        #: On the CPU, generation multiplies by oneDNN-packed copies of the large float32 weights
+        #: (:mod:`.fast_linear`); ``None``: wherever this PyTorch has them.
+        on_cpu = shape is not None and shape.device.type == "cpu" and shape.dtype == torch.float32
+        if packed_linears is None:
+            packed_linears = on_cpu and fast_linear.available()
+        self._linears = (
+            fast_linear.PackedLinears(lambda: self.model, rows=self.max_batch) if packed_linears else None
+        )
+        self.lock.on_external_acquire = self._forget
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -350,6 +345,17 @@ class HFBackend:
     ) -> list[int]:
         """Token ids of the chat template applied to ``messages``, ending with the assistant turn's start."""
         return self.renderer.render(messages, tools)
+
+    def _forget(self) -> None:
+        """The weights may change (someone else holds the lock): no cached key or value stays."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        if self._slots is not None:
+            self._slots.release()
+        if self._static is not None:
+            self._static.reset()
+        if self._linears is not None:
+            self._linears.release()
 
     def _decode(self, ids: Sequence[int]) -> str:
         # the tokenizer is a Hugging Face tokenizer (typed Any); decode returns a str
@@ -590,11 +596,11 @@ class HFBackend:
             self.lock.acquire_for_batch()
             started = time.perf_counter()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), self._linears or contextlib.nullcontext():
                     self._batch(jobs)
             except Exception as exc:  # a failed forward pass fails its requests, never the worker
                 logger.exception("agl: generation failed")
-                for job in jobs:
+                for job in jobs:  # those that joined the batch too
                     if job.open_choices:
                         job.sink(BackendError(f"generation failed: {type(exc).__name__}: {exc}"))
             finally:
@@ -602,64 +608,39 @@ class HFBackend:
                 self.lock.release()
             release_free_memory()  # the batch's KV caches, freed in this thread's arena
 
-    def _adapters(self, jobs: Sequence[_Job]) -> dict[str, Any]:
+    def new_row(self, job: _Job, index: int) -> _Row:
+        return _Row(self, job, index)
+
+    def adapters(self, jobs: Sequence[_Job]) -> dict[str, Any]:
         """The ``adapter_names`` argument of a forward pass over rows of ``jobs`` (none without routing)."""
         loaded = getattr(self.model, "peft_config", None)
         if self.route is None or not loaded:
             return {}  # no adapter loaded yet: every policy is still the base model
         return {"adapter_names": [job.policy if job.policy in loaded else "__base__" for job in jobs]}
 
-    def _forward(self, **kwargs: Any) -> Any:
+    def forward(self, **kwargs: Any) -> Any:
+        """The model's forward pass, computing the logits of the last position only (or of the positions
+        a ``logits_to_keep`` argument names)."""
         if self._keep_logits_arg:
             try:
-                return self.model(**kwargs, logits_to_keep=1)
+                return self.model(**{"logits_to_keep": 1, **kwargs})
             except TypeError:  # an architecture without logits_to_keep
                 self._keep_logits_arg = False
+        kwargs.pop("logits_to_keep", None)
         return self.model(**kwargs)
 
-    def _prefill(self, jobs: list[_Job]) -> _Decoding:
-        """The prompts of ``jobs`` through the model: their rows, cache and the logits of each row's first
-        token. Prompts go through in passes of at most ``prefill_tokens`` padded tokens (any one prompt
-        alone when longer), merged after: a pass's activations (its MLP's and attention's intermediate
-        tensors, for every token at once) are the backend's memory peak when many long prompts arrive
-        together."""
-        passes = padded_groups(jobs, lambda job: len(job.prompt_ids), self.prefill_tokens)
-        states = [self._prefill_pass(chunk) for chunk in passes]
-        return states[0].merged(*states[1:]) if len(states) > 1 else states[0]
-
-    def _prefill_pass(self, jobs: list[_Job]) -> _Decoding:
-        """The prompts of ``jobs`` through the model in one pass, left-padded to one width."""
-        device = self.device
-        width = max(len(j.prompt_ids) for j in jobs)
-        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long, device=device)
-        for i, job in enumerate(jobs):
-            ids[i, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids, device=device)
-            mask[i, width - len(job.prompt_ids) :] = 1
-        out = self._forward(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            **self._adapters(jobs),
-        )
-        past = out[cache_key()]
-        logits = out.logits[:, -1].float()
-        rows = [_Row(self, job, c) for job in jobs for c in range(job.request.n)]
-        owner = [i for i, job in enumerate(jobs) for _ in range(job.request.n)]
-        if owner != list(range(len(jobs))):
-            select = torch.tensor(owner, device=device)
-            past.batch_select_indices(select)
-            logits, mask = logits[select], mask[select]
-        return _Decoding(rows, past, logits, mask, mask.sum(-1))
+    def _new_batch(self, version: int) -> Batch:
+        if self._slots is None:
+            return DynamicBatch(self)
+        return SlotBatch(self, self._slots, self.prefix_cache, version, self._static)
 
     def _batch(self, jobs: list[_Job]) -> None:
         version = self.policy_version
-        device = self.device
         was_training = self.model.training
         self.model.eval()
+        state = self._new_batch(version)
         try:
-            state = self._prefill(jobs)
+            self._admit(state, jobs)
             while True:
                 self.peak_batch = max(self.peak_batch, len(state.rows))
                 logp = torch.log_softmax(state.logits, dim=-1)
@@ -668,30 +649,28 @@ class HFBackend:
                         self._step(row, state.logits[r], logp[r], version)
                 state.keep([r for r, row in enumerate(state.rows) if not row.done])
                 if not state.rows:
-                    return  # requests queued meanwhile start the next batch (after any waiting update)
+                    return  # requests queued meanwhile start the next batch (after any waiting weight update)
                 joining = self._join(len(state.rows))
-                state.mask = torch.cat(
-                    [state.mask, torch.ones((len(state.rows), 1), dtype=state.mask.dtype, device=device)],
-                    dim=1,
-                )
-                step_ids = torch.tensor([[row.response[-1]] for row in state.rows], device=device)
-                out = self._forward(
-                    input_ids=step_ids,
-                    attention_mask=state.mask,
-                    position_ids=state.positions[:, None],
-                    use_cache=True,
-                    **{cache_key(): state.past},
-                    **self._adapters([row.job for row in state.rows]),
-                )
-                state.past = out[cache_key()]
-                state.logits = out.logits[:, -1].float()
-                state.positions = state.positions + 1
+                started = time.perf_counter()
+                state.advance()
+                self.decode_s += time.perf_counter() - started
+                self.decode_steps += 1
                 if joining:  # continuous batching: new requests join the rows being decoded
                     self.joined_requests += len(joining)
-                    state = state.merged(self._prefill(joining))
+                    jobs += joining  # a failure from here on fails them too
+                    self._admit(state, joining)
         finally:
+            state.close()
             if was_training:
                 self.model.train()
+
+    def _admit(self, state: Batch, jobs: list[_Job]) -> None:
+        started = time.perf_counter()
+        prefilled, reused = state.prefilled_tokens, state.reused_tokens
+        state.admit(jobs)
+        self.prefill_s += time.perf_counter() - started
+        self.prefilled_tokens += state.prefilled_tokens - prefilled
+        self.reused_tokens += state.reused_tokens - reused
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> int:
         if row.forced:

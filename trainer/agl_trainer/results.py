@@ -77,12 +77,16 @@ class StepMetrics:
     #: those that finished during it, the update's and the wait's seconds. ``None`` in sync mode.
     pipeline: dict[str, Any] | None = None
     #: Where the step's time went, in seconds: ``rollouts`` (waiting for the step's rollouts, every round),
-    #: ``generation`` (the transformers backend generating, inside the rollouts; absent with vLLM),
+    #: ``generation`` (the transformers backend generating, inside the rollouts; absent with vLLM) and its
+    #: parts ``prefill`` (prompts through the model) and ``decode`` (one token per row per pass),
     #: ``transitions`` (fetching the spans and building the batch), ``update`` (the optimizer step),
     #: ``publish`` (serving the new weights), ``validation`` (a held-out evaluation run after the step).
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     #: Tokens the transformers backend generated per second of generating, this step (None with vLLM).
     generation_tokens_per_s: float | None = None
+    #: Share of the step's prompt tokens the transformers backend took from its prefix cache instead of
+    #: prefilling them (None with vLLM, or when no prompt was served).
+    prefix_reuse: float | None = None
     #: The trainer process's peak resident memory so far, in MB (the kernel's high-water mark).
     peak_rss_mb: float | None = None
     #: The update's KL to the reference model (``algorithm.kl_coef`` > 0; k3 estimator), its approximate

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from agl_core.gateway.backend import PolicyUpdate
 
 from .config import TrainerConfig
+from .step import GenerationCounters
 
 __all__ = ["HFServing", "VLLMServing", "start_serving", "vllm_launch_kwargs", "vllm_max_lora_rank"]
 
@@ -94,9 +95,17 @@ class HFServing:
     def policy_version(self) -> int:
         return int(self.backend.policy_version)
 
-    def generation_counters(self) -> tuple[float, int]:
-        """Seconds the backend has spent generating, and the tokens it generated, since it started."""
-        return float(self.backend.generation_s), int(self.backend.generated_tokens)
+    def generation_counters(self) -> GenerationCounters:
+        """What the backend has generated since it started, and how long it took (the step metrics)."""
+        b = self.backend
+        return GenerationCounters(
+            seconds=float(b.generation_s),
+            tokens=int(b.generated_tokens),
+            prefill_s=float(b.prefill_s),
+            decode_s=float(b.decode_s),
+            prefilled_tokens=int(b.prefilled_tokens),
+            reused_tokens=int(b.reused_tokens),
+        )
 
     def publish(self, model: Any, version: int, policies: Sequence[str] | None = None) -> None:
         """Serve ``model`` as policy ``version`` from the next batch on (an in-place swap, no copy; every
@@ -272,6 +281,7 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
         from .hf_backend import HFBackend
 
         router = config.router()
+        hf = config.serving.hf
         return HFServing(
             HFBackend(
                 model,
@@ -280,6 +290,10 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
                 default_max_tokens=config.gateway.default_max_tokens,
                 route=None if router is None else router.policy_for,
                 seed=config.train.seed,
+                max_batch=hf.max_batch,
+                kv_cache=hf.kv_cache,
+                prefix_cache_mb=hf.prefix_cache_mb,
+                prefix_block_tokens=hf.prefix_block_tokens,
             )
         )
 

@@ -26,6 +26,7 @@ from .rollouts import RolloutQueue, RolloutRound, error_line, rollout_rewards
 
 __all__ = [
     "Batch",
+    "GenerationCounters",
     "Learner",
     "StepOutcome",
     "TrainStep",
@@ -62,16 +63,35 @@ class Learner(Protocol):
         policy version before returning."""
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationCounters:
+    """The transformers backend's running totals since it started: seconds generating (of which
+    prefilling prompts and decoding tokens), tokens generated, prompt tokens prefilled and those taken
+    from its prefix cache instead."""
+
+    seconds: float
+    tokens: int
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+
+    def __sub__(self, earlier: GenerationCounters) -> GenerationCounters:
+        return GenerationCounters(
+            *(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(earlier), strict=True))
+        )
+
+
 @dataclasses.dataclass
 class Meter:
     """Running totals a learner keeps for the step metrics: seconds spent publishing new weights, and the
-    serving backend's generation counters (``generation()``: seconds generating and tokens generated so
-    far; None when the backend does not count them, as with vLLM)."""
+    serving backend's generation counters (``generation()``; None when the backend does not count them,
+    as with vLLM)."""
 
     publish_s: float = 0.0
-    generation: Callable[[], tuple[float, int]] | None = None
+    generation: Callable[[], GenerationCounters] | None = None
 
-    def reading(self) -> tuple[float, tuple[float, int] | None]:
+    def reading(self) -> tuple[float, GenerationCounters | None]:
         return self.publish_s, (self.generation() if self.generation is not None else None)
 
 
@@ -278,12 +298,17 @@ class TrainStep:
         publish_now, generation_now = self.meter.reading()
         publish_s = publish_now - publish_before
         timing = {name: round(v, 3) for name, v in (phases or {}).items()}
-        generation_tps = None
+        generation_tps = prefix_reuse = None
         if generation_before is not None and generation_now is not None:
-            generation_s = generation_now[0] - generation_before[0]
-            timing["generation"] = round(generation_s, 3)
-            if generation_s > 0:
-                generation_tps = round((generation_now[1] - generation_before[1]) / generation_s, 1)
+            generated = generation_now - generation_before
+            timing["generation"] = round(generated.seconds, 3)
+            timing["prefill"] = round(generated.prefill_s, 3)
+            timing["decode"] = round(generated.decode_s, 3)
+            if generated.seconds > 0:
+                generation_tps = round(generated.tokens / generated.seconds, 1)
+            prompt_tokens = generated.prefilled_tokens + generated.reused_tokens
+            if prompt_tokens:
+                prefix_reuse = round(generated.reused_tokens / prompt_tokens, 4)
         timing["update"] = round(max(update_s - publish_s, 0.0), 3)
         timing["publish"] = round(publish_s, 3)
         # lets `agl store serve --retention consumed` drop spans that training has used
@@ -320,6 +345,7 @@ class TrainStep:
             pipeline=pipeline,
             phases=timing,
             generation_tokens_per_s=generation_tps,
+            prefix_reuse=prefix_reuse,
             peak_rss_mb=peak_rss_mb(),
             kl=_stat(stats, "kl_to_reference"),
             approx_kl=_stat(stats, "approx_kl"),

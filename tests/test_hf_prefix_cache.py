@@ -1,0 +1,446 @@
+"""The transformers backend's key/value memory: prompt prefixes reused across calls (exact to generating
+without them, bounded, never served across a weight change) and a preallocated cache written in place."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from agl_core.gateway.backend import BackendError, ChatRequest, Completion
+
+SYSTEM = "You are a careful assistant that solves arithmetic word problems with a calculator. " * 6
+QUESTIONS = [f"Question {i}: what is {i} times {i + 3}?" + " Show it." * (i % 3) for i in range(6)]
+
+
+def _request(question: str, *, max_tokens: int = 10, n: int = 1, system: str = SYSTEM) -> ChatRequest:
+    return ChatRequest(
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        n=n,
+    )
+
+
+async def _collect(backend: Any, request: ChatRequest) -> list[Completion]:
+    return [e async for e in backend.generate("tiny", request) if isinstance(e, Completion)]
+
+
+def _together(backend: Any, requests: list[ChatRequest]) -> list[list[Completion]]:
+    async def run() -> list[list[Completion]]:
+        return list(await asyncio.gather(*(_collect(backend, r) for r in requests)))
+
+    return asyncio.run(run())
+
+
+def _generate(model: Any, prompt_ids: tuple[int, ...], max_new: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities from transformers' own ``generate()`` (no prefix cache)."""
+    ids = torch.tensor([list(prompt_ids)])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    logprobs = [
+        float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs
+
+
+def _assert_as_generate(model: Any, completion: Completion) -> None:
+    tokens, logprobs = _generate(model, completion.prompt_ids, len(completion.response_ids))
+    assert list(completion.response_ids) == tokens
+    assert list(completion.response_logprobs) == pytest.approx(logprobs, abs=1e-4)
+
+
+@pytest.fixture
+def backend_of(tiny_policy):
+    made: list[Any] = []
+
+    def make(model: Any = None, **kwargs: Any) -> Any:
+        from agl_trainer.hf_backend import HFBackend
+
+        base, tokenizer = tiny_policy
+        kwargs.setdefault("prefix_block_tokens", 8)
+        backend = HFBackend(model if model is not None else base, tokenizer, model_name="tiny", **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def test_a_shared_prefix_is_computed_once_and_generates_what_generate_does(backend_of, tiny_policy):
+    """The system prompt's blocks, computed for the first call, serve every later call under the same
+    policy version; every call's tokens and logprobs are those of ``generate()`` without any cache."""
+    model, _ = tiny_policy
+    backend = backend_of()
+    first = _together(backend, [_request(QUESTIONS[0])])[0][0]
+    assert backend.reused_tokens == 0
+    prompt = len(first.prompt_ids)
+    assert backend.prefilled_tokens == prompt
+    system = len(backend.render_prompt([{"role": "system", "content": SYSTEM}], None))
+
+    later = _together(backend, [_request(q) for q in QUESTIONS[1:]])
+    # each later prompt took at least the system prompt's whole blocks from the cache
+    assert backend.reused_tokens >= len(QUESTIONS[1:]) * (system // 8 * 8) > 0
+    assert backend.prefix_cache.stats.hit_rate > 0.5
+    for completion in [first, *(got[0] for got in later)]:
+        _assert_as_generate(model, completion)
+
+    # the same prompt again: all of it but its last token comes from the cache, the answer is the same
+    again = _together(backend, [_request(QUESTIONS[0])])[0][0]
+    assert again.response_ids == first.response_ids
+    assert again.response_logprobs == pytest.approx(first.response_logprobs, abs=1e-5)
+
+
+def test_several_choices_and_joining_requests_start_from_the_cache_exactly(backend_of, tiny_policy):
+    model, _ = tiny_policy
+    backend = backend_of()
+    _together(backend, [_request(QUESTIONS[0])])
+    results = _together(backend, [_request(QUESTIONS[1], n=3), _request(QUESTIONS[2], max_tokens=4)])
+    assert [len(got) for got in results] == [3, 1]
+    for got in results:
+        for completion in got:
+            _assert_as_generate(model, completion)
+
+
+def test_the_same_prefix_is_recomputed_after_the_weights_change(backend_of, tiny_policy):
+    """A new policy version, or weights changed under the backend's lock, empties the prefix cache: the
+    next call computes its prompt afresh with the new weights (never the old keys and values)."""
+    base, tokenizer = tiny_policy
+    from agl_trainer.model import tiny_model
+
+    model = tiny_model(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id)
+    backend = backend_of(model)
+    request = _request(QUESTIONS[1])
+    _together(backend, [_request(QUESTIONS[0])])
+    warm = _together(backend, [request])[0][0]
+    assert backend.reused_tokens > 0
+
+    # weights changed under the lock, version published: the cache is gone and the answer is new
+    with backend.lock:
+        with torch.no_grad():
+            for p in model.model.layers[0].self_attn.parameters():
+                p.mul_(3.0)
+        backend.policy_version = 1
+    assert len(backend.prefix_cache) == 0
+    reused = backend.reused_tokens
+    changed = _together(backend, [request])[0][0]
+    assert backend.reused_tokens == reused, "the new version reused keys computed by the old one"
+    assert changed.policy_version == 1
+    _assert_as_generate(model, changed)
+    assert changed.response_logprobs != pytest.approx(warm.response_logprobs, abs=1e-3)
+
+    # a version published without the lock (a serving process told of a new version) also starts afresh
+    backend.policy_version = 2
+    reused = backend.reused_tokens
+    _together(backend, [request])
+    assert backend.reused_tokens == reused
+
+
+def test_a_request_queued_while_the_weights_change_mid_prefix_is_not_served_stale(backend_of, tiny_policy):
+    """Call A computes the shared prefix under version 0 and is still decoding when an update asks for the
+    lock; call B, with the same prefix, arrives meanwhile. B waits for the update (it does not join A's
+    batch), and is computed from scratch with the new weights."""
+    _, tokenizer = tiny_policy
+    from agl_trainer.model import tiny_model
+
+    model = tiny_model(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id)
+    backend = backend_of(model)
+    reached, release = threading.Event(), threading.Event()
+    a, b = _request(QUESTIONS[0], max_tokens=8), _request(QUESTIONS[1], max_tokens=8)
+    a_prompt = tuple(backend._prepare(a, lambda e: None).prompt_ids)
+
+    def hold(prompt_ids: Any, response: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if tuple(prompt_ids) == a_prompt and len(response) == 2:
+            reached.set()
+            assert release.wait(30)
+        return logits
+
+    backend.logits_processor = hold
+    updated = threading.Event()
+
+    def update() -> None:
+        with backend.lock:
+            with torch.no_grad():
+                for p in model.model.layers[1].mlp.parameters():
+                    p.mul_(-2.0)
+            backend.policy_version = 1
+        updated.set()
+
+    async def run() -> tuple[Completion, Completion]:
+        first = asyncio.create_task(_collect(backend, a))
+        await asyncio.to_thread(reached.wait, 30)
+        updater = threading.Thread(target=update)
+        updater.start()
+        while not backend.lock.contended:
+            await asyncio.sleep(0.005)
+        second = asyncio.create_task(_collect(backend, b))
+        while not backend._queue:
+            await asyncio.sleep(0.005)
+        reused = backend.reused_tokens
+        release.set()
+        got_a = (await first)[0]
+        got_b = (await second)[0]
+        assert updated.wait(30)
+        updater.join(30)
+        assert backend.reused_tokens == reused, "B reused the prefix computed before the update"
+        return got_a, got_b
+
+    got_a, got_b = asyncio.run(run())
+    assert backend.joined_requests == 0
+    assert (got_a.policy_version, got_b.policy_version) == (0, 1)
+    _assert_as_generate(model, got_b)
+
+
+def test_the_prefix_cache_evicts_to_stay_within_its_bound_and_stays_exact(backend_of, tiny_policy):
+    """A bound of a few blocks: every call still generates what ``generate()`` does, the cache never holds
+    more bytes than its bound, and it evicted to get there."""
+    model, _ = tiny_policy
+    backend = backend_of(prefix_cache_mb=0.05)  # 52 KB: the tiny model's 8-token block is 4 KB
+    bound = backend.prefix_cache.max_bytes
+    sizes: list[int] = []
+    for i in range(8):
+        system = f"Assistant number {i}. " * 10  # every prompt its own prefix
+        got = _together(backend, [_request(QUESTIONS[i % 6], system=system, max_tokens=4)])[0][0]
+        sizes.append(backend.prefix_cache.nbytes)
+        _assert_as_generate(model, got)
+    assert max(sizes) <= bound
+    assert backend.prefix_cache.stats.evicted_blocks > 0
+    assert sizes[-1] > 0  # the latest prompt's blocks are in
+
+
+def test_prefix_cache_blocks_follow_the_exact_token_chain_and_the_least_recently_used_go():
+    from agl_trainer.kv_cache import PrefixCache
+
+    block = torch.zeros(2, 2, 1, 4, 2)  # layers, k/v, heads, tokens, dim: 128 bytes
+    cache = PrefixCache(block_tokens=4, max_bytes=4 * block.numel() * 4)  # four blocks
+
+    def read(tag: float) -> Any:
+        return lambda start, end: torch.full_like(block, tag + start)
+
+    head = list(range(8))
+    cache.insert(0, "a", [*head, 20, 21, 22, 23], read(100.0))
+    assert len(cache) == 3
+    # the chain: the same third block after another second block is not a hit
+    assert len(cache.lookup(0, "a", [0, 1, 2, 3, 9, 9, 9, 9, 20, 21, 22, 23, 5], 12)) == 1
+    found = cache.lookup(0, "a", [*head, 20, 21, 22, 23, 7], 12)
+    assert [float(b[0, 0, 0, 0, 0]) for b in found] == [100.0, 104.0, 108.0]
+    # at most `limit` tokens (the last block's first columns)
+    assert [b.shape[3] for b in cache.lookup(0, "a", [*head, 20, 21, 22, 23], 11)] == [4, 4, 3]
+    # another adapter, another version: nothing
+    assert cache.lookup(0, "b", [*head, 20], 8) == []
+    assert cache.lookup(1, "a", [*head, 20], 8) == [] and len(cache) == 0
+    # LRU within the bound: a second prompt sharing the head evicts the older tail, not the head
+    cache.insert(1, "a", [*head, 20, 21, 22, 23], read(0.0))
+    cache.lookup(1, "a", [*head, 30], 8)  # the head was used last
+    cache.insert(1, "a", [*head, 30, 31, 32, 33, 40, 41, 42, 43], read(0.0))
+    assert cache.nbytes <= cache.max_bytes and cache.stats.evicted_blocks == 1
+    assert len(cache.lookup(1, "a", [*head, 30, 31, 32, 33, 40, 41, 42, 43, 0], 16)) == 4
+    assert len(cache.lookup(1, "a", [*head, 20, 21, 22, 23, 0], 12)) == 2  # its tail went
+    # a prompt bigger than the whole bound keeps what fits of its head, and evicts nothing of its own
+    cache.clear()
+    cache.insert(1, "a", list(range(40)), read(0.0))
+    assert len(cache) == 4 and cache.nbytes == cache.max_bytes
+    assert len(cache.lookup(1, "a", list(range(40)), 39)) == 4
+    with pytest.raises(ValueError, match="block_tokens"):
+        PrefixCache(block_tokens=0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixCache(max_bytes=-1)
+
+
+def test_decoding_writes_into_one_preallocated_cache(backend_of):
+    """Every decoding step of a batch writes into the same tensor (no per-step reallocation); a joining
+    row that needs more columns grows it once, keeping the rows already there."""
+    backend = backend_of(prefix_cache_mb=0)
+    pointers: list[tuple[int, int]] = []
+    forward = backend.forward
+
+    def recording(**kwargs: Any) -> Any:
+        out = forward(**kwargs)
+        pointers.append((kwargs["input_ids"].shape[1], backend._slots._data.data_ptr()))
+        return out
+
+    backend.forward = recording
+    _together(backend, [_request(q, max_tokens=12) for q in QUESTIONS[:4]])
+    # a decoding step (one token per row) writes where the pass before it did: the tensor changes only
+    # when rows join (a prefill pass, many tokens per row) and need more room
+    steps = [i for i, (width, _) in enumerate(pointers) if width == 1]
+    assert len(steps) >= 10 and steps[0] > 0
+    assert all(pointers[i][1] == pointers[i - 1][1] for i in steps)
+    assert len({ptr for _, ptr in pointers}) <= len(pointers) - len(steps)
+    # the next batch writes into it too; the memory goes back when someone takes the lock (an update)
+    kept = backend._slots.data_ptr
+    _together(backend, [_request(QUESTIONS[0], max_tokens=3)])
+    assert backend._slots.data_ptr == kept
+    with backend.lock:
+        assert backend._slots._data is None
+
+
+def test_the_dynamic_cache_path_is_kept_and_agrees(backend_of, tiny_policy):
+    model, _ = tiny_policy
+    slots, dynamic = backend_of(), backend_of(kv_cache="dynamic")
+    assert dynamic.prefix_cache is None and dynamic.kv_cache == "dynamic"
+    requests = [_request(q, n=2) for q in QUESTIONS[:3]]
+    for a, b in zip(_together(slots, requests), _together(dynamic, requests), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.response_ids == y.response_ids
+            assert x.response_logprobs == pytest.approx(y.response_logprobs, abs=1e-4)
+    with pytest.raises(ValueError, match="kv_cache must be one of slots, dynamic"):
+        backend_of(kv_cache="paged")
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        backend_of(prefix_cache_mb=-1)
+
+
+def test_a_failed_batch_fails_the_requests_that_joined_it_too(backend_of):
+    """A forward pass that raises after a request joined the batch answers both requests with an error
+    (none is left waiting)."""
+    backend = backend_of()
+    reached = threading.Event()
+    first, second = _request(QUESTIONS[0], max_tokens=8), _request(QUESTIONS[1], max_tokens=8)
+    first_prompt = tuple(backend._prepare(first, lambda e: None).prompt_ids)
+
+    def hold(prompt_ids: Any, response: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if tuple(prompt_ids) == first_prompt and len(response) == 2 and not reached.is_set():
+            reached.set()
+            deadline = time.monotonic() + 30
+            while not backend._queue and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return logits
+
+    backend.logits_processor = hold
+    forward = backend.forward
+    calls: list[int] = []
+
+    def failing(**kwargs: Any) -> Any:
+        if backend.joined_requests:
+            calls.append(1)
+            raise RuntimeError("out of memory (test)")
+        return forward(**kwargs)
+
+    backend.forward = failing
+
+    async def run() -> list[Any]:
+        a = asyncio.create_task(_collect(backend, first))
+        await asyncio.to_thread(reached.wait, 30)
+        b = asyncio.create_task(_collect(backend, second))
+        return list(await asyncio.wait_for(asyncio.gather(a, b, return_exceptions=True), 60))
+
+    results = asyncio.run(run())
+    assert calls and backend.joined_requests == 1
+    assert all(isinstance(r, BackendError) and "out of memory (test)" in str(r) for r in results), results
+
+
+def test_fixed_shape_decoding_for_cuda_graphs_generates_the_same(backend_of, tiny_policy):
+    """The decoding step a CUDA graph captures (every slot of the cache and its whole width, slots past the
+    batch's rows masked) gives what the narrow step gives, here on the CPU, where it runs eagerly; rows
+    that leave and join keep it exact."""
+    model, _ = tiny_policy
+    static, narrow = backend_of(static_decode=True), backend_of()
+    assert static._static is not None and narrow._static is None
+    assert not static._static.graphs  # no GPU: no graph, the same shapes eagerly
+    requests = [_request(q, max_tokens=4 + 3 * i, n=1 + i % 2) for i, q in enumerate(QUESTIONS[:5])]
+    shapes: list[tuple[tuple[int, ...], tuple[int, int]]] = []
+    eager = static._static._eager
+
+    def recording(batch: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        shapes.append((tuple(inputs["mask"].shape), (static._slots.slots, static._slots.capacity)))
+        return eager(batch, inputs)
+
+    static._static._eager = recording
+    for a, b in zip(_together(static, requests), _together(narrow, requests), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.response_ids == y.response_ids
+            assert x.response_logprobs == pytest.approx(y.response_logprobs, abs=1e-4)
+            _assert_as_generate(model, x)
+    assert len(shapes) >= 10
+    assert all(mask == (slots, 1, 1, capacity) for mask, (slots, capacity) in shapes)
+    # with adapters per agent the steps keep their narrow shapes
+    routed = backend_of(static_decode=True, route=lambda agent: None)
+    assert routed._static is None
+
+
+def test_prompts_that_arrive_together_compute_their_shared_prefix_once(backend_of, tiny_policy):
+    """Into an empty prefix cache, four prompts sharing a long system prompt arrive in one batch: the first
+    is prefilled whole, the other three wait for it and start from its blocks (to the token where they
+    differ, not the block boundary before it)."""
+    model, _ = tiny_policy
+    backend = backend_of()
+    passes: list[int] = []
+    new_batch = backend._new_batch
+
+    def counting(version: int) -> Any:
+        state = new_batch(version)
+        run = state._prefill_packed
+        state._prefill_packed = lambda jobs, *rest: passes.append(len(jobs)) or run(jobs, *rest)
+        return state
+
+    backend._new_batch = counting
+    requests = [_request(q) for q in QUESTIONS[:4]]
+    prompts = [backend._prepare(r, lambda e: None).prompt_ids for r in requests]
+    from agl_trainer.kv_cache import common_prefix
+
+    shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
+    assert shared > 3 * 8
+    # all four in one batch: queue them before the worker starts
+    jobs = [backend._prepare(r, lambda e: None) for r in requests]
+    results: list[list[Completion]] = [[] for _ in requests]
+    for job, out in zip(jobs, results, strict=True):
+        job.sink = lambda event, out=out: out.append(event) if isinstance(event, Completion) else None
+        backend._queue.append(job)
+    backend._submit(backend._queue.pop())  # starts the worker, which takes all four at once
+    deadline = time.monotonic() + 60
+    while any(not out for out in results) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert passes[:2] == [1, 3], passes
+    assert backend.reused_tokens >= 3 * shared  # token-exact: the followers reuse all they share
+    assert backend.prefilled_tokens == sum(len(p) for p in prompts) - backend.reused_tokens
+    for out in results:
+        _assert_as_generate(model, out[0])
+
+
+def test_reuse_ends_inside_a_block_where_the_prompts_part():
+    from agl_trainer.kv_cache import PrefixCache, common_prefix
+
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([], [1]) == 0 and common_prefix([5] * 1000 + [1], [5] * 1000 + [2]) == 1000
+    assert common_prefix([1, 2, 3], (1, 2, 4)) == 2  # a prompt's list against a block's tuple
+    cache = PrefixCache(block_tokens=4)
+    block = torch.arange(4.0).reshape(1, 1, 1, 4, 1).expand(2, 2, 1, 4, 2).contiguous()
+    cache.insert(0, None, [1, 2, 3, 4, 5, 6, 7, 8], lambda start, end: block + start)
+    found = cache.lookup(0, None, [1, 2, 3, 4, 5, 6, 9, 9, 9], 8)
+    assert [b.shape[3] for b in found] == [4, 2]  # one whole block, then two columns of the next
+    assert found[1][0, 0, 0, :, 0].tolist() == [4.0, 5.0]
+    assert cache.stats.reused_tokens == 6
+    # never past the limit, and nothing when the first token differs
+    assert sum(b.shape[3] for b in cache.lookup(0, None, [1, 2, 3, 4, 5, 6, 7, 8], 7)) == 7
+    assert cache.lookup(0, None, [9, 2, 3], 2) == []
+
+
+def test_padded_prefill_passes_of_the_slots_stay_exact(backend_of, tiny_policy):
+    """Prompts of several adapters cannot share a packed pass; the padded pass they take instead (forced
+    here) gives what ``generate()`` does too."""
+    import dataclasses
+
+    model, _ = tiny_policy
+    backend = backend_of()
+    backend._slots.shape = dataclasses.replace(backend._slots.shape, packed=False)
+    _together(backend, [_request(QUESTIONS[0])])
+    for got in _together(backend, [_request(q, n=2) for q in QUESTIONS[1:4]]):
+        for completion in got:
+            _assert_as_generate(model, completion)
+    assert backend.reused_tokens > 0
