@@ -3,6 +3,7 @@ store."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import pytest
 from agl_core import semconv
 from agl_core.cli import main
 from agl_core.gateway import rollout_base_url
+from agl_core.gateway.backend import ChatRequest, Completion
 from agl_core.server import BackgroundServer
 
 from .fake_vllm import FakeVLLM
@@ -37,6 +39,19 @@ from .fake_vllm import FakeVLLM
             ["--backend", "openai", "--upstream", "http://h/v1", "--upstream-model", "m", "--max-batch", "4"],
             "only apply to --backend hf",
         ),
+        (
+            [
+                "--backend",
+                "openai",
+                "--upstream",
+                "http://h/v1",
+                "--upstream-model",
+                "m",
+                "--prefix-cache-mb",
+                "0",
+            ],
+            "--prefix-cache-mb and --dtype only apply to --backend hf",
+        ),
     ],
 )
 def test_bad_flag_combinations_are_explained(argv, fragment, capsys):
@@ -44,11 +59,22 @@ def test_bad_flag_combinations_are_explained(argv, fragment, capsys):
     assert fragment in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-batch", "0"], ["--backend", "tgi"]])
-def test_bad_flag_values_stop_argparse(argv, capsys):
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--port", "70000"], "--port"),
+        (["--max-batch", "0"], "must be at least 1"),
+        (["--backend", "tgi"], "invalid choice"),
+        (["--prefix-cache-mb", "-1"], "between 0 (off) and 1048576 MiB"),
+        (["--prefix-cache-mb", "lots"], "'lots' is not a number of MiB"),
+        (["--dtype", "float16"], "invalid choice"),
+    ],
+)
+def test_bad_flag_values_stop_argparse(argv, fragment, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["gateway", "serve", *argv])
-    assert stop.value.code == 2 and "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "error:" in err and fragment in err
 
 
 def _free_port() -> int:
@@ -124,3 +150,41 @@ def test_gateway_modules_and_cli_stay_light():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_hf_serving_flags_reach_the_backend():
+    """``agl gateway serve --backend hf`` builds its backend from the flags: the prefix cache's bound (0:
+    off) and the dtype."""
+
+    import torch
+
+    from agl_core.cli import _parser
+    from agl_trainer.hf_backend import serve_with_transformers
+
+    def served(*flags: str) -> object:
+        args = _parser().parse_args(["gateway", "serve", "--model", "tiny", *flags])
+        return serve_with_transformers(args).backend
+
+    default, off, half = (
+        served(),
+        served("--prefix-cache-mb", "0"),
+        served("--dtype", "bfloat16", "--prefix-cache-mb", "8"),
+    )
+    try:
+        assert default.prefix_cache.max_bytes == 256 * 2**20 and off.prefix_cache is None
+        assert half.prefix_cache.max_bytes == 8 * 2**20
+        assert (
+            next(half.model.parameters()).dtype == torch.bfloat16
+            and half._slots.shape.dtype == torch.bfloat16
+        )
+        assert half._linears is None  # the oneDNN copies are for float32 weights
+        request = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0.0)
+
+        async def ask() -> list[object]:
+            return [e async for e in half.generate("agl-policy", request) if isinstance(e, Completion)]
+
+        (completion,) = asyncio.run(ask())
+        assert len(completion.response_ids) == 3 and all(lp <= 0 for lp in completion.response_logprobs)
+    finally:
+        for backend in (default, off, half):
+            backend.close()

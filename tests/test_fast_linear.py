@@ -25,7 +25,7 @@ def test_packed_layers_compute_what_pytorch_does_and_only_inside_the_block():
     x = torch.randn(16, 7, 256)
     with torch.no_grad():
         expected = model(x)
-        packed = fast_linear.PackedLinears(lambda: model, rows=16)
+        packed = fast_linear.PackedLinears(lambda: model, rows=16, budget_bytes=2**30)
         with packed:
             assert all("forward" in layer.__dict__ for layer in (model[0], model[2]))
             got = model(x)
@@ -39,7 +39,7 @@ def test_packed_layers_compute_what_pytorch_does_and_only_inside_the_block():
 def test_a_weight_changed_in_place_is_packed_again_and_release_drops_every_copy():
     model = _model()
     x = torch.randn(4, 256)
-    packed = fast_linear.PackedLinears(lambda: model)
+    packed = fast_linear.PackedLinears(lambda: model, budget_bytes=2**30)
     with torch.no_grad():
         with packed:
             model(x)
@@ -50,6 +50,21 @@ def test_a_weight_changed_in_place_is_packed_again_and_release_drops_every_copy(
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4)
     packed.release()
     assert packed.nbytes == 0
+
+
+def test_packed_copies_stay_within_their_budget_largest_first():
+    """Within the budget the largest weights are packed; the others still go through oneDNN, unpacked,
+    and compute the same."""
+    model = _model()  # weights of 512 KiB and 600 KiB
+    x = torch.randn(5, 256)
+    packed = fast_linear.PackedLinears(lambda: model, budget_bytes=700 * 1024)
+    with torch.no_grad():
+        expected = model(x)
+        with packed:
+            got = model(x)
+            assert all("forward" in layer.__dict__ for layer in (model[0], model[2]))
+    assert [id(layer) for layer, _, _ in packed._packed.values()] == [id(model[2])]
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_small_weights_are_left_alone(tiny_policy):

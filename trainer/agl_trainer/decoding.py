@@ -27,13 +27,16 @@ from typing import Any, Protocol
 
 import torch
 
+from .attention import Packed, Segment, SharedPrefix, attention_for
 from .kv_cache import PassCache, PrefixCache, SlotCache, common_prefix
 from .model import cache_key, padded_groups
-from .packed import Segment, packed_attention_for
 
 __all__ = ["Batch", "DynamicBatch", "SlotBatch", "StaticDecode"]
 
 logger = logging.getLogger(__name__)
+
+#: Fewest shared prefix columns for which decoding reads them once for all rows (:mod:`.attention`).
+SHARED_PREFIX_MIN = 64
 
 
 class Host(Protocol):
@@ -119,6 +122,8 @@ class SlotBatch:
         #: Prompt tokens this batch prefilled, and those it took from the prefix cache.
         self.prefilled_tokens = 0
         self.reused_tokens = 0
+        #: Columns all rows share (:meth:`_shared_prefix`), once worked out for the rows as they are.
+        self._shared: int | None = None
 
     def _scope(self, job: Any) -> Hashable:
         """Whose prefixes a job's prompt may reuse: those of the same adapter."""
@@ -157,6 +162,7 @@ class SlotBatch:
         self.rows += new_rows
         self.lengths += new_lengths
         self.logits = new_logits if first == 0 else torch.cat([self.logits, new_logits])
+        self._shared = None
 
     def _waves(self, jobs: list[Any]) -> list[list[Any]]:
         """``jobs`` in the order to prefill them: first those that share no more than a block with an
@@ -225,7 +231,7 @@ class SlotBatch:
         return self.slots.shape.packed and (names is None or len(set(names)) == 1)
 
     def _prefill_packed(self, jobs: list[Any], starts: list[int], first: int) -> torch.Tensor:
-        """The prompts of ``jobs`` from ``starts`` on through the model as one row (:mod:`.packed`), each
+        """The prompts of ``jobs`` from ``starts`` on through the model as one row (:mod:`.attention`), each
         into its slot (``first ..``); the logits of each one's next token."""
         device = self.host.device
         ids: list[int] = []
@@ -242,7 +248,7 @@ class SlotBatch:
         )
         cache = self.slots.pass_cache(first, len(jobs), positions, 0, rows=rows)
         adapters = self.host.adapters(jobs[:1])
-        with packed_attention_for(self.host.model, segments) as calls:
+        with attention_for(self.host.model, Packed(segments)) as calls:
             out = self.host.forward(
                 input_ids=tokens,
                 position_ids=positions,
@@ -252,15 +258,18 @@ class SlotBatch:
                 **adapters,
             )
         self._check(cache)
-        if calls() != self.slots.shape.layers:
-            raise RuntimeError(
-                f"{calls()} of the model's {self.slots.shape.layers} attention layers went through agl's"
-                " packed attention; serve this architecture with kv_cache: dynamic"
-            )
+        self._check_calls(calls())
         logits: torch.Tensor = out.logits[0]
         if logits.shape[0] != len(segments):  # an architecture that computed every position's logits
             logits = logits[last]
         return logits.float()
+
+    def _check_calls(self, calls: int) -> None:
+        if calls != self.slots.shape.layers:
+            raise RuntimeError(
+                f"{calls} of the model's {self.slots.shape.layers} attention layers went through agl's"
+                " slot attention; serve this architecture with kv_cache: dynamic"
+            )
 
     def _check(self, cache: PassCache) -> None:
         if cache.updates != self.slots.shape.layers:
@@ -328,7 +337,7 @@ class SlotBatch:
             ids = torch.tensor([[row.response[-1]] for row in self.rows], dtype=torch.long)
             mask = torch.arange(width)[None, :] <= lengths[:, None]
             ids, lengths, mask = ids.to(device), lengths.to(device), mask.to(device)
-            self.logits = self._run(
+            step = (
                 ids,
                 lengths[:, None],
                 lengths[:, None],
@@ -336,7 +345,30 @@ class SlotBatch:
                 0,
                 [row.job for row in self.rows],
             )
+            shared = self._shared_prefix()
+            if shared >= SHARED_PREFIX_MIN and len(self.rows) > 1 and self.slots.shape.packed:
+                with attention_for(self.host.model, SharedPrefix(shared)) as calls:
+                    self.logits = self._run(*step)
+                self._check_calls(calls())
+            else:
+                self.logits = self._run(*step)
         self.lengths = [n + 1 for n in self.lengths]
+
+    def _shared_prefix(self) -> int:
+        """Columns every row's slot holds the same keys and values in: the prompt tokens they all start
+        with, under one adapter (the rows' copies of the same cached prefix, or of prefixes computed from
+        the same tokens by the same weights, equal up to rounding)."""
+        if self._shared is None:
+            first = self.rows[0].job
+            scope = self._scope(first)
+            shared = len(first.prompt_ids)
+            for row in self.rows[1:]:
+                if self._scope(row.job) != scope:
+                    shared = 0
+                    break
+                shared = min(shared, common_prefix(first.prompt_ids, row.job.prompt_ids))
+            self._shared = shared
+        return self._shared
 
     def keep(self, indices: list[int]) -> None:
         """Only the rows at ``indices`` go on. A row that ended gives its response's whole blocks to the
@@ -363,6 +395,7 @@ class SlotBatch:
             order[hole] = mover
         self.rows = [self.rows[r] for r in order]
         self.lengths = [self.lengths[r] for r in order]
+        self._shared = None
         if count:
             self.logits = self.logits[torch.tensor(order, device=self.logits.device)]
 

@@ -237,6 +237,7 @@ class HFBackend:
         static_decode: bool | None = None,
         cuda_graphs: bool = True,
         packed_linears: bool | None = None,
+        packed_weights_mb: float = 128.0,
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
@@ -317,8 +318,9 @@ class HFBackend:
             if static_decode and self._slots is not None and route is None
             else None
         )
-        #: On the CPU, generation multiplies by oneDNN-packed copies of the large float32 weights
-        #: (:mod:`.fast_linear`); ``None``: wherever this PyTorch has them.
+        #: On the CPU, generation multiplies the large float32 weights through oneDNN, with packed copies of
+        #: the largest within ``packed_weights_mb`` (:mod:`.fast_linear`); ``None``: wherever this PyTorch
+        #: has it.
         on_cpu = shape is not None and shape.device.type == "cpu" and shape.dtype == torch.float32
         if packed_linears is None:
             packed_linears = on_cpu and fast_linear.available()
@@ -765,9 +767,10 @@ def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
 
     A :class:`agl_core.plugins.GatewayBackendFactory` (entry point ``agl.gateway_backends: hf``). Reads
     ``--model`` (``smollm2``, ``tiny`` or a local model directory; default ``smollm2``), ``--served-name``
-    (default ``agl-policy``), ``--max-tokens``, ``--max-batch`` and ``--threads`` (torch CPU threads); the
-    model moves to the GPU when CUDA is available. No drift check: the backend renders prompts with the
-    model's own tokenizer, so the check would compare it with itself.
+    (default ``agl-policy``), ``--max-tokens``, ``--max-batch``, ``--threads`` (torch CPU threads),
+    ``--prefix-cache-mb`` and ``--dtype``; the model moves to the GPU when CUDA is available. No drift
+    check: the backend renders prompts with the model's own tokenizer, so the check would compare it with
+    itself.
     """
     from .model import load_policy
 
@@ -777,11 +780,15 @@ def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
     model, tokenizer = load_policy(source)
     if torch.cuda.is_available():
         model = model.cuda()
+    dtype = getattr(args, "dtype", "float32")
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     backend = HFBackend(
         model,
         tokenizer,
         model_name=args.served_name or "agl-policy",
         default_max_tokens=args.max_tokens,
         max_batch=args.max_batch,
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 256.0),
     )
     return ServedBackend(backend, f"{source} with transformers on {backend.device}")

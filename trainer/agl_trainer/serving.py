@@ -294,6 +294,7 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
                 kv_cache=hf.kv_cache,
                 prefix_cache_mb=hf.prefix_cache_mb,
                 prefix_block_tokens=hf.prefix_block_tokens,
+                packed_weights_mb=hf.packed_weights_mb,
             )
         )
 

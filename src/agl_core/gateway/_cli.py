@@ -41,6 +41,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of MiB") from None
+    if not 0 <= value <= 1_048_576:
+        raise argparse.ArgumentTypeError(f"{text} must be between 0 (off) and 1048576 MiB")
+    return value
+
+
 def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
     choices = [*(n for n in gateway_backend_names() if n not in _BUILT_IN_BACKENDS), *_BUILT_IN_BACKENDS]
     default = "hf" if "hf" in choices else None
@@ -126,6 +136,21 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
         "--threads", type=_positive, default=None, help="hf: torch CPU threads (default: torch's choice)"
     )
     serve.add_argument(
+        "--prefix-cache-mb",
+        type=_megabytes,
+        default=256.0,
+        metavar="MIB",
+        help="hf: memory for the keys and values of prompt prefixes reused across calls; 0 turns reuse off"
+        " (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="hf: the model's weights and keys/values (bfloat16 halves the memory a step reads, on a GPU;"
+        " default: %(default)s)",
+    )
+    serve.add_argument(
         "--admin-token",
         default=None,
         help="require 'Authorization: Bearer TOKEN' to publish policy versions (default:"
@@ -188,8 +213,12 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.upstream and not args.upstream.startswith(("http://", "https://")):
         raise _UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
-    if args.backend != "hf" and (args.threads or args.max_batch != 16 or args.max_tokens != 256):
-        raise _UsageError("--threads, --max-batch and --max-tokens only apply to --backend hf")
+    hf_only = args.threads or args.max_batch != 16 or args.max_tokens != 256
+    hf_only = hf_only or args.prefix_cache_mb != 256.0 or args.dtype != "float32"
+    if args.backend != "hf" and hf_only:
+        raise _UsageError(
+            "--threads, --max-batch, --max-tokens, --prefix-cache-mb and --dtype only apply to --backend hf"
+        )
     if args.backend == "hf" and (args.upstream or args.vllm_args):
         raise _UsageError("--upstream and --vllm-arg do not apply to --backend hf")
 
