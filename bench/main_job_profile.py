@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "calc_autogen" / "config.yaml"
-PHASES = ("rollouts", "generation", "transitions", "update", "publish", "validation")
+PHASES = ("rollouts", "generation", "prefill", "decode", "transitions", "update", "publish", "validation")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +99,7 @@ def print_steps(rows: list[dict[str, Any]]) -> None:
         + " ".join(f"{p:>11}" for p in PHASES)
         + f" {'gen tok/s':>9} {'upd tok/s':>9} {'peak RSS':>9}"
     )
-    print("seconds per phase (generation is inside rollouts)")
+    print("seconds per phase (generation is inside rollouts, prefill and decode inside generation)")
     print(header)
     for r in steps:
         cells = " ".join(f"{r['phases'][p]:>11.1f}" if p in r["phases"] else f"{'-':>11}" for p in PHASES)

@@ -171,7 +171,7 @@ def test_hf_serving_flags_reach_the_backend():
         served("--dtype", "bfloat16", "--prefix-cache-mb", "8"),
     )
     try:
-        assert default.prefix_cache.max_bytes == 256 * 2**20 and off.prefix_cache is None
+        assert default.prefix_cache.max_bytes == 128 * 2**20 and off.prefix_cache is None
         assert half.prefix_cache.max_bytes == 8 * 2**20
         assert (
             next(half.model.parameters()).dtype == torch.bfloat16

@@ -280,6 +280,22 @@ def test_gpu_backends_accept_hub_names_and_keep_them(folder):
             "update.backend verl needs a Hugging Face model",
         ),
         (GOOD + "verl: {trainer: {nnodes: 2}}\n", "the verl: section applies only with update.backend: verl"),
+        (
+            GOOD + "serving: {hf: {kv_cache: paged}}\n",
+            "'serving.hf.kv_cache': Input should be 'slots' or 'dynamic'",
+        ),
+        (GOOD + "serving: {hf: {prefix_cache_mb: -1}}\n", "'serving.hf.prefix_cache_mb'"),
+        (GOOD + "serving: {hf: {prefix_block_tokens: 0}}\n", "'serving.hf.prefix_block_tokens'"),
+        (GOOD + "serving: {hf: {packed_weights_mb: lots}}\n", "'serving.hf.packed_weights_mb'"),
+        (GOOD + "serving: {hf: {max_batch: 0}}\n", "'serving.hf.max_batch'"),
+        (
+            GOOD + "serving: {hf: {prefix_cache: 64}}\n",
+            "unknown key 'serving.hf.prefix_cache' (did you mean 'serving.hf.prefix_cache_mb'?)",
+        ),
+        (
+            VLLM.replace("{backend: vllm}", "{backend: vllm, hf: {prefix_cache_mb: 64}}"),
+            "serving.hf applies only with serving.backend: hf",
+        ),
         (GOOD + "update: {device: gpu}\n", "'update.device': String should match pattern"),
         (GOOD + "update: {recompute: maybe}\n", "'update.recompute': Input should be a valid boolean"),
     ],

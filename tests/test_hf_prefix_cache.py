@@ -444,3 +444,86 @@ def test_padded_prefill_passes_of_the_slots_stay_exact(backend_of, tiny_policy):
         for completion in got:
             _assert_as_generate(model, completion)
     assert backend.reused_tokens > 0
+
+
+def test_rows_sharing_a_prefix_decode_reading_it_once_and_generate_the_same(
+    backend_of, tiny_policy, monkeypatch
+):
+    """Rows after the same long system prompt decode with one copy of its columns for all of them (the
+    attention of each row merged from the shared part and its own): the tokens of ``generate()``; rows of
+    another adapter never share."""
+    from agl_trainer import attention, decoding
+
+    model, _ = tiny_policy
+    shared_steps: list[int] = []
+    real = attention._shared
+    monkeypatch.setattr(
+        attention, "_shared", lambda state, *rest: shared_steps.append(state.length) or real(state, *rest)
+    )
+    backend = backend_of()
+    system = len(backend.render_prompt([{"role": "system", "content": SYSTEM}], None))
+    assert system >= decoding.SHARED_PREFIX_MIN
+    for got in _together(backend, [_request(q, max_tokens=8) for q in QUESTIONS[:4]]):
+        _assert_as_generate(model, got[0])
+    assert shared_steps and min(shared_steps) >= system
+    # a short shared prefix: plain attention
+    shared_steps.clear()
+    _together(backend, [_request(q, max_tokens=4, system="Hi.") for q in QUESTIONS[:3]])
+    assert not shared_steps
+
+
+def test_the_shared_prefix_merge_equals_attention_over_all_columns():
+    """The cascade split (shared columns once, each row's own, merged by log-sum-exp) against plain
+    attention over every column, with both attention kernels (the CPU flash kernel and plain products)."""
+    from agl_trainer import attention
+
+    torch.manual_seed(0)
+    rows, kv_heads, groups, width, shared, dim = 5, 2, 3, 40, 25, 16
+    keys = torch.randn(rows, kv_heads, width, dim)
+    values = torch.randn(rows, kv_heads, width, dim)
+    keys[1:, :, :shared], values[1:, :, :shared] = keys[0, :, :shared], values[0, :, :shared]
+    query = torch.randn(rows, kv_heads * groups, 1, dim)
+    lengths = torch.tensor([30, 39, 26, 35, 33])
+    mask = (torch.arange(width)[None, :] <= lengths[:, None])[:, None, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1), attn_mask=mask
+    )
+    got = attention._shared(attention.SharedPrefix(shared), query, keys, values, mask, None)
+    assert torch.allclose(got.transpose(1, 2), expected, atol=1e-5)
+    q, k, v = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    some = torch.rand(2, 1, 3, 7) > 0.3
+    some[..., 0] = True
+    for a, b in zip(
+        attention._attend(q, k, v, some, 0.3), attention.attend_plain(q, k, v, some, 0.3), strict=True
+    ):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_trainers_publish_empties_the_prefix_cache_and_config_reaches_the_backend(tmp_path, tiny_policy):
+    """``start_serving`` builds the backend from ``serving.hf``; the trainer's publish (under the backend's
+    lock) leaves no cached prefix of the old version behind."""
+    from agl_trainer.config import TrainerConfig
+    from agl_trainer.serving import start_serving
+
+    model, tokenizer = tiny_policy
+    config = TrainerConfig.model_validate(
+        {
+            "agent": "agent:solve",
+            "tasks": str(tmp_path / "tasks.jsonl"),
+            "output_dir": str(tmp_path / "run"),
+            "serving": {"hf": {"prefix_cache_mb": 32, "prefix_block_tokens": 8, "max_batch": 4}},
+        }
+    )
+    serving = start_serving(config, model, tokenizer)
+    try:
+        backend = serving.backend
+        assert backend.prefix_cache.max_bytes == 32 * 2**20 and backend.prefix_cache.block_tokens == 8
+        assert backend.max_batch == 4 and backend.kv_cache == "slots"
+        _together(backend, [_request(QUESTIONS[0])])
+        assert len(backend.prefix_cache) > 0 and serving.generation_counters().prefilled_tokens > 0
+        serving.publish(model, 1)
+        assert len(backend.prefix_cache) == 0 and backend.policy_version == 1
+        got = _together(backend, [_request(QUESTIONS[0])])[0][0]
+        assert got.policy_version == 1 and backend.prefix_cache.stats.reused_tokens == 0
+    finally:
+        serving.close()

@@ -199,8 +199,9 @@ def _shared(
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and the log-sum-exp of each query's scores (float32): ``q`` ``[b, h, n, d]``
-    against ``k`` and ``v`` ``[b, h, m, d]``, ``mask`` (True: attend) broadcast to ``[b, h, n, m]``."""
+    """Softmax attention and the log-sum-exp of each query's scores: ``q`` ``[b, h, n, d]`` against ``k``
+    and ``v`` ``[b, h, m, d]``, ``mask`` (True: attend) broadcast to ``[b, h, n, m]``. PyTorch's CPU flash
+    kernel, which returns the log-sum-exp, in float32 on the CPU; plain products elsewhere."""
     if q.device.type == "cpu" and q.dtype == torch.float32:
         additive = None
         if mask is not None:
@@ -211,6 +212,13 @@ def _attend(
             q, k, v, 0.0, False, attn_mask=additive, scale=scale
         )
         return out, lse
+    return attend_plain(q, k, v, mask, scale)
+
+
+def attend_plain(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_attend` with matrix products, in float32 whatever the inputs' dtype."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

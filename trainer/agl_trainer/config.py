@@ -515,8 +515,8 @@ class HFServingConfig(_Strict):
     kv_cache: Literal["slots", "dynamic"] = "slots"
     #: Memory for the keys and values of prompt prefixes shared by calls under one policy version (the
     #: agent's system prompt and tool schemas), in MiB; least recently used blocks go first; 0 turns
-    #: prefix reuse off. SmolLM2-135M in float32 takes 45 KiB per token: 256 MiB is about 5,800 tokens.
-    prefix_cache_mb: float = pydantic.Field(256.0, ge=0.0, le=1_048_576.0)
+    #: prefix reuse off. SmolLM2-135M in float32 takes 45 KiB per token: 128 MiB is about 2,900 tokens.
+    prefix_cache_mb: float = pydantic.Field(128.0, ge=0.0, le=1_048_576.0)
     #: Tokens per prefix-cache block (a prompt reuses the blocks it shares with one seen before, and the
     #: first columns of the block where they part).
     prefix_block_tokens: int = pydantic.Field(16, ge=1, le=4096)

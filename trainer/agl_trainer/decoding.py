@@ -44,6 +44,7 @@ class Host(Protocol):
 
     pad_id: int
     prefill_tokens: int
+    max_batch: int
     model: Any
 
     @property
@@ -140,7 +141,9 @@ class SlotBatch:
         needed = max(len(job.prompt_ids) + job.max_new for job in jobs)
         needed = max([needed, *(len(row.job.prompt_ids) + row.job.max_new for row in self.rows)])
         extra = sum(job.request.n - 1 for job in jobs)
-        slots.ensure(first + len(jobs) + extra, needed, keep=first, keep_width=max(self.lengths, default=0))
+        # every slot the batch may fill at once: a growing slot count would copy the cache each time
+        wanted = max(first + len(jobs) + extra, host.max_batch)
+        slots.ensure(wanted, needed, keep=first, keep_width=max(self.lengths, default=0))
         jobs = list(jobs)
         logits: list[torch.Tensor] = []
         admitted: list[Any] = []

@@ -232,7 +232,7 @@ class HFBackend:
         prefill_tokens: int = 2048,
         seed: int | None = None,
         kv_cache: str = "slots",
-        prefix_cache_mb: float = 256.0,
+        prefix_cache_mb: float = 128.0,
         prefix_block_tokens: int = 16,
         static_decode: bool | None = None,
         cuda_graphs: bool = True,
@@ -789,6 +789,6 @@ def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
         model_name=args.served_name or "agl-policy",
         default_max_tokens=args.max_tokens,
         max_batch=args.max_batch,
-        prefix_cache_mb=getattr(args, "prefix_cache_mb", 256.0),
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 128.0),
     )
     return ServedBackend(backend, f"{source} with transformers on {backend.device}")

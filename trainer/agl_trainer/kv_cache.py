@@ -42,6 +42,9 @@ __all__ = [
     "common_prefix",
 ]
 
+#: Columns a slot cache keeps beyond the longest sequence asked for when it (re)allocates.
+HEADROOM = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheShape:
@@ -108,15 +111,16 @@ class SlotCache:
 
     def ensure(self, slots: int, capacity: int, *, keep: int = 0, keep_width: int = 0) -> None:
         """Room for ``slots`` rows of ``capacity`` tokens each; the first ``keep`` slots' first
-        ``keep_width`` columns survive a regrowth. Grows by at least half again (columns rounded up to
-        64), so a batch that keeps growing copies its memory a few times, not once per row."""
+        ``keep_width`` columns survive a regrowth. Columns come in multiples of 64 with at least 64 to
+        spare, so prompts of about the same length fit without growing; growing allocates the new
+        tensor before the old one goes (both are resident for the copy), which the caller avoids by
+        asking for every slot it may need at once."""
         if self._data is not None and slots <= self.slots and capacity <= self.capacity:
             return
-        new_slots = max(slots, self.slots + self.slots // 2) if slots > self.slots else self.slots
-        new_capacity = capacity
+        new_slots = max(slots, self.slots)
+        new_capacity = self.capacity
         if capacity > self.capacity:
-            new_capacity = max(capacity, self.capacity + self.capacity // 2)
-        new_capacity = -(-new_capacity // 64) * 64
+            new_capacity = -(-(capacity + HEADROOM) // 64) * 64
         s = self.shape
         # zeros, not empty: a window reads columns no row has written (masked out, but 0 x NaN is NaN)
         data = torch.zeros(
@@ -269,7 +273,7 @@ class PrefixCache:
     the most leading tokens with it (a prompt that forked there), those tokens' columns: so reuse ends
     where the prompts differ, not at a block boundary (SGLang's radix cache reuses to the token too)."""
 
-    def __init__(self, *, block_tokens: int = 16, max_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, *, block_tokens: int = 16, max_bytes: int = 128 * 2**20) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, not {block_tokens}")
         if max_bytes < 0:

@@ -138,7 +138,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
     serve.add_argument(
         "--prefix-cache-mb",
         type=_megabytes,
-        default=256.0,
+        default=128.0,
         metavar="MIB",
         help="hf: memory for the keys and values of prompt prefixes reused across calls; 0 turns reuse off"
         " (default: %(default)s)",
@@ -214,7 +214,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.upstream and not args.upstream.startswith(("http://", "https://")):
         raise _UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
     hf_only = args.threads or args.max_batch != 16 or args.max_tokens != 256
-    hf_only = hf_only or args.prefix_cache_mb != 256.0 or args.dtype != "float32"
+    hf_only = hf_only or args.prefix_cache_mb != 128.0 or args.dtype != "float32"
     if args.backend != "hf" and hf_only:
         raise _UsageError(
             "--threads, --max-batch, --max-tokens, --prefix-cache-mb and --dtype only apply to --backend hf"
