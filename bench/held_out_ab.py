@@ -24,7 +24,7 @@ spread of the seed-level differences instead (and one such seed decides nothing)
     python bench/held_out_ab.py --report runs/held_out_ab      # the table of runs already finished
 
 Runs left in ``--out`` (``base-SEED``, ``current-SEED``) are reported, not run again, so an interrupted
-comparison resumes. A full main job takes 15-25 minutes on 2 cores; the sides run one after the other.
+comparison resumes. A full main job takes 9-25 minutes on 2 cores; the sides run one after the other.
 """
 
 from __future__ import annotations
@@ -244,13 +244,7 @@ def report(out: Path) -> int:
     )
     if parted:
         return _seed_verdict(means, parted)
-    loss = difference < -2 * se
-    verdict = f"a held-out loss, {-2 * se - difference:.3f} below -2 SE" if loss else "no held-out loss"
-    print(
-        f"held-out difference (current - base) {difference:+.3f} ± {se:.3f} (paired SE over"
-        f" {len(task_diffs)} seed x task pairs): {verdict} (target: not below -2 SE)"
-    )
-    return 1 if loss else 0
+    return _verdict(difference, se, f"paired SE over {len(task_diffs)} seed x task pairs")
 
 
 def _seed_verdict(means: list[tuple[float, float]], parted: list[int]) -> int:
@@ -270,12 +264,18 @@ def _seed_verdict(means: list[tuple[float, float]], parted: list[int]) -> int:
             " from chance; run more seeds (--seeds 0,1,2,3)"
         )
         return 1
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return _verdict(
+        difference, statistics.stdev(diffs) / math.sqrt(len(diffs)), f"SE over {len(diffs)} seeds"
+    )
+
+
+def _verdict(difference: float, se: float, error: str) -> int:
+    """Print the verdict line; 1 when ``difference`` lies more than two ``se`` below zero."""
     loss = difference < -2 * se
     verdict = f"a held-out loss, {-2 * se - difference:.3f} below -2 SE" if loss else "no held-out loss"
     print(
-        f"held-out difference (current - base) {difference:+.3f} ± {se:.3f} (SE over {len(diffs)} seeds):"
-        f" {verdict} (target: not below -2 SE)"
+        f"held-out difference (current - base) {difference:+.3f} ± {se:.3f} ({error}): {verdict}"
+        " (target: not below -2 SE)"
     )
     return 1 if loss else 0
 

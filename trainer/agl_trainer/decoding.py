@@ -20,6 +20,7 @@ Both give every row the tokens and log-probabilities it would get alone, up to f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Hashable, Sequence
@@ -250,36 +251,36 @@ class SlotBatch:
             t.to(device) for t in (torch.tensor([ids]), positions[None], rows[None], last)
         )
         cache = self.slots.pass_cache(first, len(jobs), positions, 0, rows=rows)
-        adapters = self.host.adapters(jobs[:1])
-        with attention_for(self.host.model, Packed(segments)) as calls:
-            out = self.host.forward(
-                input_ids=tokens,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=last,
-                **{cache_key(): cache},
-                **adapters,
-            )
-        self._check(cache)
-        self._check_calls(calls())
+        inputs = {"input_ids": tokens, "position_ids": positions, "logits_to_keep": last}
+        out = self._pass(cache, jobs[:1], Packed(segments), **inputs)
         logits: torch.Tensor = out.logits[0]
         if logits.shape[0] != len(segments):  # an architecture that computed every position's logits
             logits = logits[last]
         return logits.float()
 
-    def _check_calls(self, calls: int) -> None:
-        if calls != self.slots.shape.layers:
-            raise RuntimeError(
-                f"{calls} of the model's {self.slots.shape.layers} attention layers went through agl's"
-                " slot attention; serve this architecture with kv_cache: dynamic"
+    def _pass(
+        self, cache: PassCache, jobs: Sequence[Any], state: Packed | SharedPrefix | None, **inputs: Any
+    ) -> Any:
+        """One forward pass that writes its keys and values through ``cache`` (``jobs``: whose adapters),
+        attending with :mod:`.attention`'s ``state`` when given; checks that every layer went through
+        the cache (and the slot attention)."""
+        layers = self.slots.shape.layers
+        context = attention_for(self.host.model, state) if state is not None else contextlib.nullcontext()
+        with context as calls:
+            out = self.host.forward(
+                use_cache=True, **{cache_key(): cache}, **inputs, **self.host.adapters(jobs)
             )
-
-    def _check(self, cache: PassCache) -> None:
-        if cache.updates != self.slots.shape.layers:
+        if cache.updates != layers:
             raise RuntimeError(
-                f"the model wrote {cache.updates} of its {self.slots.shape.layers} layers' keys through the"
-                " cache; serve this architecture with kv_cache: dynamic"
+                f"the model wrote {cache.updates} of its {layers} layers' keys through the cache; serve this"
+                " architecture with kv_cache: dynamic"
             )
+        if calls is not None and calls() != layers:
+            raise RuntimeError(
+                f"{calls()} of the model's {layers} attention layers went through agl's slot attention; serve"
+                " this architecture with kv_cache: dynamic"
+            )
+        return out
 
     def _prefill(self, jobs: list[Any], starts: list[int], first: int) -> torch.Tensor:
         """The prompts of ``jobs`` from ``starts`` on through the model, in slots ``first ..``, left-padded to
@@ -313,21 +314,16 @@ class SlotBatch:
         mask: torch.Tensor,
         first: int,
         jobs: Sequence[Any],
+        state: SharedPrefix | None = None,
     ) -> torch.Tensor:
+        """A batched pass over slots ``first ..`` (:class:`~agl_trainer.kv_cache.PassCache`); the logits of
+        each row's last position."""
         cache = self.slots.pass_cache(first, ids.shape[0], columns, mask.shape[-1])
         if self.slots.shape.attention == "eager":  # eager attention adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.slots.shape.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(self.slots.shape.dtype).min
             )
-        out = self.host.forward(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{cache_key(): cache},
-            **self.host.adapters(jobs),
-        )
-        self._check(cache)
+        out = self._pass(cache, jobs, state, input_ids=ids, attention_mask=mask, position_ids=positions)
         return _last_logits(out)
 
     def advance(self) -> None:
@@ -349,12 +345,8 @@ class SlotBatch:
                 [row.job for row in self.rows],
             )
             shared = self._shared_prefix()
-            if shared >= SHARED_PREFIX_MIN and len(self.rows) > 1 and self.slots.shape.packed:
-                with attention_for(self.host.model, SharedPrefix(shared)) as calls:
-                    self.logits = self._run(*step)
-                self._check_calls(calls())
-            else:
-                self.logits = self._run(*step)
+            use = shared >= SHARED_PREFIX_MIN and len(self.rows) > 1 and self.slots.shape.packed
+            self.logits = self._run(*step, state=SharedPrefix(shared) if use else None)
         self.lengths = [n + 1 for n in self.lengths]
 
     def _shared_prefix(self) -> int:
