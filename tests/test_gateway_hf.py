@@ -494,3 +494,28 @@ def test_malformed_tool_calls_are_flagged_on_the_span(tiny_policy, stream):
     assert list(attrs["unknown:"][semconv.TOOL_CALL_MALFORMED_REASONS]) == [semconv.TOOL_CALL_UNKNOWN_TOOL]
     assert list(attrs["unknown:"][semconv.TOOL_CALL_MALFORMED_IDS]) == [unknown_id]
     assert semconv.TOOL_CALL_MALFORMED not in no_tools.attributes  # no tools offered: nothing checked
+
+
+def test_metrics_show_the_prefix_cache_at_work(gw, oa):
+    """``GET /metrics`` carries the transformers backend's figures: the same long system prompt twice, and
+    the second call's prompt comes from the prefix cache."""
+
+    def figures() -> dict[str, float]:
+        text = httpx.get(gw.url + "/metrics").text
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith("agl_hf_") and not line.startswith("#")
+        }
+
+    system = {"role": "system", "content": "You answer questions about the weather, briefly. " * 8}
+    before = figures()
+    for question in ("And tomorrow?", "And next week?"):
+        oa.chat.completions.create(
+            model="tiny", messages=[system, {"role": "user", "content": question}], max_tokens=3
+        )
+    after = figures()
+    assert after["agl_hf_prefix_reused_tokens_total"] - before["agl_hf_prefix_reused_tokens_total"] >= 64
+    assert after["agl_hf_prefilled_tokens_total"] > before["agl_hf_prefilled_tokens_total"]
+    assert 0 < after["agl_hf_prefix_cache_bytes"] <= after["agl_hf_prefix_cache_max_bytes"]
+    assert after["agl_hf_decode_steps_total"] >= before["agl_hf_decode_steps_total"] + 2

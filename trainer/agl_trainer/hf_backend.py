@@ -348,6 +348,46 @@ class HFBackend:
         """Token ids of the chat template applied to ``messages``, ending with the assistant turn's start."""
         return self.renderer.render(messages, tools)
 
+    def metric_rows(self) -> list[tuple[str, str, str, float]]:
+        """Figures for the gateway's ``/metrics`` (Prometheus): generation time and tokens, and the
+        prefix cache's reuse, size and evictions."""
+        rows = [
+            ("agl_hf_prefill_seconds_total", "counter", "Seconds spent prefilling prompts.", self.prefill_s),
+            ("agl_hf_decode_seconds_total", "counter", "Seconds spent in decoding steps.", self.decode_s),
+            (
+                "agl_hf_decode_steps_total",
+                "counter",
+                "Decoding steps (one token for every row).",
+                self.decode_steps,
+            ),
+            ("agl_hf_generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
+            (
+                "agl_hf_prefilled_tokens_total",
+                "counter",
+                "Prompt tokens run through the model.",
+                self.prefilled_tokens,
+            ),
+            (
+                "agl_hf_prefix_reused_tokens_total",
+                "counter",
+                "Prompt tokens taken from the prefix cache instead of prefilled.",
+                self.reused_tokens,
+            ),
+        ]
+        cache = self.prefix_cache
+        if cache is not None:
+            rows += [
+                ("agl_hf_prefix_cache_bytes", "gauge", "Bytes the prefix cache holds.", cache.nbytes),
+                ("agl_hf_prefix_cache_max_bytes", "gauge", "The prefix cache's bound.", cache.max_bytes),
+                (
+                    "agl_hf_prefix_cache_evicted_blocks_total",
+                    "counter",
+                    "Blocks evicted to stay within the bound.",
+                    cache.stats.evicted_blocks,
+                ),
+            ]
+        return [(name, kind, text, float(value)) for name, kind, text, value in rows]
+
     def _forget(self) -> None:
         """The weights may change (someone else holds the lock): no cached key or value stays."""
         if self.prefix_cache is not None:

@@ -370,7 +370,8 @@ class _Gateway:
     async def metrics_text(self, request: Request) -> Response:
         if not self._authorised(request):
             return openai_error(401, _NO_TOKEN, "authentication_error")
-        return PlainTextResponse(self.metrics.render(self.capture), media_type="text/plain; version=0.0.4")
+        text = self.metrics.render(self.capture, self.backend)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GatewayMetrics"]
 
@@ -57,9 +60,11 @@ class GatewayMetrics:
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
 
-    def render(self, capture: Any = None) -> str:
+    def render(self, capture: Any = None, backend: Any = None) -> str:
         """The counters in the Prometheus text format; with ``capture`` (production capture), its
-        sessions registered as rollouts, waiting to be and dropped as well."""
+        sessions registered as rollouts, waiting to be and dropped as well; with a ``backend`` that has
+        ``metric_rows()`` (the transformers backend: its prefix cache, prefill and decoding), those rows
+        ``(name, kind, help, value)`` too."""
         lines = [
             "# HELP agl_gateway_requests_total Requests answered, by endpoint and HTTP status.",
             "# TYPE agl_gateway_requests_total counter",
@@ -100,6 +105,18 @@ class GatewayMetrics:
             ),
             ("agl_gateway_inflight_requests", "gauge", "Requests being served now.", self.inflight),
             *(() if capture is None else _capture_rows(self.captured_calls, capture)),
+            *_backend_rows(backend),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def _backend_rows(backend: Any) -> list[tuple[str, str, str, float]]:
+    rows = getattr(backend, "metric_rows", None)
+    if rows is None:
+        return []
+    try:
+        return list(rows())
+    except Exception:  # a backend's figures never cost the gateway its metrics
+        logger.exception("agl: the backend's metrics could not be read")
+        return []
