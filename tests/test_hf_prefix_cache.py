@@ -527,3 +527,38 @@ def test_the_trainers_publish_empties_the_prefix_cache_and_config_reaches_the_ba
         assert got.policy_version == 1 and backend.prefix_cache.stats.reused_tokens == 0
     finally:
         serving.close()
+
+
+class _WrongGraph:
+    """Stands in for a CUDA graph whose replay computes something else (a capture gone wrong)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+    def replay(self) -> None:
+        self.logits.add_(5.0)
+
+
+def test_a_graph_whose_replay_disagrees_with_the_step_is_dropped(backend_of, tiny_policy, caplog):
+    """The first replay of each captured decoding step is checked against the same step run eagerly; a
+    graph that disagrees is logged and dropped, and generation goes on eagerly with the right tokens.
+    (The capture itself needs a GPU; here a fake graph stands in for a faulty one.)"""
+    from agl_trainer import decoding
+
+    model, _ = tiny_policy
+    backend = backend_of(static_decode=True)
+    static = backend._static
+    static.graphs = True  # as on a GPU
+
+    def capture(batch: Any, inputs: dict[str, torch.Tensor], key: tuple[int, int, int]) -> torch.Tensor:
+        logits = static._eager(batch, inputs)
+        static._inputs, static._logits = inputs, logits.clone()
+        static._graph, static._key, static._checked = _WrongGraph(static._logits), key, False
+        return logits
+
+    static._capture = capture
+    with caplog.at_level("WARNING", logger=decoding.__name__):
+        got = _together(backend, [_request(q, max_tokens=6) for q in QUESTIONS[:2]])
+    assert not static.graphs and "gave other logits than the step itself" in caplog.text
+    for completion in got:
+        _assert_as_generate(model, completion[0])

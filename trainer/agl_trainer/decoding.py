@@ -406,7 +406,8 @@ class StaticDecode:
     large GPU). On the CPU the same shapes run eagerly (for testing; the narrower step is quicker there).
 
     Only for a model served without adapters per agent (the adapter of each row would be part of the
-    graph). A capture that fails is logged once and the steps run eagerly."""
+    graph). A capture that fails, or whose first replay gives other logits than the same step run
+    eagerly, is logged and the steps run eagerly from then on."""
 
     def __init__(self, host: Host, slots: SlotCache, *, graphs: bool) -> None:
         self.host = host
@@ -416,6 +417,8 @@ class StaticDecode:
         self._key: tuple[int, int, int] | None = None
         self._inputs: dict[str, torch.Tensor] = {}
         self._logits: torch.Tensor | None = None
+        #: Whether the current graph's first replay matched the step run eagerly.
+        self._checked = False
 
     def _fill(self, batch: SlotBatch) -> dict[str, torch.Tensor]:
         slots, count = self.slots, len(batch.rows)
@@ -451,7 +454,20 @@ class StaticDecode:
             self._inputs[name].copy_(tensor)
         self._graph.replay()
         assert self._logits is not None
-        return self._logits[:count].clone()
+        logits = self._logits[:count].clone()
+        if not self._checked:  # the first replay of a capture, against the same step run eagerly
+            eager = self._eager(batch, self._inputs)[:count]  # writes the same keys and values again
+            if not torch.allclose(logits, eager, atol=1e-3, rtol=1e-3):
+                logger.warning(
+                    "agl: the CUDA graph of the decoding step gave other logits than the step itself (largest"
+                    " difference %.3g); running it eagerly from now on",
+                    float((logits - eager).abs().max()),
+                )
+                self.graphs = False
+                self.reset()
+                return eager
+            self._checked = True
+        return logits
 
     def _eager(self, batch: SlotBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         jobs = [row.job for row in batch.rows]
@@ -484,7 +500,7 @@ class StaticDecode:
             )
             self.graphs = False
             return logits
-        self._graph, self._key = graph, key
+        self._graph, self._key, self._checked = graph, key, False
         return logits
 
 
