@@ -10,7 +10,10 @@ measured in the same run:
 
 - ``today``: ``kv_cache="dynamic"``, no prefix cache: every prompt prefilled whole, transformers'
   ``DynamicCache`` concatenated per layer per token (the backend before the slots);
-- ``slots``: the preallocated cache written in place, and prompt prefixes reused (the default).
+- ``slots``: the preallocated cache written in place, prompt prefixes reused, and decoding steps that run
+  the model's modules directly (the default);
+- ``slots, forward pass``: the same with every decoding step through the model's forward pass
+  (``direct_decode=False``), which shows what the direct steps gain.
 
 What it prints:
 
@@ -22,10 +25,12 @@ What it prints:
    attention). Target: ``slots`` at least 10x faster than ``today``.
 3. Decoding ``--rows`` rows: the same requests with ``--max-tokens`` new tokens each (stop tokens masked,
    sampling at temperature 1 with the same seeds on both sides); decoded tokens per second of decoding,
-   beside the memory bound: a decoding step reads every weight once, the keys and values of the prefix
-   all rows share once, and each row's own, so it takes at least (those bytes) / bandwidth. Target:
-   ``slots`` at least 2x ``today``. ``--packed-mb`` sets how much of the weights ``slots`` keeps packed
-   for oneDNN (``serving.hf.packed_weights_mb``, 128 by default; 700 packs all of SmolLM2).
+   beside the machine's bound: a decoding step reads every weight once, the keys and values of the prefix
+   all rows share once, and each row's own, so it takes at least (those bytes) / bandwidth; and it
+   multiplies every row by every weight, so it takes at least (its FLOPs) / the matmul rate. For 16 rows
+   on a 2-core CPU the second is the larger. Target: ``slots`` at least 2x ``today``. ``--packed-mb``
+   sets how much of the weights ``slots`` keeps packed for oneDNN (``serving.hf.packed_weights_mb``, 128
+   by default; 700 packs all of SmolLM2).
 4. For reference, end to end (prefill and decode) for the same requests: both backends and one batched
    ``model.generate()`` call, with transformers' static cache.
 
@@ -147,6 +152,18 @@ def decode_bytes(model: Any, token_bytes: int, rows: int, context: float, shared
     return weights + (shared + rows * (context - shared)) * token_bytes
 
 
+def decode_flops(model: Any, rows: int, context: float) -> float:
+    """FLOPs of one decoding step: each of ``rows`` new tokens through every weight (the output layer
+    included, the embedding a lookup) and attention over its ``context`` tokens."""
+    config = model.config
+    embedding = config.vocab_size * config.hidden_size
+    weights = sum(p.numel() for p in model.parameters()) - embedding
+    width = config.num_attention_heads * getattr(
+        config, "head_dim", config.hidden_size // config.num_attention_heads
+    )
+    return rows * (2 * (weights + embedding) + 4 * config.num_hidden_layers * width * context)
+
+
 class _NoStop:
     """Logits processor: masks the stop tokens, so every row decodes the same number of tokens."""
 
@@ -254,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         "slots": HFBackend(
             model, tokenizer, model_name="bench", max_batch=args.rows, packed_weights_mb=args.packed_mb
         ),
+        "slots, forward pass": HFBackend(
+            model,
+            tokenizer,
+            model_name="bench",
+            max_batch=args.rows,
+            packed_weights_mb=args.packed_mb,
+            direct_decode=False,
+        ),
     }
     bandwidth = memory_bandwidth(device)
     flops = matmul_flops(device, dtype)
@@ -330,10 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     shared = min(common_prefix(sample[0], other) for other in sample[1:]) if len(sample) > 1 else 0
     step_bytes = decode_bytes(model, shape.token_bytes, args.rows, context, shared)
-    bound_tps = args.rows * bandwidth / step_bytes
+    step_flops = decode_flops(model, args.rows, context)
+    # a step takes at least as long as reading its bytes and as long as its products: the larger bounds it
+    bound_s = max(step_bytes / bandwidth, step_flops / flops)
+    bound_tps = args.rows / bound_s
+    memory_ms, compute_ms = 1000 * step_bytes / bandwidth, 1000 * step_flops / flops
     print(
-        f"\ndecoding {args.rows} rows             tokens/s  ms/step   memory bound:"
-        f" {step_bytes / 1e6:,.0f} MB per step -> {bound_tps:,.0f} tokens/s"
+        f"\ndecoding {args.rows} rows             tokens/s  ms/step   bound: {step_bytes / 1e6:,.0f} MB"
+        f" per step ({memory_ms:.1f} ms), {step_flops / 1e9:.1f} GFLOP ({compute_ms:.1f} ms)"
+        f" -> {bound_tps:,.0f} tokens/s"
     )
     for name in backends:
         m = med[name]

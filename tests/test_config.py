@@ -288,6 +288,7 @@ def test_gpu_backends_accept_hub_names_and_keep_them(folder):
         (GOOD + "serving: {hf: {prefix_block_tokens: 0}}\n", "'serving.hf.prefix_block_tokens'"),
         (GOOD + "serving: {hf: {packed_weights_mb: lots}}\n", "'serving.hf.packed_weights_mb'"),
         (GOOD + "serving: {hf: {max_batch: 0}}\n", "'serving.hf.max_batch'"),
+        (GOOD + "serving: {hf: {direct_decode: sometimes}}\n", "'serving.hf.direct_decode'"),
         (
             GOOD + "serving: {hf: {prefix_cache: 64}}\n",
             "unknown key 'serving.hf.prefix_cache' (did you mean 'serving.hf.prefix_cache_mb'?)",

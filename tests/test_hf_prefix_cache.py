@@ -262,19 +262,32 @@ def test_prefix_cache_blocks_follow_the_exact_token_chain_and_the_least_recently
         PrefixCache(max_bytes=-1)
 
 
-def test_decoding_writes_into_one_preallocated_cache(backend_of):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-steps", "forward-steps"])
+def test_decoding_writes_into_one_preallocated_cache(backend_of, direct):
     """Every decoding step of a batch writes into the same tensor (no per-step reallocation); a joining
-    row that needs more columns grows it once, keeping the rows already there."""
-    backend = backend_of(prefix_cache_mb=0)
+    row that needs more columns grows it once, keeping the rows already there. Decoding steps through
+    the model's modules or through its forward pass alike."""
+    backend = backend_of(prefix_cache_mb=0, direct_decode=direct)
+    assert (backend._direct is not None) == direct
     pointers: list[tuple[int, int]] = []
     forward = backend.forward
 
     def recording(**kwargs: Any) -> Any:
         out = forward(**kwargs)
-        pointers.append((kwargs["input_ids"].shape[1], backend._slots._data.data_ptr()))
+        if not direct or kwargs["input_ids"].shape[1] > 1:  # with direct steps: only the first step's check
+            pointers.append((kwargs["input_ids"].shape[1], backend._slots._data.data_ptr()))
         return out
 
     backend.forward = recording
+    if direct:
+        step = backend._direct.step
+
+        def recording_step(*args: Any) -> torch.Tensor:
+            out = step(*args)
+            pointers.append((1, backend._slots._data.data_ptr()))
+            return out
+
+        backend._direct.step = recording_step
     _together(backend, [_request(q, max_tokens=12) for q in QUESTIONS[:4]])
     # a decoding step (one token per row) writes where the pass before it did: the tensor changes only
     # when rows join (a prefill pass, many tokens per row) and need more room
@@ -506,19 +519,21 @@ def test_the_trainers_publish_empties_the_prefix_cache_and_config_reaches_the_ba
     from agl_trainer.serving import start_serving
 
     model, tokenizer = tiny_policy
-    config = TrainerConfig.model_validate(
-        {
-            "agent": "agent:solve",
-            "tasks": str(tmp_path / "tasks.jsonl"),
-            "output_dir": str(tmp_path / "run"),
-            "serving": {"hf": {"prefix_cache_mb": 32, "prefix_block_tokens": 8, "max_batch": 4}},
-        }
-    )
-    serving = start_serving(config, model, tokenizer)
+    raw: dict[str, Any] = {
+        "agent": "agent:solve",
+        "tasks": str(tmp_path / "tasks.jsonl"),
+        "output_dir": str(tmp_path / "run"),
+        "serving": {"hf": {"prefix_cache_mb": 32, "prefix_block_tokens": 8, "max_batch": 4}},
+    }
+    serving = start_serving(TrainerConfig.model_validate(raw), model, tokenizer)
+    raw["serving"]["hf"]["direct_decode"] = False  # every decoding step through the forward pass
+    other = start_serving(TrainerConfig.model_validate(raw), model, tokenizer)
+    other.close()
+    assert other.backend._direct is None
     try:
         backend = serving.backend
         assert backend.prefix_cache.max_bytes == 32 * 2**20 and backend.prefix_cache.block_tokens == 8
-        assert backend.max_batch == 4 and backend.kv_cache == "slots"
+        assert backend.max_batch == 4 and backend.kv_cache == "slots" and backend._direct is not None
         _together(backend, [_request(QUESTIONS[0])])
         assert len(backend.prefix_cache) > 0 and serving.generation_counters().prefilled_tokens > 0
         serving.publish(model, 1)

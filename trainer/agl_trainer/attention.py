@@ -34,7 +34,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["NAME", "Packed", "Segment", "SharedPrefix", "attention_for", "register", "slot_attention"]
+__all__ = [
+    "NAME",
+    "Packed",
+    "Segment",
+    "SharedPrefix",
+    "attention_for",
+    "decode_attention",
+    "register",
+    "slot_attention",
+]
 
 #: The name the attention function is registered under in transformers.
 NAME = "agl_slots"
@@ -133,6 +142,26 @@ def slot_attention(
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    shared: int,
+    scaling: float,
+) -> torch.Tensor:
+    """One decoding step's attention outside transformers (:mod:`.direct_decode`): ``query`` ``[rows, heads,
+    1, dim]``, ``key`` and ``value`` the rows' windows ``[rows, kv_heads, width, dim]``, ``mask``
+    ``[rows, 1, 1, width]`` (True: attend); with ``shared`` > 0, the first ``shared`` columns are the same
+    in every row and are read once (module docstring). The output ``[rows, 1, heads, dim]``."""
+    if shared > 0:
+        return _shared(SharedPrefix(shared), query, key, value, mask, scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2)
 
 
 def _packed(

@@ -524,6 +524,11 @@ class HFServingConfig(_Strict):
     #: in its layout within this many MiB (dropped while the weights are updated). SmolLM2's output layer
     #: takes 128 and gains most per byte; 700 packs every layer, which measured no faster on 2 cores.
     packed_weights_mb: float = pydantic.Field(128.0, ge=0.0, le=1_048_576.0)
+    #: Decoding steps run the model's modules directly, without its forward pass's per-call machinery
+    #: (Llama, Mistral and Qwen2; other architectures always use the forward pass). The first step after
+    #: each weight change is checked against the forward pass. ``false``: every step through the forward
+    #: pass.
+    direct_decode: bool = True
     #: Most sequences decoded together (a request's ``n`` choices count each).
     max_batch: int = pydantic.Field(16, ge=1, le=4096)
 

@@ -8,7 +8,9 @@ After each call, ``logits[i]`` holds the raw next-token logits of ``rows[i]``. T
     Each row owns a slot of a preallocated :class:`~agl_trainer.kv_cache.SlotCache`, written in place.
     A prompt starts from the longest prefix the :class:`~agl_trainer.kv_cache.PrefixCache` holds for the
     same policy version, and only the rest of it is prefilled; its whole blocks (and, when the row ends,
-    those of its response) go back into the prefix cache.
+    those of its response) go back into the prefix cache. Its decoding steps run the model's modules
+    directly (:class:`~agl_trainer.direct_decode.DirectDecode`) where the model is one that recognizes,
+    otherwise the model's forward pass with agl's attention.
 
 :class:`DynamicBatch` (``kv_cache: dynamic``)
     transformers' ``DynamicCache``, left-padded to one width: every prompt is prefilled whole, and each
@@ -29,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from .attention import Packed, Segment, SharedPrefix, attention_for
+from .direct_decode import DirectDecode
 from .kv_cache import PassCache, PrefixCache, SlotCache, common_prefix
 from .model import cache_key, padded_groups
 
@@ -110,10 +113,13 @@ class SlotBatch:
         prefix: PrefixCache | None,
         version: int,
         static: StaticDecode | None = None,
+        direct: DirectDecode | None = None,
     ) -> None:
         self.host = host
         #: Decoding steps with fixed shapes (a CUDA graph on a GPU), or ``None``.
         self.static = static
+        #: Decoding steps through the model's modules (when ``static`` is ``None``), or ``None``.
+        self.direct = direct
         self.slots = slots
         self.prefix = prefix
         self.version = version
@@ -330,24 +336,43 @@ class SlotBatch:
         if self.static is not None:
             self.logits = self.static.step(self)
         else:
-            device = self.host.device
-            lengths = torch.tensor(self.lengths, dtype=torch.long)
-            width = int(lengths.max()) + 1
-            ids = torch.tensor([[row.response[-1]] for row in self.rows], dtype=torch.long)
-            mask = torch.arange(width)[None, :] <= lengths[:, None]
-            ids, lengths, mask = ids.to(device), lengths.to(device), mask.to(device)
-            step = (
-                ids,
-                lengths[:, None],
-                lengths[:, None],
-                mask[:, None, None],
-                0,
-                [row.job for row in self.rows],
-            )
             shared = self._shared_prefix()
-            use = shared >= SHARED_PREFIX_MIN and len(self.rows) > 1 and self.slots.shape.packed
-            self.logits = self._run(*step, state=SharedPrefix(shared) if use else None)
+            if shared < SHARED_PREFIX_MIN or len(self.rows) < 2:
+                shared = 0
+            direct = self.direct
+            if direct is not None and direct.enabled:
+                logits = self._direct_step(direct, shared)
+                if direct.checking:  # the first step since the weights changed, against the forward pass
+                    reference = self._forward_step(shared)
+                    if not direct.checked(logits, reference):
+                        logits = reference
+                self.logits = logits
+            else:
+                self.logits = self._forward_step(shared)
         self.lengths = [n + 1 for n in self.lengths]
+
+    def _forward_step(self, shared: int) -> torch.Tensor:
+        """A decoding step through the model's forward pass (``shared``: see :meth:`_direct_step`)."""
+        device = self.host.device
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        width = int(lengths.max()) + 1
+        ids = torch.tensor([[row.response[-1]] for row in self.rows], dtype=torch.long)
+        mask = torch.arange(width)[None, :] <= lengths[:, None]
+        ids, lengths, mask = ids.to(device), lengths.to(device), mask.to(device)
+        use = shared > 0 and self.slots.shape.packed
+        jobs = [row.job for row in self.rows]
+        state = SharedPrefix(shared) if use else None
+        return self._run(ids, lengths[:, None], lengths[:, None], mask[:, None, None], 0, jobs, state=state)
+
+    def _direct_step(self, direct: DirectDecode, shared: int) -> torch.Tensor:
+        """A decoding step through the model's modules; ``shared``: columns all rows hold alike, read once
+        for all (0: each row reads its own)."""
+        device = self.host.device
+        ids = torch.tensor([row.response[-1] for row in self.rows], dtype=torch.long, device=device)
+        positions = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        layers = [self.slots.layer(index) for index in range(self.slots.shape.layers)]
+        adapters = self.host.adapters([row.job for row in self.rows])
+        return direct.step(layers, ids, positions, shared, adapters)
 
     def _shared_prefix(self) -> int:
         """Columns every row's slot holds the same keys and values in: the prompt tokens they all start

@@ -50,6 +50,7 @@ from agl_core.policies import BASE
 
 from . import fast_linear
 from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode
+from .direct_decode import DirectDecode, recognize
 from .kv_cache import PrefixCache, SlotCache, cache_shape
 from .memory import release_free_memory
 
@@ -238,6 +239,7 @@ class HFBackend:
         cuda_graphs: bool = True,
         packed_linears: bool | None = None,
         packed_weights_mb: float = 128.0,
+        direct_decode: bool = True,
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
@@ -327,6 +329,13 @@ class HFBackend:
         self._linears = (
             fast_linear.PackedLinears(lambda: self.model, rows=self.max_batch) if packed_linears else None
         )
+        #: Decoding steps that run the model's modules directly, without its forward pass's per-call
+        #: machinery (:mod:`.direct_decode`), for the architectures that recognizes; off with
+        #: ``direct_decode=False`` (every step through the forward pass).
+        unrecognized = recognize(model) if shape is not None and direct_decode else "off"
+        if unrecognized not in (None, "off"):
+            logger.info("agl: decoding steps go through the model's forward pass: %s", unrecognized)
+        self._direct = DirectDecode(lambda: self.model) if unrecognized is None else None
         self.lock.on_external_acquire = self._forget
 
     @property
@@ -396,6 +405,8 @@ class HFBackend:
             self._slots.release()
         if self._static is not None:
             self._static.reset()
+        if self._direct is not None:
+            self._direct.reset()
         if self._linears is not None:
             self._linears.release()
 
@@ -674,7 +685,7 @@ class HFBackend:
     def _new_batch(self, version: int) -> Batch:
         if self._slots is None:
             return DynamicBatch(self)
-        return SlotBatch(self, self._slots, self.prefix_cache, version, self._static)
+        return SlotBatch(self, self._slots, self.prefix_cache, version, self._static, self._direct)
 
     def _batch(self, jobs: list[_Job]) -> None:
         version = self.policy_version

@@ -1,0 +1,184 @@
+"""A decoding step that runs a Llama-family model's own modules directly, without its forward pass.
+
+transformers' forward pass of a decoder does for one new token per row what it does for a whole prompt:
+it checks and normalizes its arguments, builds the position embeddings and masks, and goes through its
+cache object and its attention interface in every layer. For SmolLM2's 30 layers and 16 rows on 2 CPU
+cores that machinery takes about 40 of a decoding step's 120 ms (bench/generation.py). :class:`DirectDecode`
+calls the same modules in the order a Llama decoder layer runs them: the model's own embedding, norms,
+rotary embedding, projections (LoRA-wrapped or not, and through the backend's oneDNN linears while they
+are entered), activation and output layer, so what it computes is the model's own arithmetic. Each new
+key and value goes straight into its row's slot, and attention is :func:`.attention.decode_attention`'s
+(the prefix all rows share read once).
+
+It serves models it recognizes: Llama, Mistral without a sliding window and Qwen2 (the same layer, with
+biases on the projections), plain or under PEFT's LoRA, rows with one adapter or several (PEFT's
+mixed-adapter batches). The first step after each change of the weights is also run through the model's
+own forward pass and their logits compared; a step that disagrees is logged and every step after goes
+through the forward pass, as does every step for a model this module does not recognize.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .attention import decode_attention
+
+__all__ = ["DirectDecode", "recognize"]
+
+logger = logging.getLogger(__name__)
+
+#: ``config.model_type`` of the architectures whose decoder layer is the one :meth:`DirectDecode.step` runs.
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+def _base(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (or ``model`` itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def recognize(model: Any) -> str | None:
+    """Why :class:`DirectDecode` cannot run ``model``'s decoding steps, or ``None`` when it can."""
+    base = _base(model)
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {', '.join(sorted(MODEL_TYPES))}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "the model attends within a sliding window"
+    if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
+        return "the model splits its projections (pretraining_tp)"
+    inner = getattr(base, "model", None)
+    needed = {
+        "model": ("embed_tokens", "layers", "norm", "rotary_emb"),
+        "layer": ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
+        "attention": ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"),
+        "mlp": ("gate_proj", "up_proj", "down_proj", "act_fn"),
+    }
+    if inner is None or not hasattr(base, "lm_head"):
+        return "the model has no decoder stack and output layer where Llama keeps them"
+    layers = getattr(inner, "layers", None) or []
+    parts: list[tuple[str, Any]] = [("model", inner)]
+    for layer in layers:
+        parts.append(("layer", layer))
+        parts += [("attention", getattr(layer, "self_attn", None)), ("mlp", getattr(layer, "mlp", None))]
+    for kind, part in parts:
+        missing = [name for name in needed[kind] if not hasattr(part, name)]
+        if missing:
+            return f"a {kind} of the model has no {', '.join(missing)}"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DirectDecode:
+    """Decoding steps through the model's modules (module docstring). ``model`` is a callable, so the
+    backend's current model object is used (a PEFT wrapper may replace it when a first adapter loads)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        #: Whether the next step is checked against the model's forward pass (after any weight change).
+        self._check = True
+        #: Turned off after a step that disagreed with the forward pass.
+        self.enabled = True
+        self._lora: set[int] | None = None
+        self._owner: Any = None
+
+    def reset(self) -> None:
+        """The weights may change: the next step is checked again."""
+        self._check = True
+        self._lora = None
+
+    @property
+    def checking(self) -> bool:
+        return self._check
+
+    def checked(self, logits: torch.Tensor, reference: torch.Tensor) -> bool:
+        """Compare a step's logits with the forward pass's for the same step; ``False`` (and off from now on,
+        with a warning) when they disagree."""
+        self._check = False
+        tolerance = 1e-3 if logits.dtype == torch.float32 and reference.dtype == torch.float32 else 5e-2
+        if torch.allclose(logits, reference, atol=tolerance, rtol=tolerance):
+            return True
+        logger.warning(
+            "agl: the direct decoding step gave other logits than the model's forward pass (largest"
+            " difference %.3g); decoding through the forward pass from now on",
+            float((logits - reference).abs().max()),
+        )
+        self.enabled = False
+        return False
+
+    def _lora_layers(self, model: Any) -> set[int]:
+        """ids of the modules that take PEFT's ``adapter_names`` (its LoRA layers)."""
+        if self._lora is None or self._owner is not model:
+            try:
+                from peft.tuners.lora import LoraLayer
+            except ImportError:  # no PEFT: no adapters
+                self._lora = set()
+            else:
+                self._lora = {id(module) for module in model.modules() if isinstance(module, LoraLayer)}
+            self._owner = model
+        return self._lora
+
+    def step(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        shared: int,
+        adapters: dict[str, Any],
+    ) -> torch.Tensor:
+        """The next-token logits (float32, ``[rows, vocab]``) after feeding each row its token ``ids``
+        (``[rows]``) at ``positions`` (``[rows]``, each row's slot's next column); ``layers``: each layer's
+        keys and values ``[slots, kv_heads, columns, head_dim]``, rows in slots ``0 .. rows - 1``;
+        ``shared``: columns all rows hold alike (0: none); ``adapters``: the forward pass's
+        ``adapter_names`` argument, if any."""
+        model = self._model()
+        base = _base(model)
+        inner = base.model
+        lora = self._lora_layers(model) if adapters else set()
+
+        def project(module: Any, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = module(x, **adapters) if id(module) in lora else module(x)
+            return out
+
+        rows = ids.shape[0]
+        row_index = torch.arange(rows, device=ids.device)
+        width = int(positions.max()) + 1
+        mask = (torch.arange(width, device=ids.device)[None, :] <= positions[:, None])[:, None, None]
+        x = inner.embed_tokens(ids[:, None])  # [rows, 1, hidden]
+        cos, sin = inner.rotary_emb(x, positions[:, None])  # [rows, 1, head_dim]
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        for index, layer in enumerate(inner.layers):
+            attention = layer.self_attn
+            dim = int(attention.head_dim)
+            h = layer.input_layernorm(x)
+            q = project(attention.q_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
+            k = project(attention.k_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
+            v = project(attention.v_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = layers[index]
+            keys[row_index, :, positions] = k[:, :, 0].to(keys.dtype)
+            values[row_index, :, positions] = v[:, :, 0].to(values.dtype)
+            out = decode_attention(
+                q, keys[:rows, :, :width], values[:rows, :, :width], mask, shared, float(attention.scaling)
+            )
+            x = x + project(attention.o_proj, out.reshape(rows, 1, -1))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x), project)
+        logits: torch.Tensor = project(base.lm_head, inner.norm(x))[:, -1].float()
+        return logits
+
+    @staticmethod
+    def _mlp(mlp: Any, h: torch.Tensor, project: Any) -> torch.Tensor:
+        """Llama's gated MLP, ``down(act(gate(h)) * up(h))``, each projection LoRA-aware."""
+        gated: torch.Tensor = mlp.act_fn(project(mlp.gate_proj, h)) * project(mlp.up_proj, h)
+        out: torch.Tensor = project(mlp.down_proj, gated)
+        return out
