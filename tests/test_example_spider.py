@@ -270,3 +270,99 @@ def test_the_agent_reads_sql_out_of_replies_and_shows_the_schema(spider_cache, m
     assert agent.run_sql.invoke({"db_id": "concert_singer", "query": "DELETE FROM singer"}).startswith(
         "error:"
     )
+
+
+def test_gold_traces_become_one_sft_example_per_training_question(spider_cache, monkeypatch, tmp_path):
+    """gold_traces.py writes the writer's call answered with the gold SQL as OTLP JSON lines and imports
+    them; the stored-traces SFT path reads one example per question, in the agent's own prompt."""
+    from agl_core.sft import spans_to_sft_examples
+    from agl_trainer.traces import read_store
+
+    cache, _, _ = spider_cache
+    monkeypatch.setenv("AGL_DATA_DIR", str(cache.parent))
+    if not (cache.parent / "spider").exists():
+        (cache.parent / "spider").symlink_to(cache, target_is_directory=True)
+    tasks = [json.loads(line) for line in (EXAMPLE / "train.jsonl").read_text().splitlines()[:3]]
+    (tmp_path / "three.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        for name in ("agent", "gold_traces"):
+            sys.modules.pop(name, None)
+        import gold_traces
+    finally:
+        sys.path.remove(str(EXAMPLE))
+        for name in ("agent", "gold_traces"):
+            sys.modules.pop(name, None)
+    assert gold_traces.main(["--out", str(tmp_path / "gold"), "--tasks", str(tmp_path / "three.jsonl")]) == 0
+    assert gold_traces.main(["--out", str(tmp_path / "gold"), "--tasks", str(EXAMPLE / "val.jsonl")]) == 1
+    spans, rollouts = read_store(str(tmp_path / "gold" / "store.sqlite"))
+    assert len(rollouts) == 3
+    examples = spans_to_sft_examples(spans).examples
+    assert sorted(e.response["content"] for e in examples) == sorted(
+        " ".join(t["gold"].split()) for t in tasks
+    )
+    for example in examples:
+        system, user = example.messages
+        assert system["role"] == "system" and "CREATE TABLE" in system["content"]
+        assert user == {"role": "user", "content": user["content"]} and user["content"] in {
+            t["question"] for t in tasks
+        }
+        assert example.agent_name == "writer"
+
+
+def _import_agent(cache: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("AGL_DATA_DIR", str(cache.parent))
+    if not (cache.parent / "spider").exists():
+        (cache.parent / "spider").symlink_to(cache, target_is_directory=True)
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        sys.modules.pop("agent", None)
+        import agent
+    finally:
+        sys.path.remove(str(EXAMPLE))
+        sys.modules.pop("agent", None)
+    return agent
+
+
+def test_the_agent_writes_runs_revises_and_is_scored_by_execution_accuracy(spider_cache, monkeypatch):
+    """The graph through the real gateway (a scripted policy): a writer's query that fails goes to the
+    reviser with the error; the reward is execution accuracy, with 0.1 for a wrong answer that ran only
+    while training."""
+    from types import SimpleNamespace
+
+    from agl_core.testing import AglTestStack
+
+    cache, _, _ = spider_cache
+    agent = _import_agent(cache, monkeypatch)
+    task = {
+        "id": "q",
+        "db_id": "concert_singer",
+        "question": "How many singers?",
+        "gold": "SELECT count(*) FROM singer",
+    }
+    seen: list[str] = []
+
+    def script(answers: list[str]):
+        def reply(messages, tools):
+            seen.append(messages[-1]["content"])
+            return answers.pop(0)
+
+        return reply
+
+    cases = [
+        (["SELECT nope FROM singer", "```sql\nSELECT COUNT(*) FROM singer;\n```"], False, 1.0),
+        (["SELECT name FROM singer"], False, 0.1),  # ran, wrong: partial credit while training
+        (["SELECT name FROM singer"], True, 0.0),  # ... and nothing when evaluated
+        (["I do not know.", "Still no idea."], False, 0.0),  # no SQL at all
+    ]
+    for answers, evaluating, expected in cases:
+        calls = len(answers)
+        seen.clear()
+        with AglTestStack(script=script(list(answers))) as stack:
+            llm = SimpleNamespace(
+                base_url=stack.base_url("ro-1"), api_key="x", model="scripted", evaluating=evaluating
+            )
+            assert agent.solve(task, llm) == expected, answers
+        assert len(seen) == calls, seen
+        if calls == 2:  # the reviser saw the question, the failed query and what happened
+            assert "How many singers?" in seen[1] and "error" in seen[1]

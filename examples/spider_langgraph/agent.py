@@ -7,9 +7,9 @@ another, which is run again; the last query that ran is the answer.
 
 The reward is Spider's execution accuracy of the answer (``spider_eval.execution_match``): 1 when its
 result is the gold query's, else 0; the held-out score is that and nothing else. While training (not when
-the trainer evaluates), each query that runs also earns its LLM call ``PARTIAL_RUNS`` through
-``emit_reward(name="sql_runs")``, a partial credit for valid SQL that gives a group whose answers are all
-wrong something to learn from; ``algorithm.rewards.explicit: false`` turns it off.
+the trainer evaluates), an answer that is wrong but ran earns ``PARTIAL_RUNS`` (0.1) instead of 0: partial
+credit for valid SQL, which gives a group whose answers are all wrong something to learn from (set it to 0
+for accuracy alone).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
 
-from agl_core import emit_reward
 from agl_langchain import AglCallbackHandler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,7 +40,7 @@ MAX_REVISIONS = 1
 #: Sampling temperature while training (the trainer evaluates greedily).
 TEMPERATURE = 0.8
 MAX_TOKENS = 96
-#: Partial credit for a query that runs, while training (module docstring).
+#: Partial credit for a wrong answer that ran, while training (module docstring).
 PARTIAL_RUNS = 0.1
 #: Seconds a query may run.
 QUERY_TIMEOUT_S = 5.0
@@ -103,7 +102,7 @@ class State(TypedDict, total=False):
     revisions: int
 
 
-def build_graph(model: ChatOpenAI, *, training: bool):
+def build_graph(model: ChatOpenAI):
     def ask(system: str, user: str, config: RunnableConfig) -> str:
         reply = model.invoke(
             [SystemMessage(system), HumanMessage(user)], config=config, max_tokens=MAX_TOKENS
@@ -123,8 +122,6 @@ def build_graph(model: ChatOpenAI, *, training: bool):
         update: State = {"result": result}
         if not result.startswith("error:"):
             update["answer"] = query
-            if training:
-                emit_reward(PARTIAL_RUNS, name="sql_runs")
         return update
 
     def reviser(state: State, config: RunnableConfig) -> State:
@@ -160,11 +157,15 @@ def run(task: dict, llm: Any) -> State:
         temperature=TEMPERATURE if training else 0.0,
         max_retries=0,
     )
-    graph = build_graph(model, training=training)
+    graph = build_graph(model)
     return graph.invoke({"task": task}, config={"callbacks": [AglCallbackHandler()]})
 
 
 def solve(task: dict, llm: Any) -> float:
-    """Spider's execution accuracy of the agent's answer: 1.0 or 0.0."""
+    """Spider's execution accuracy of the agent's answer, 1.0 or 0.0; while training, 0.1 for a wrong
+    answer that ran."""
     final = run(task, llm)
-    return 1.0 if execution_match(database_path(task["db_id"]), final.get("answer"), task["gold"]) else 0.0
+    if execution_match(database_path(task["db_id"]), final.get("answer"), task["gold"]):
+        return 1.0
+    training = not getattr(llm, "evaluating", False)
+    return PARTIAL_RUNS if training and final.get("answer") is not None else 0.0

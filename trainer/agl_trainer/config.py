@@ -85,6 +85,10 @@ class ModelConfig(_Strict):
     served_name: str = "agl-policy"
     #: LoRA adapter to train; ``null`` trains all weights.
     lora: LoraConfig | None = LoraConfig()
+    #: Start the ``lora`` adapter from these weights instead of a fresh adapter (an SFT warm start, say):
+    #: a checkpoint directory, its ``adapter`` directory, or a run's ``output_dir`` for its newest
+    #: checkpoint; relative to the config file. Its rank and target modules must be ``lora``'s.
+    init_adapter: str | None = None
     seed: int = 0
 
 
@@ -781,6 +785,13 @@ class TrainerConfig(_Strict):
                 )
         elif self.verl:
             raise ValueError("the verl: section applies only with update.backend: verl")
+        if self.model.init_adapter is not None:
+            if self.model.lora is None:
+                raise ValueError("model.init_adapter needs model.lora (the adapter it starts)")
+            if self.policies:
+                raise ValueError("model.init_adapter applies to the one adapter of a run without policies:")
+            if self.update.backend != "torch":
+                raise ValueError("model.init_adapter applies only to update.backend torch")
         vllm = self.serving.vllm
         if (
             self.serving.backend == "vllm"
@@ -990,11 +1001,21 @@ def _validate(
         update["traces"] = config.traces.model_copy(
             update={"store": _traces_store(config.traces.store, base_dir, source)}
         )
+    init_adapter = config.model.init_adapter
+    if init_adapter is not None:
+        directory = Path(init_adapter) if Path(init_adapter).is_absolute() else base_dir / init_adapter
+        if not directory.is_dir():
+            raise ConfigError(
+                f"{source}: 'model.init_adapter': {directory} is not a directory (give a checkpoint, an"
+                " adapter directory or a run's output_dir)"
+            )
+        update["model"] = config.model.model_copy(update={"init_adapter": str(directory)})
     source_name = config.model.source
     if source_name not in ("smollm2", "tiny"):
         model_dir = Path(source_name) if Path(source_name).is_absolute() else base_dir / source_name
         if (model_dir / "config.json").is_file():
-            update["model"] = config.model.model_copy(update={"source": str(model_dir)})
+            model = update.get("model", config.model)
+            update["model"] = model.model_copy(update={"source": str(model_dir)})
         elif not (_HUB_NAME.match(source_name) and _loads_from_hub(config)):
             hub = (
                 "; a Hub name (org/model) is accepted with serving.backend vllm or update.backend verl"

@@ -98,6 +98,9 @@ def load_trainable_policy(
                 from peft import get_peft_model
 
                 model = get_peft_model(model, _peft_lora(config.model.lora))
+                if config.model.init_adapter is not None:
+                    loaded = _load_init_adapter(model, config.model.init_adapter)
+                    echo(f"model: LoRA adapter starts from {loaded}")
             trainable = [p for p in model.parameters() if p.requires_grad]
             device = next(model.parameters()).device
             echo(
@@ -130,6 +133,30 @@ def load_trainable_policy(
         config.router(),
         dict.fromkeys(optimizers, 0),
     )
+
+
+def _load_init_adapter(model: Any, path: str) -> str:
+    """Load ``model.init_adapter`` (:func:`~agl_trainer.evaluate.find_checkpoint` resolves it) into the
+    PEFT ``model``'s adapter; what was loaded. ``ValueError`` when it is no LoRA adapter of this shape."""
+    from .evaluate import EvalError, find_checkpoint
+    from .model import load_adapter_weights
+
+    try:
+        checkpoint = find_checkpoint(path)
+    except EvalError as exc:
+        raise ValueError(f"model.init_adapter: {exc}") from None
+    weights = checkpoint.adapter / "adapter_model.safetensors" if checkpoint.adapter is not None else None
+    if weights is None or not weights.is_file():
+        raise ValueError(f"model.init_adapter: {checkpoint.path} holds no single LoRA adapter")
+    try:
+        unexpected = load_adapter_weights(model, weights)
+    except RuntimeError as exc:  # a shape that does not fit (another rank)
+        raise ValueError(f"model.init_adapter: {weights} does not fit model.lora: {exc}") from None
+    if unexpected:
+        raise ValueError(
+            f"model.init_adapter: {weights} does not fit model.lora (unexpected keys {unexpected[:3]})"
+        )
+    return checkpoint.describe()
 
 
 def _peft_lora(lora: LoraConfig) -> Any:
