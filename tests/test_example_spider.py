@@ -3,6 +3,7 @@ against known right and wrong answers, untrusted SQL kept read-only and bounded,
 
 from __future__ import annotations
 
+import importlib
 import json
 import sqlite3
 import sys
@@ -22,6 +23,23 @@ def _modules():
     finally:
         sys.path.remove(str(EXAMPLE))
     return spider_data, spider_eval
+
+
+def _import_with_data(cache: Path, monkeypatch: pytest.MonkeyPatch, name: str):
+    """The example's module ``name`` imported afresh with ``$AGL_DATA_DIR/spider`` pointing at ``cache``
+    (the agent checks the data when it is imported)."""
+    monkeypatch.setenv("AGL_DATA_DIR", str(cache.parent))
+    if not (cache.parent / "spider").exists():
+        (cache.parent / "spider").symlink_to(cache, target_is_directory=True)
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        for module in ("agent", name):
+            sys.modules.pop(module, None)
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(EXAMPLE))
+        for module in ("agent", name):
+            sys.modules.pop(module, None)
 
 
 @pytest.fixture(scope="module")
@@ -244,17 +262,7 @@ def test_a_missing_or_corrupt_cache_names_the_command_that_rebuilds_it(spider_ca
 
 
 def test_the_agent_reads_sql_out_of_replies_and_shows_the_schema(spider_cache, monkeypatch):
-    cache, _, _ = spider_cache
-    monkeypatch.setenv("AGL_DATA_DIR", str(cache.parent))
-    if cache.name != "spider":  # the agent reads $AGL_DATA_DIR/spider
-        (cache.parent / "spider").symlink_to(cache, target_is_directory=True)
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        sys.modules.pop("agent", None)
-        import agent
-    finally:
-        sys.path.remove(str(EXAMPLE))
-        sys.modules.pop("agent", None)
+    agent = _import_with_data(spider_cache[0], monkeypatch, "agent")
     assert agent.extract_sql("```sql\nSELECT count(*) FROM singer;\n```") == "SELECT count(*) FROM singer"
     assert (
         agent.extract_sql("with x as (select 1) select * from x\n\nexplained")
@@ -278,21 +286,9 @@ def test_gold_traces_become_one_sft_example_per_training_question(spider_cache, 
     from agl_core.sft import spans_to_sft_examples
     from agl_trainer.traces import read_store
 
-    cache, _, _ = spider_cache
-    monkeypatch.setenv("AGL_DATA_DIR", str(cache.parent))
-    if not (cache.parent / "spider").exists():
-        (cache.parent / "spider").symlink_to(cache, target_is_directory=True)
+    gold_traces = _import_with_data(spider_cache[0], monkeypatch, "gold_traces")
     tasks = [json.loads(line) for line in (EXAMPLE / "train.jsonl").read_text().splitlines()[:3]]
     (tmp_path / "three.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        for name in ("agent", "gold_traces"):
-            sys.modules.pop(name, None)
-        import gold_traces
-    finally:
-        sys.path.remove(str(EXAMPLE))
-        for name in ("agent", "gold_traces"):
-            sys.modules.pop(name, None)
     assert gold_traces.main(["--out", str(tmp_path / "gold"), "--tasks", str(tmp_path / "three.jsonl")]) == 0
     assert gold_traces.main(["--out", str(tmp_path / "gold"), "--tasks", str(EXAMPLE / "val.jsonl")]) == 1
     spans, rollouts = read_store(str(tmp_path / "gold" / "store.sqlite"))
@@ -310,20 +306,6 @@ def test_gold_traces_become_one_sft_example_per_training_question(spider_cache, 
         assert example.agent_name == "writer"
 
 
-def _import_agent(cache: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("AGL_DATA_DIR", str(cache.parent))
-    if not (cache.parent / "spider").exists():
-        (cache.parent / "spider").symlink_to(cache, target_is_directory=True)
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        sys.modules.pop("agent", None)
-        import agent
-    finally:
-        sys.path.remove(str(EXAMPLE))
-        sys.modules.pop("agent", None)
-    return agent
-
-
 def test_the_agent_writes_runs_revises_and_is_scored_by_execution_accuracy(spider_cache, monkeypatch):
     """The graph through the real gateway (a scripted policy): a writer's query that fails goes to the
     reviser with the error; the reward is execution accuracy, with 0.1 for a wrong answer that ran only
@@ -332,8 +314,7 @@ def test_the_agent_writes_runs_revises_and_is_scored_by_execution_accuracy(spide
 
     from agl_core.testing import AglTestStack
 
-    cache, _, _ = spider_cache
-    agent = _import_agent(cache, monkeypatch)
+    agent = _import_with_data(spider_cache[0], monkeypatch, "agent")
     task = {
         "id": "q",
         "db_id": "concert_singer",
