@@ -30,6 +30,9 @@ def test_config_validates(path, tmp_path):
         store = tmp_path / "store.sqlite"
         SqliteStore(str(store)).close()
         overrides.append(f"traces.store={store}")
+    if "init_adapter" in (yaml.safe_load(path.read_text()).get("model") or {}):
+        # the warm start a run writes first (examples/spider_langgraph/config.sft.yaml): a directory here
+        overrides.append(f"model.init_adapter={tmp_path}")
     config = load_config(path, overrides)
     assert config.tasks is not None and config.tasks.train.is_file()
     if config.serving.backend == "vllm":
