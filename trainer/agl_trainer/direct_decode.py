@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .attention import decode_attention
 
@@ -71,11 +72,6 @@ def recognize(model: Any) -> str | None:
         if missing:
             return f"a {kind} of the model has no {', '.join(missing)}"
     return None
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DirectDecode:
@@ -155,7 +151,6 @@ class DirectDecode:
         mask = (torch.arange(width, device=ids.device)[None, :] <= positions[:, None])[:, None, None]
         x = inner.embed_tokens(ids[:, None])  # [rows, 1, hidden]
         cos, sin = inner.rotary_emb(x, positions[:, None])  # [rows, 1, head_dim]
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
             dim = int(attention.head_dim)
@@ -163,8 +158,7 @@ class DirectDecode:
             q = project(attention.q_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
             k = project(attention.k_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
             v = project(attention.v_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # transformers' own (Llama, Mistral, Qwen2 alike)
             keys, values = layers[index]
             keys[row_index, :, positions] = k[:, :, 0].to(keys.dtype)
             values[row_index, :, positions] = v[:, :, 0].to(values.dtype)
