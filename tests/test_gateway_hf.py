@@ -86,8 +86,14 @@ def test_stream_equals_non_stream_and_records_the_same(gw, oa):
     (streamed,) = gw.spans(chunk_ids.pop())
     (plain,) = gw.spans(whole.id)
     assert streamed.attributes[semconv.STREAM] is True and plain.attributes[semconv.STREAM] is False
-    for key in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS):
+    for key in (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS):
         assert streamed.attributes[key] == plain.attributes[key]
+    # The same tokens; their logprobs agree to float32 rounding, not bit for bit: the first
+    # call's first decoding step after a weight change runs the model's forward pass (to check
+    # the direct decoding step against it), the second call's runs the direct step.
+    assert streamed.attributes[semconv.RESPONSE_LOGPROBS] == pytest.approx(
+        plain.attributes[semconv.RESPONSE_LOGPROBS], abs=1e-4
+    )
     assert streamed.attributes[semconv.TIME_TO_FIRST_TOKEN] > 0
 
 
