@@ -1,0 +1,103 @@
+"""The calculator agent on GSM-style problems: the tasks reasoning-gym's generator gives for the committed
+seeds and template split, its scorer as the reward, and the AutoGen agent through the real gateway."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from agl_core.testing import tool_call
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "calc_autogen"
+
+
+def _load(name: str) -> Any:
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+def _jsonl(name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (EXAMPLE / "gsm" / name).read_text().splitlines()]
+
+
+def test_the_committed_tasks_are_what_the_generator_gives_for_their_seeds(capsys):
+    assert _load("gsm_tasks").main(["--check"]) == 0
+    assert "are what the generator gives" in capsys.readouterr().out
+
+
+def test_held_out_problems_come_from_templates_never_trained_on():
+    train, val = _jsonl("train.jsonl"), _jsonl("val.jsonl")
+    held_out = set(json.loads((EXAMPLE / "gsm" / "split.json").read_text())["held_out_templates"])
+    assert (len(train), len(val)) == (600, 200)
+    assert {t["template"] for t in val} <= held_out and not {t["template"] for t in train} & held_out
+    assert len({t["template"] for t in val}) >= 15 and len({t["template"] for t in train}) >= 60
+    assert not {t["question"] for t in train} & {t["question"] for t in val}
+    # the worked solution ends with its answer (one template writes it as a float: "#### 51.0")
+    assert all(float(t["answer_cot"].rsplit("####", 1)[1]) == float(t["answer"]) for t in train + val)
+
+
+def test_the_reward_is_the_generator_s_scorer_on_the_tagged_or_last_number():
+    agent = _load("gsm_agent")
+    assert agent.answer_of("First 3 * 35 = 105, so <answer>288</answer>") == "288"
+    assert agent.answer_of("3 times 35 is 105, and 105 + 183 = 288.") == "288"
+    assert agent.answer_of("I cannot tell.") is None
+    assert agent.answer_of("It is 12.5 cups") == "12.5"
+    assert (agent.score("288", "288"), agent.score("289", "288"), agent.score(None, "288")) == (
+        1.0,
+        0.01,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("replies", "evaluating", "expected", "calls"),
+    [
+        # a calculator call, its result back to the model, then the answer in tags
+        (
+            [
+                tool_call("calculator", {"expression": "3 * 35 + 93 + 55"}),
+                "<answer>253</answer>",
+            ],
+            False,
+            1.0,
+            2,
+        ),
+        (["The total is 250."], False, 0.01, 1),  # another number: the scorer's 0.01 while training
+        (["The total is 250."], True, 0.0, 1),  # ... and a miss when evaluated
+        (["I do not know."], False, 0.0, 1),
+    ],
+)
+def test_the_agent_calls_the_calculator_then_answers_and_is_scored(replies, evaluating, expected, calls):
+    from agl_core.testing import AglTestStack
+
+    agent = _load("gsm_agent")
+    task = {
+        "question": "John has 35 apples, 3 times as much kiwi, buys 93 apples and 55 kiwi. Total?",
+        "answer": "253",
+    }
+    seen: list[list[dict]] = []
+    queue = list(replies)
+
+    def script(messages, tools):
+        seen.append(list(messages))
+        return queue.pop(0)
+
+    with AglTestStack(script=script) as stack:
+        llm = SimpleNamespace(
+            base_url=stack.base_url("ro-1"), api_key="x", model="scripted", evaluating=evaluating
+        )
+        assert agent.solve(task, llm) == expected
+    assert len(seen) == calls
+    if calls == 2:  # the calculator's result went back to the model
+        assert seen[1][-1]["role"] == "tool" and seen[1][-1]["content"] == "253"
