@@ -101,3 +101,40 @@ def test_the_agent_calls_the_calculator_then_answers_and_is_scored(replies, eval
     assert len(seen) == calls
     if calls == 2:  # the calculator's result went back to the model
         assert seen[1][-1]["role"] == "tool" and seen[1][-1]["content"] == "253"
+
+
+def test_the_worked_solutions_become_the_agent_s_first_call_answered_as_it_should(tmp_path):
+    """gsm_gold.py: the same system prompt, question and calculator tool (JSON-identical) the AutoGen
+    agent sends, answered with the worked solution whose last line is the answer in tags, which the
+    agent reads as the right answer; held-out templates are refused."""
+    from agl_core.sft import spans_to_sft_examples
+    from agl_core.testing import AglTestStack
+    from agl_trainer.traces import read_store
+
+    agent, gold = _load("gsm_agent"), _load("gsm_gold")
+    tasks = _jsonl("train.jsonl")[:2]
+    (tmp_path / "two.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    assert gold.main(["--out", str(tmp_path / "gold"), "--tasks", str(tmp_path / "two.jsonl")]) == 0
+    assert gold.main(["--out", str(tmp_path / "gold"), "--tasks", str(EXAMPLE / "gsm" / "val.jsonl")]) == 1
+    spans, _ = read_store(str(tmp_path / "gold" / "store.sqlite"))
+    examples = sorted(spans_to_sft_examples(spans).examples, key=lambda e: e.messages[1]["content"])
+    sent: list = []
+
+    def script(messages, tools):
+        sent.append((messages, tools))
+        return "<answer>0</answer>"
+
+    for example, task in zip(examples, sorted(tasks, key=lambda t: t["question"]), strict=True):
+        with AglTestStack(script=script) as stack:
+            llm = SimpleNamespace(
+                base_url=stack.base_url("ro-1"), api_key="x", model="scripted", evaluating=True
+            )
+            agent.solve(task, llm)
+        messages, tools = sent.pop()
+        assert json.dumps(list(example.tools)) == json.dumps(tools)
+        assert [(m["role"], m["content"]) for m in messages] == [
+            (m["role"], m["content"]) for m in example.messages
+        ]
+        reply = example.response["content"]
+        assert reply.endswith(f"<answer>{task['answer']}</answer>") and "####" not in reply
+        assert agent.score(agent.answer_of(reply), task["answer"]) == 1.0
