@@ -3,26 +3,24 @@ data and its split read from the registry's wheel, the agent through the real ga
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from ._example_modules import import_fresh
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "bfcl_openai"
 
 
+#: The example's modules; other examples have modules of the same names (agent, gold_traces).
+MODULES = ("agent", "bfcl_check", "bfcl_data", "gold_traces")
+
+
 def _module(name: str):
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        for module in ("agent", "bfcl_check", "bfcl_data", "gold_traces"):
-            sys.modules.pop(module, None)
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(EXAMPLE))
+    return import_fresh(EXAMPLE, name, MODULES)
 
 
 def _tasks(name: str) -> list[dict]:

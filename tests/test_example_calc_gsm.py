@@ -3,9 +3,7 @@ seeds and template split, its scorer as the reward, and the AutoGen agent throug
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,17 +12,18 @@ import pytest
 
 from agl_core.testing import tool_call
 
+from ._example_modules import import_fresh
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calc_autogen"
 
 
-def _load(name: str) -> Any:
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        sys.modules.pop(name, None)
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(EXAMPLE))
+#: This example's modules the GSM ones import; other examples have an ``agent`` module too.
+MODULES = ("agent", "calc_tool", "gsm_agent", "gsm_gold", "gsm_tasks")
+
+
+def _load(name: str):
+    return import_fresh(EXAMPLE, name, MODULES)
 
 
 def _jsonl(name: str) -> list[dict[str, Any]]:

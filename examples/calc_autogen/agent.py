@@ -76,6 +76,24 @@ def example_messages(examples: list[tuple[str, str]] = EXAMPLES) -> list[Any]:
     return messages
 
 
+def model_client(
+    llm: Any, *, temperature: float, max_tokens: int, headers: dict[str, str] | None = None
+) -> Any:
+    """AutoGen's OpenAI client for the endpoint in ``llm`` (no retries: a failed call fails the rollout)."""
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    return OpenAIChatCompletionClient(
+        model=llm.model,
+        base_url=llm.base_url,
+        api_key=llm.api_key,
+        model_info=MODEL_INFO,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        max_retries=0,
+        default_headers=headers,
+    )
+
+
 async def run_agent(
     question: str,
     answer: int,
@@ -89,18 +107,8 @@ async def run_agent(
     with every model call (``distill.py`` names each episode's session with ``x-agl-session-id``)."""
     from autogen_agentchat.agents import AssistantAgent
     from autogen_core.model_context import UnboundedChatCompletionContext
-    from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-    client = OpenAIChatCompletionClient(
-        model=llm.model,
-        base_url=llm.base_url,
-        api_key=llm.api_key,
-        model_info=MODEL_INFO,
-        temperature=temperature,
-        max_tokens=max_tokens,
-        max_retries=0,
-        default_headers=headers,
-    )
+    client = model_client(llm, temperature=temperature, max_tokens=max_tokens, headers=headers)
     try:
         agent = AssistantAgent(
             "calculator_agent",

@@ -3,7 +3,7 @@
 The same kind of agent as ``agent.py``, for problems of several steps: one ``AssistantAgent`` with the
 ``calculator`` tool that may call it up to ``MAX_TOOL_ITERATIONS`` times, each result going back to the
 model, and then answers in text (``reflect_on_tool_use=True``). The one agl line is
-``agl_autogen.instrument()``.
+``agl_autogen.instrument()``, in ``agent.py``, whose model client this module shares.
 
 The answer is what the reply puts in ``<answer>`` tags (reasoning-gym's ``extract_answer``), else the last
 number of the reply; the reward is the generator's own scorer on it (``score_answer``: 1 for the right
@@ -19,23 +19,13 @@ import dataclasses
 import functools
 from typing import Any
 
+from agent import model_client  # the calculator agent's module: it also calls agl_autogen.instrument()
 from calc_tool import calculator, parse_answer
-
-import agl_autogen
-
-agl_autogen.instrument()
 
 SYSTEM_PROMPT = (
     "You solve math word problems step by step. Use the calculator for every computation."
     " When you know the result, reply with it between answer tags, for example <answer>42</answer>."
 )
-MODEL_INFO = {
-    "vision": False,
-    "function_calling": True,
-    "json_output": False,
-    "family": "unknown",
-    "structured_output": False,
-}
 TEMPERATURE = 0.7
 MAX_TOKENS = 128
 #: Model calls that may end in calculator calls before the answer.
@@ -84,17 +74,8 @@ def score(answer: str | None, expected: str) -> float:
 async def run_agent(question: str, expected: str, llm: Any, *, temperature: float = TEMPERATURE) -> Outcome:
     """Run the agent on one problem against the endpoint in ``llm`` and score its answer."""
     from autogen_agentchat.agents import AssistantAgent
-    from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-    client = OpenAIChatCompletionClient(
-        model=llm.model,
-        base_url=llm.base_url,
-        api_key=llm.api_key,
-        model_info=MODEL_INFO,
-        temperature=temperature,
-        max_tokens=MAX_TOKENS,
-        max_retries=0,
-    )
+    client = model_client(llm, temperature=temperature, max_tokens=MAX_TOKENS)
     try:
         agent = AssistantAgent(
             "gsm_agent",
