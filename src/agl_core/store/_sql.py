@@ -713,6 +713,16 @@ class SqlStore(Generic[_C]):
         if not rollout_ids:
             return []
         clause, values = self._in("rollout_id", rollout_ids)
+        # Rollouts first, then their attempts: outside a transaction the two reads may see different
+        # commits, and an attempt ends in the same commit as its rollout, so a rollout read as ended
+        # comes with its ended attempt (read the other way round, an ended rollout could come with its
+        # attempt still running and no error yet).
+        rows = self._exec(
+            conn,
+            "SELECT rollout_id, task_id, input, group_id, status, created_at, reward, metadata"
+            f" FROM rollouts WHERE {clause}",
+            values,
+        ).fetchall()
         attempts: dict[str, list[Attempt]] = {}
         for a in self._exec(
             conn,
@@ -736,12 +746,7 @@ class SqlStore(Generic[_C]):
                 metadata=json.loads(r[7]),
                 attempts=tuple(attempts.get(r[0], ())),
             )
-            for r in self._exec(
-                conn,
-                "SELECT rollout_id, task_id, input, group_id, status, created_at, reward, metadata"
-                f" FROM rollouts WHERE {clause}",
-                values,
-            ).fetchall()
+            for r in rows
         ]
         return sorted(rollouts, key=lambda r: order[r.rollout_id])
 
