@@ -397,6 +397,40 @@ _anthropic = st.fixed_dictionaries(
         "stream": st.one_of(st.booleans(), json_values),
     },
 )
+
+
+def _tool_bomb(count: int, shape: str) -> bytes:
+    """A request offering ``count`` tools in one door's shape (the bound is 128; 20,000 once took 73 s)."""
+    params = {"type": "object", "properties": {}}
+    if shape == "chat":
+        tools = [
+            {"type": "function", "function": {"name": f"f{i % 97}", "parameters": params}}
+            for i in range(count)
+        ]
+        return _json_bytes(
+            {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+        )
+    if shape == "responses":
+        tools = [{"type": "function", "name": f"f{i % 97}", "parameters": params} for i in range(count)]
+        return _json_bytes({"model": "scripted", "input": "hi", "tools": tools})
+    tools = [{"name": f"f{i % 97}", "input_schema": params} for i in range(count)]
+    body = {
+        "model": "scripted",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": tools,
+    }
+    return _json_bytes(body)
+
+
+#: Hostile shapes beside the random ones: tool-count bombs and nesting bombs.
+_bombs = st.one_of(
+    st.builds(_tool_bomb, st.integers(100, 5_000), st.sampled_from(["chat", "responses", "anthropic"])),
+    st.integers(500, 200_000).map(lambda n: b"[" * n),
+    st.integers(500, 50_000).map(
+        lambda n: b'{"model": "scripted", "messages": ' + b"[" * n + b"]" * n + b"}"
+    ),
+)
 _GATEWAY_PATHS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/responses"),
@@ -433,12 +467,16 @@ def gateway() -> Iterator[str]:
         _anthropic.map(_json_bytes),
         json_values.map(_json_bytes),
         st.binary(max_size=200),
+        _bombs,
     ),
     content_type=_content_types,
     # what a client can send in a header: printable latin-1 (h11 refuses control characters itself)
     authorization=st.one_of(
         st.none(),
-        st.text(st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"), max_size=20),
+        # (h11 also refuses a value with blanks at either end)
+        st.text(
+            st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"), max_size=20
+        ).filter(lambda value: value == value.strip(" \t")),
     ),
 )
 def _fuzz_gateway(gateway, endpoint, body, content_type, authorization):

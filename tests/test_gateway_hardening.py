@@ -159,3 +159,145 @@ def test_a_valid_tool_schema_is_served():
             json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]},
         )
     assert r.status_code == 200 and backend.calls == 1
+
+
+# -- tool-count bombs and the previous_response_id history (round three) -----------------------------
+
+
+def _many_tools(count: int, shape: str) -> list[dict[str, object]]:
+    params = {"type": "object", "properties": {}}
+    if shape == "chat":
+        return [
+            {"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(count)
+        ]
+    if shape == "responses":
+        return [{"type": "function", "name": f"f{i}", "parameters": params} for i in range(count)]
+    return [{"name": f"f{i}", "input_schema": params} for i in range(count)]
+
+
+_TOOL_DOORS = [
+    ("/v1/chat/completions", "chat", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", "responses", {"input": "hi"}),
+    ("/v1/messages", "anthropic", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+]
+
+
+@pytest.mark.parametrize(("path", "shape", "body"), _TOOL_DOORS)
+def test_twenty_thousand_tools_are_refused_naming_the_bound(path, shape, body):
+    """20,000 tools (about 1 MB) once took 73 s on /v1/responses with /health blocked (a quadratic
+    duplicate check on the event loop): now a 400 naming the bound, the backend never called."""
+    backend = ScriptedBackend(["ok"])
+    with GatewayServer(backend) as gateway:
+        r = httpx.post(
+            gateway.url + path,
+            json={"model": "scripted", **body, "tools": _many_tools(20_000, shape)},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert "at most 128 tools per request, got 20000" in r.text
+        assert httpx.get(gateway.url + "/health").status_code == 200
+    assert backend.calls == 0
+
+
+@pytest.mark.parametrize(("path", "shape", "body"), _TOOL_DOORS)
+def test_a_repeated_tool_name_among_128_is_named(path, shape, body):
+    tools = _many_tools(128, shape)
+    tools[-1] = tools[3]
+    backend = ScriptedBackend(["ok"])
+    with GatewayServer(backend) as gateway:
+        r = httpx.post(gateway.url + path, json={"model": "scripted", **body, "tools": tools})
+    assert r.status_code == 400 and "repeated: f3" in r.text
+    assert backend.calls == 0
+
+
+def test_health_answers_while_a_heavy_body_is_parsed(monkeypatch):
+    """A body over 256 KiB is parsed on a worker thread: while its parse is held, /health still answers
+    (on the event loop, the held parse would block it and the health check would time out)."""
+    import threading
+
+    from agl_core.gateway import _door
+
+    entered, released = threading.Event(), threading.Event()
+    real = _door.parse_chat
+
+    def held(raw: bytes):  # type: ignore[no-untyped-def]
+        entered.set()
+        assert released.wait(60)
+        return real(raw)
+
+    monkeypatch.setattr(_door, "parse_chat", held)
+    backend = ScriptedBackend(["ok"])
+    messages = [{"role": "user", "content": "x" * 100} for _ in range(3_000)]  # about 350 KB of JSON
+    with GatewayServer(backend) as gateway:
+        answers: list[int] = []
+        poster = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    gateway.url + "/v1/chat/completions",
+                    json={"model": "scripted", "messages": messages, "max_tokens": 4},
+                    timeout=120,
+                ).status_code
+            )
+        )
+        poster.start()
+        assert entered.wait(60)
+        try:
+            assert httpx.get(gateway.url + "/health", timeout=20).status_code == 200
+        finally:
+            released.set()
+            poster.join()
+    assert answers == [200] and backend.calls == 1
+
+
+def test_the_response_log_is_bounded_by_bytes():
+    from agl_core.gateway.responses import ResponseLog
+
+    log = ResponseLog(capacity=4096, max_bytes=100_000)
+    big = [{"role": "user", "content": "y" * 30_000}]
+    for i in range(10):
+        log.put((None, None), f"r{i}", big)
+    assert log.bytes <= 100_000 and len(log) == 3  # the three newest
+    assert log.get((None, None), "r9") == big and log.get((None, None), "r0") is None
+    log.put((None, None), "huge", [{"role": "user", "content": "z" * 200_000}])  # over the bound alone
+    assert log.get((None, None), "huge") is None and len(log) == 3
+    with pytest.raises(ValueError, match="max_bytes"):
+        ResponseLog(max_bytes=0)
+
+
+def test_a_client_that_goes_away_stops_its_generation_and_is_counted():
+    """Non-streamed calls once kept generating after their client was killed (9-15 requests stayed in
+    flight, competing for the backend). The generation is now stopped and the call recorded as such."""
+    import asyncio
+    import threading
+
+    from agl_core.gateway.backend import ChatRequest
+
+    started, stopped = threading.Event(), threading.Event()
+
+    class _Slow(ScriptedBackend):
+        async def generate(self, model: str, chat: ChatRequest):  # type: ignore[override]
+            started.set()
+            try:
+                await asyncio.sleep(120)
+                yield  # never reached
+            finally:
+                stopped.set()
+
+    backend = _Slow(["ok"])
+    with GatewayServer(backend) as gateway:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                gateway.url + "/v1/chat/completions",
+                json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=httpx.Timeout(30, read=1.0),
+            )
+        assert started.is_set()
+        assert stopped.wait(30), "the backend kept generating for a client that left"
+        metrics = gateway.metrics
+        for _ in range(100):
+            if metrics.inflight == 0:
+                break
+            threading.Event().wait(0.05)
+        assert (metrics.inflight, metrics.client_disconnects) == (0, 1)
+        (span,) = gateway.spans()
+        assert span.attributes["error.type"] == "client_disconnected"

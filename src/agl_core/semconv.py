@@ -111,6 +111,10 @@ GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 #: JSON-encoded tool definitions offered to the model.
 GEN_AI_TOOL_DEFINITIONS = "gen_ai.tool.definitions"
+#: The UTF-8 size of a call's input messages / tool definitions when the gateway recorded them cut short
+#: (``--max-recorded-prompt-bytes``); absent when recorded whole.
+INPUT_MESSAGES_ORIGINAL_BYTES = "agl.gen_ai.input.messages.original_bytes"
+TOOL_DEFINITIONS_ORIGINAL_BYTES = "agl.gen_ai.tool.definitions.original_bytes"
 ERROR_TYPE = "error.type"
 #: ``error.type`` of a failed tool span when the framework handed the failure to the model as the tool's
 #: result without the exception (LangChain's ``handle_tool_error``).

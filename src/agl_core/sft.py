@@ -48,6 +48,7 @@ from .transitions import (
 __all__ = [
     "AGENT_NOT_SELECTED",
     "NO_MESSAGES",
+    "PROMPT_CUT",
     "NO_RESPONSE",
     "SftExample",
     "SftResult",
@@ -59,6 +60,10 @@ __all__ = [
 NO_MESSAGES = "LLM call recorded no input messages (message content was not captured)"
 NO_RESPONSE = "LLM call recorded no response (empty or missing output message)"
 AGENT_NOT_SELECTED = "LLM call by an agent not selected for training"
+PROMPT_CUT = (
+    "LLM call whose input messages or tools the gateway recorded cut short (over its"
+    " --max-recorded-prompt-bytes): no whole prompt to train on"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +353,12 @@ def _rollout_examples(
         if span.is_error:
             if not is_gateway_llm(span):  # the transitions reported the failed calls with token ids
                 problems.append(Problem(rollout_id, CALL_FAILED, span.span_id))
+            continue
+        if (
+            semconv.INPUT_MESSAGES_ORIGINAL_BYTES in span.attributes
+            or semconv.TOOL_DEFINITIONS_ORIGINAL_BYTES in span.attributes
+        ):
+            problems.append(Problem(rollout_id, PROMPT_CUT, span.span_id))
             continue
         messages, response, tools = call_messages(span)
         if not messages:

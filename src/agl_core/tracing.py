@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any
@@ -297,25 +298,41 @@ def emit_error(
 
 
 def make_otlp_exporter(
-    endpoint: str | None = None, *, token: str | None = None, timeout_s: float = 10.0
+    endpoint: str | None = None,
+    *,
+    token: str | None = None,
+    timeout_s: float = 10.0,
+    spool_dir: str | os.PathLike[str] | None = None,
+    max_spool_bytes: int | None = None,
 ) -> SpanExporter:
     """An OTLP/HTTP protobuf span exporter aimed at the collector-store.
 
     ``endpoint`` is a store base URL or a full ``.../v1/traces`` URL. Without one, the standard
-    ``OTEL_EXPORTER_OTLP_*`` variables decide when set, and ``AGL_STORE_URL`` otherwise.
+    ``OTEL_EXPORTER_OTLP_*`` variables decide when set (the OpenTelemetry SDK's exporter then sends), and
+    ``AGL_STORE_URL`` otherwise. agl's exporter (:class:`~agl_core.spool.SpoolingSpanExporter`) keeps
+    spans the store has not acknowledged in a bounded spool and retries them, in memory or, with
+    ``spool_dir``, on disk; ``max_spool_bytes`` bounds it (default 256 MiB).
     """
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
     url: str | None
     if endpoint is not None:
         url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
     elif settings.otlp_env_configured():
-        url = None  # the exporter reads OTEL_EXPORTER_OTLP_* itself
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        token = settings.store_token(token)
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        return OTLPSpanExporter(headers=headers, timeout=timeout_s)  # it reads OTEL_EXPORTER_OTLP_* itself
     else:
         url = settings.store_url() + "/v1/traces"
-    token = settings.store_token(token)
-    headers = {"authorization": f"Bearer {token}"} if token else None
-    return OTLPSpanExporter(endpoint=url, headers=headers, timeout=timeout_s)
+    from .spool import DEFAULT_MAX_SPOOL_BYTES, SpoolingSpanExporter
+
+    return SpoolingSpanExporter(
+        url,
+        token=settings.store_token(token),
+        timeout_s=timeout_s,
+        spool_dir=spool_dir,
+        max_spool_bytes=DEFAULT_MAX_SPOOL_BYTES if max_spool_bytes is None else max_spool_bytes,
+    )
 
 
 class _SwitchableExporter(SpanExporter):

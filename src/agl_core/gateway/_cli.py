@@ -162,6 +162,29 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
         help="listen beyond localhost with no admin token: anyone who reaches the port can load a policy",
     )
     serve.add_argument(
+        "--spool-dir",
+        default=None,
+        metavar="DIR",
+        help="keep spans the store has not acknowledged in files here (sent when it is back, even after a"
+        " restart of the gateway); default: in memory",
+    )
+    serve.add_argument(
+        "--spool-max-mb",
+        type=_megabytes,
+        default=256.0,
+        metavar="MIB",
+        help="most span data waiting for the store; past it new spans are dropped, counted in /metrics and"
+        " logged (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-recorded-prompt-mb",
+        type=_megabytes,
+        default=1.0,
+        metavar="MIB",
+        help="most bytes of a call's input messages (and of its tool definitions) a span records; a longer"
+        " one is cut with a marker and its original size (default: %(default)s)",
+    )
+    serve.add_argument(
         "--vllm-arg",
         dest="vllm_args",
         action="append",
@@ -193,6 +216,16 @@ def _check(args: argparse.Namespace) -> None:
             f"--host {args.host} is reachable from other machines, and without an admin token anyone there"
             " could publish a policy (the backend loads the path they send); pass --admin-token TOKEN or set"
             " AGL_GATEWAY_ADMIN_TOKEN (or --insecure-no-admin-token to accept that)"
+        )
+    if args.spool_max_mb * 1024 * 1024 < 1024 * 1024:
+        raise _UsageError(f"--spool-max-mb must be at least 1 (MiB), got {args.spool_max_mb}")
+    if args.max_recorded_prompt_mb * 1024 * 1024 < 1024:
+        raise _UsageError(
+            f"--max-recorded-prompt-mb must be at least 0.001 (1 KiB), got {args.max_recorded_prompt_mb}"
+        )
+    if args.spool_dir is not None and Path(args.spool_dir).exists() and not Path(args.spool_dir).is_dir():
+        raise _UsageError(
+            f"--spool-dir {args.spool_dir} is a file; give a directory (it is created if missing)"
         )
     if args.backend == "openai":
         if not args.upstream:
@@ -304,12 +337,22 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     store = settings.store_url(args.store)
     token = settings.store_token(args.store_token)
     provider = TracerProvider(resource=Resource.create({"service.name": "agl-gateway"}))
+    exporter = make_otlp_exporter(
+        store, token=token, spool_dir=args.spool_dir, max_spool_bytes=int(args.spool_max_mb * 1024 * 1024)
+    )
+    # A queue of 16,384 spans: while the spool is being filled the processor's queue must not overflow.
     provider.add_span_processor(
-        BatchSpanProcessor(make_otlp_exporter(store, token=token), schedule_delay_millis=200)
+        BatchSpanProcessor(exporter, schedule_delay_millis=200, max_queue_size=16_384)
     )
     capture = Capture(store, token=token) if args.capture else None
     app = create_gateway_app(
-        backend, tracer_provider=provider, renderer=renderer, admin_token=args.admin_token, capture=capture
+        backend,
+        tracer_provider=provider,
+        renderer=renderer,
+        admin_token=args.admin_token,
+        capture=capture,
+        span_exporter=exporter,
+        max_recorded_prompt_bytes=int(args.max_recorded_prompt_mb * 1024 * 1024),
     )
     print(
         f"agl gateway: http://{args.host}:{args.port}/v1 serving {', '.join(backend.model_names)!s}"

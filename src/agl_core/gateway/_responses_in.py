@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from ._schema import RequestError, _Function
+from ._schema import RequestError, _Function, check_tool_count, check_tools
 from .backend import ChatRequest
 
 __all__ = ["Messages", "ResponsesIn", "ResponsesRequest", "parse_responses"]
@@ -193,6 +193,7 @@ def _tools(raw: Sequence[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any
     """``(tools in the internal OpenAI-chat shape, tools as the response echoes them)``."""
     internal: list[dict[str, Any]] = []
     echo: list[dict[str, Any]] = []
+    check_tool_count(len(raw))
     for i, tool in enumerate(raw):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
@@ -211,12 +212,7 @@ def _tools(raw: Sequence[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any
         function = fn.model_dump(include={"name", "description", "parameters", "strict"}, exclude_none=True)
         internal.append({"type": "function", "function": function})
         echo.append({"type": "function", **function})
-    names = [t["function"]["name"] for t in internal]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise RequestError(
-            f"tools: each function name must be unique; repeated: {', '.join(repeated)}", "tools"
-        )
+    check_tools([t["function"]["name"] for t in internal])
     return internal, echo
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pydantic
@@ -146,6 +148,27 @@ def _sampling(body: _Common) -> dict[str, Any]:
     }
 
 
+#: The most tools one request may offer (OpenAI's limit: a client written for it never sends more).
+MAX_TOOLS = 128
+
+
+def check_tool_count(count: int) -> None:
+    """:class:`RequestError` when a request offers more than :data:`MAX_TOOLS` tools."""
+    if count > MAX_TOOLS:
+        raise RequestError(f"tools: at most {MAX_TOOLS} tools per request, got {count}", "tools")
+
+
+def check_tools(names: Sequence[str], word: str = "function") -> None:
+    """:class:`RequestError` when there are more than :data:`MAX_TOOLS` tools or a name repeats."""
+    check_tool_count(len(names))
+    counts = collections.Counter(names)
+    repeated = sorted(n for n, c in counts.items() if c > 1)
+    if repeated:
+        raise RequestError(
+            f"tools: each {word} name must be unique; repeated: {', '.join(repeated)}", "tools"
+        )
+
+
 def parse_chat(raw: bytes) -> tuple[ChatIn, ChatRequest]:
     """Validate a ``/v1/chat/completions`` body.
 
@@ -153,12 +176,7 @@ def parse_chat(raw: bytes) -> tuple[ChatIn, ChatRequest]:
     body = ChatIn.model_validate_json(raw)
     messages = [m.flat() for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    names = [t["function"]["name"] for t in tools or ()]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise RequestError(
-            f"tools: each function name must be unique; repeated: {', '.join(repeated)}", "tools"
-        )
+    check_tools([t["function"]["name"] for t in tools or ()])
     choice = body.tool_choice
     if isinstance(choice, dict):
         name = (

@@ -39,7 +39,7 @@ import pydantic
 from starlette.responses import JSONResponse, Response
 
 from ._door import CallView, DoorError, FrontDoor, session_hint, sse, token_usage
-from ._schema import RequestError, _Function
+from ._schema import RequestError, _Function, check_tool_count, check_tools
 from .backend import ChatRequest, ChoiceDelta, Completion, ToolChoice
 
 __all__ = [
@@ -229,6 +229,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
     out: list[dict[str, Any]] = []
+    check_tool_count(len(tools))
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind not in (None, "custom"):
@@ -253,10 +254,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
             message = str(err["msg"]).removeprefix("Value error, ").replace("parameters", "input_schema")
             raise RequestError(f"tools.{i}.{field}: {message}", f"tools.{i}.{field}") from None
         out.append({"type": "function", "function": function.model_dump(exclude_none=True)})
-    names = [t["function"]["name"] for t in out]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise RequestError(f"tools: each tool name must be unique; repeated: {', '.join(repeated)}", "tools")
+    check_tools([t["function"]["name"] for t in out], "tool")
     return out
 
 

@@ -208,7 +208,14 @@ class _Call:
         if self.session_id is not None:
             attrs[semconv.SESSION_ID] = self.session_id
         messages = chat.messages if chat.is_chat else [{"role": "user", "content": chat.prompt}]
-        attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(list(messages), ensure_ascii=False)
+        bound = self.app.max_recorded_prompt_bytes
+        _record_bounded(
+            attrs,
+            semconv.GEN_AI_INPUT_MESSAGES,
+            semconv.INPUT_MESSAGES_ORIGINAL_BYTES,
+            json.dumps(list(messages), ensure_ascii=False),
+            bound,
+        )
         if chat.max_tokens:
             attrs[semconv.GEN_AI_REQUEST_MAX_TOKENS] = chat.max_tokens
         if chat.n != 1:
@@ -218,7 +225,13 @@ class _Call:
         if chat.stop:
             attrs[semconv.GEN_AI_REQUEST_STOP_SEQUENCES] = list(chat.stop)
         if chat.tools:
-            attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = json.dumps(list(chat.tools), ensure_ascii=False)
+            _record_bounded(
+                attrs,
+                semconv.GEN_AI_TOOL_DEFINITIONS,
+                semconv.TOOL_DEFINITIONS_ORIGINAL_BYTES,
+                json.dumps(list(chat.tools), ensure_ascii=False),
+                bound,
+            )
         return attrs
 
     def _span(self, attrs: dict[str, Any]) -> trace.Span:
@@ -310,6 +323,25 @@ def _tool_call_check(result: Completion, chat: ChatRequest) -> dict[str, Any]:
     return attrs
 
 
+#: Request bodies over this many bytes are parsed off the event loop (``/health`` keeps answering).
+_PARSE_OFF_LOOP_BYTES = 256 * 1024
+#: Bytes of a call's input messages (and of its tool definitions) a span records by default.
+DEFAULT_MAX_RECORDED_PROMPT_BYTES = 1024 * 1024
+TRUNCATION_MARKER = "…[cut by agl: {size} bytes recorded of {original}]"
+
+
+def _record_bounded(attrs: dict[str, Any], key: str, size_key: str, text: str, bound: int) -> None:
+    """``attrs[key] = text``, cut to ``bound`` UTF-8 bytes with a marker (and the original size under
+    ``size_key``) when longer: one caller's huge prompt must not make its spans too large to store."""
+    encoded = text.encode("utf-8")
+    if len(encoded) <= bound:
+        attrs[key] = text
+        return
+    kept = encoded[:bound].decode("utf-8", errors="ignore")
+    attrs[key] = kept + TRUNCATION_MARKER.format(size=len(kept.encode("utf-8")), original=len(encoded))
+    attrs[size_key] = len(encoded)
+
+
 class _Gateway:
     def __init__(
         self,
@@ -320,6 +352,10 @@ class _Gateway:
         admin_token: str | None,
         capture: Capture | None = None,
     ) -> None:
+        #: Objects with ``metric_rows()`` whose rows ``/metrics`` shows too (the span spool).
+        self.metric_sources: tuple[Any, ...] = ()
+        #: The most bytes of a call's input messages (or tool definitions) a span records.
+        self.max_recorded_prompt_bytes = DEFAULT_MAX_RECORDED_PROMPT_BYTES
         self.backend = backend
         self.tracer = tracer
         self.renderer = renderer
@@ -370,7 +406,7 @@ class _Gateway:
     async def metrics_text(self, request: Request) -> Response:
         if not self._authorised(request):
             return openai_error(401, _NO_TOKEN, "authentication_error")
-        text = self.metrics.render(self.capture, self.backend)
+        text = self.metrics.render(self.capture, self.backend, *self.metric_sources)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
@@ -432,7 +468,10 @@ class _Gateway:
         except _TooLarge as exc:
             return self._done(endpoint, door.error(413, str(exc), "invalid_request_error"))
         try:
-            model, chat = door.parse(raw)
+            if len(raw) > _PARSE_OFF_LOOP_BYTES:  # a heavy body is parsed on a worker thread
+                model, chat = await asyncio.to_thread(door.parse, raw)
+            else:
+                model, chat = door.parse(raw)
         except pydantic.ValidationError as exc:
             return self._done(endpoint, door.invalid(exc))
         except RequestError as exc:
@@ -479,10 +518,25 @@ class _Gateway:
                 first = await events.__anext__()
                 call.saw_event()
                 return _SSEResponse(_EventStream(self, call, events, first))
-            async for event in events:
-                call.saw_event()
-                if isinstance(event, Completion):
-                    call.completions.append(event)
+            with anyio.CancelScope() as scope:
+                # stop generating when the client goes away: nobody waits for the answer any more
+                watcher = asyncio.ensure_future(_cancel_when_gone(request, scope))
+                try:
+                    async for event in events:
+                        call.saw_event()
+                        if isinstance(event, Completion):
+                            call.completions.append(event)
+                finally:
+                    watcher.cancel()
+            gone = scope.cancelled_caught
+            if gone:
+                with anyio.CancelScope(shield=True):
+                    await _aclose(events)
+                    metrics.inflight -= 1
+                    metrics.client_disconnects += 1
+                    call.completions.clear()
+                    await call.record(("client_disconnected", "the client went away before the answer"))
+                return self._done(endpoint, Response(status_code=499))
         except StopAsyncIteration:
             pass
         except BackendError as exc:
@@ -510,6 +564,15 @@ class _Gateway:
     def _done(self, endpoint: str, response: Response) -> Response:
         self.metrics.request_done(endpoint, response.status_code)
         return response
+
+
+async def _cancel_when_gone(request: Request, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` once the client of ``request`` (whose body was read) has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
 
 
 class _EventStream:
@@ -679,6 +742,8 @@ def create_gateway_app(
     admin_token: str | None = None,
     capture: Capture | None = None,
     client_token: str | None = None,
+    span_exporter: Any = None,
+    max_recorded_prompt_bytes: int = DEFAULT_MAX_RECORDED_PROMPT_BYTES,
 ) -> Starlette:
     """The ASGI app of the gateway in front of ``backend``; spans go through ``tracer_provider``.
 
@@ -688,11 +753,20 @@ def create_gateway_app(
     name no rollout join the rollout of their session, registered in the store (:mod:`.capture`); the
     caller closes it. ``client_token``, when set, is required of every model request and of ``/metrics``
     (``Authorization: Bearer TOKEN``, as OpenAI clients send their API key, or ``x-api-key: TOKEN``, as
-    Anthropic's do): a gateway reachable from other machines needs one.
+    Anthropic's do): a gateway reachable from other machines needs one. ``span_exporter``: the exporter
+    behind ``tracer_provider``, whose counters (``metric_rows()``: spans sent, queued, dropped) ``/metrics``
+    shows. A call's input messages and tool definitions are recorded up to ``max_recorded_prompt_bytes``
+    bytes each (UTF-8 JSON); a longer one is cut there, ends with a marker and its span carries the original
+    size (:data:`~agl_core.semconv.INPUT_MESSAGES_ORIGINAL_BYTES`, ``TOOL_DEFINITIONS_ORIGINAL_BYTES``).
     """
+    if max_recorded_prompt_bytes < 1024:
+        raise ValueError(f"max_recorded_prompt_bytes must be at least 1024, got {max_recorded_prompt_bytes}")
     gateway = _Gateway(
         backend, get_tracer(tracer_provider), renderer, metrics or GatewayMetrics(), admin_token, capture
     )
+    gateway.max_recorded_prompt_bytes = max_recorded_prompt_bytes
+    if span_exporter is not None and hasattr(span_exporter, "metric_rows"):
+        gateway.metric_sources = (span_exporter,)
     if client_token is not None:
         if not client_token:
             raise ValueError("client_token may not be empty")

@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,10 +69,15 @@ class CapturedSession:
     metadata: Mapping[str, str]
 
 
+#: Unicode categories a session id may not hold: format characters (bidirectional overrides, zero-width
+#: characters) and line / paragraph separators.
+_INVISIBLE = frozenset({"Cf", "Zl", "Zp"})
+
+
 def check_session_id(value: object, field: str) -> str:
     """``value`` when it can name a session, else :class:`RequestError` naming ``field``: a string of 1 to
-    :data:`SESSION_ID_MAX_LENGTH` characters without control characters (C0, DEL, C1) or lone surrogates
-    (which no span can carry)."""
+    :data:`SESSION_ID_MAX_LENGTH` characters without control characters (C0, DEL, C1), lone surrogates
+    (which no span can carry), format characters (U+202E, zero-width ones) or line separators (U+2028)."""
     if not isinstance(value, str):
         raise RequestError(f"{field} must be a string naming the session, got {type(value).__name__}", field)
     problem = None
@@ -83,6 +89,11 @@ def check_session_id(value: object, field: str) -> str:
         problem = "it contains a control character"
     elif any(0xD800 <= ord(c) < 0xE000 for c in value):
         problem = "it contains a lone surrogate (not valid Unicode text)"
+    elif (odd := next((c for c in value if unicodedata.category(c) in _INVISIBLE), None)) is not None:
+        problem = (
+            f"it contains U+{ord(odd):04X}, an invisible, line-breaking or direction-changing character"
+            " (a session id shown in logs and the dashboard must read as what it is)"
+        )
     if problem is not None:
         raise RequestError(f"{field} cannot name a session: {problem}", field)
     return value

@@ -60,11 +60,11 @@ class GatewayMetrics:
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
 
-    def render(self, capture: Any = None, backend: Any = None) -> str:
+    def render(self, capture: Any = None, backend: Any = None, *sources: Any) -> str:
         """The counters in the Prometheus text format; with ``capture`` (production capture), its
         sessions registered as rollouts, waiting to be and dropped as well; with a ``backend`` that has
         ``metric_rows()`` (the transformers backend: its prefix cache, prefill and decoding), those rows
-        ``(name, kind, help, value)`` too."""
+        ``(name, kind, help, value)`` too, and those of every other source (the span spool)."""
         lines = [
             "# HELP agl_gateway_requests_total Requests answered, by endpoint and HTTP status.",
             "# TYPE agl_gateway_requests_total counter",
@@ -88,7 +88,8 @@ class GatewayMetrics:
             (
                 "agl_gateway_client_disconnects_total",
                 "counter",
-                "Streams whose client went away before the end.",
+                "Calls whose client went away before the answer ended (streamed or not); their generation"
+                " is stopped.",
                 self.client_disconnects,
             ),
             (
@@ -106,6 +107,7 @@ class GatewayMetrics:
             ("agl_gateway_inflight_requests", "gauge", "Requests being served now.", self.inflight),
             *(() if capture is None else _capture_rows(self.captured_calls, capture)),
             *_backend_rows(backend),
+            *(row for source in sources for row in _backend_rows(source)),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,8 @@ __all__ = ["ResponseLog", "ResponsesDoor"]
 
 #: The rollout attempt a response was served to: ``(rollout id, attempt id)``; ``(None, None)`` for none.
 Scope = tuple[str | None, str | None]
+#: Bytes of conversation a :class:`ResponseLog` keeps by default.
+DEFAULT_LOG_BYTES = 256 * 1024 * 1024
 
 
 class ResponseLog:
@@ -37,32 +40,57 @@ class ResponseLog:
     An entry holds the internal messages a response continued (its instructions excluded, as the Responses
     API does not carry them over) followed by the assistant turn it produced. Entries are kept per rollout
     attempt: a response id is found only by a request attributed to the same rollout and attempt (or, for
-    a response attributed to none, by a request attributed to none). At most ``capacity`` entries are
-    kept; the least recently used go first. Used from the gateway's event loop only (no locking).
+    a response attributed to none, by a request attributed to none). At most ``capacity`` entries and
+    ``max_bytes`` bytes of conversation (as UTF-8 JSON) are kept; the least recently used go first, and a
+    conversation over ``max_bytes`` on its own is not kept (continuing it is answered as an unknown
+    ``previous_response_id``). Thread-safe (requests may be parsed off the event loop).
     """
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, *, max_bytes: int = DEFAULT_LOG_BYTES) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.capacity = capacity
-        self._entries: collections.OrderedDict[tuple[Scope, str], Messages] = collections.OrderedDict()
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[tuple[Scope, str], tuple[Messages, int]] = (
+            collections.OrderedDict()
+        )
+        self._bytes = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def bytes(self) -> int:
+        """Bytes of the conversations kept (UTF-8 JSON)."""
+        return self._bytes
+
     def get(self, scope: Scope, response_id: str) -> Messages | None:
         """The conversation of ``response_id`` as served to ``scope``, or ``None``."""
         key = (scope, response_id)
-        found = self._entries.get(key)
-        if found is not None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                return None
             self._entries.move_to_end(key)
-        return found
+            return found[0]
 
     def put(self, scope: Scope, response_id: str, conversation: Messages) -> None:
-        self._entries[(scope, response_id)] = conversation
-        self._entries.move_to_end((scope, response_id))
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        size = len(json.dumps(list(conversation), ensure_ascii=False, default=str).encode("utf-8"))
+        key = (scope, response_id)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            if size > self.max_bytes:
+                return
+            self._entries[key] = (conversation, size)
+            self._bytes += size
+            while len(self._entries) > self.capacity or self._bytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
 
 
 def _assistant_turn(result: Completion) -> dict[str, Any]:
