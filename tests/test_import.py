@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from agl_core import semconv
 from agl_core.cli import main
 from agl_core.importer import _run, import_traces, session_rollout_id
+from agl_core.importer._files import MAX_RECORD_BYTES
 from agl_core.records import RolloutStatus
 from agl_core.store import SqliteStore
 from agl_core.store.redact import parse_rules
@@ -883,3 +884,103 @@ def test_progress_goes_to_a_terminal_only(tmp_path):
         timeout=60,
     )
     assert done.returncode == 0 and done.stderr == ""
+
+
+# --- decompression and size bombs (hardening, round three) -----------------------------------------------
+def _child_peak_rss_mib(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``agl`` with ``argv`` in a child process of its own: its result and its peak RSS in MiB."""
+    script = (
+        "import resource, subprocess, sys;"
+        "r = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
+        "sys.stdout.write(r.stdout); sys.stderr.write(r.stderr);"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr);"
+        "sys.exit(r.returncode)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, sys.executable, "-m", "agl_core.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    *_, peak = done.stderr.strip().splitlines()
+    return done, int(peak) / 1024
+
+
+def _gzip_stream(path: Path, parts: Iterator[bytes]) -> Path:
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        for part in parts:
+            f.write(part)
+    return path
+
+
+def test_a_gzipped_line_of_300_mb_is_skipped_in_bounded_memory(tmp_path):
+    """A small .gz holding one 300 MB JSON line between two good ones (it once cost 3x its size in
+    memory): the line is reported and skipped, never held, the good lines are imported."""
+    good_a, good_b = json_line(_record(_agent_run("ro-a"))), json_line(_record(_agent_run("ro-b")))
+    chunk = b"x" * (1 << 20)
+    path = _gzip_stream(
+        tmp_path / "bomb.jsonl.gz",
+        iter([good_a, b'{"resourceSpans": [], "pad": "', *([chunk] * 300), b'"}\n', good_b]),
+    )
+    assert path.stat().st_size < 2 * 1024 * 1024
+    done, peak = _child_peak_rss_mib(["import", str(path), "--store", str(tmp_path / "s.sqlite")])
+    assert done.returncode == 1, done.stderr
+    assert f"{path}: line 2: longer than {MAX_RECORD_BYTES} bytes" in done.stderr
+    assert "imported 6 spans" in done.stdout
+    assert peak < 600, f"peak RSS {peak:.0f} MiB"
+    with _open(tmp_path / "s.sqlite") as store:
+        assert _rollout_ids(store) == ["ro-a", "ro-b"]
+
+
+def test_a_zstd_message_decompressing_past_the_bound_is_skipped(tmp_path):
+    import zstandard
+
+    # one protobuf message (field 1, a 100 MB resourceSpans) in a few KB of zstd
+    size = 100 * 1024 * 1024
+    head = b"\x0a" + _varint(size)
+    compressor = zstandard.ZstdCompressor(level=3)
+    path = tmp_path / "bomb.pb.zst"
+    with path.open("wb") as f, compressor.stream_writer(f) as writer:
+        writer.write(head)
+        for _ in range(100):
+            writer.write(b"\x00" * (1 << 20))
+    done, peak = _child_peak_rss_mib(["import", str(path), "--store", str(tmp_path / "s.sqlite")])
+    assert done.returncode == 1, done.stderr
+    assert f"decompresses to one protobuf message of more than {MAX_RECORD_BYTES} bytes" in done.stderr
+    assert peak < 600, f"peak RSS {peak:.0f} MiB"
+
+
+def test_a_zstd_file_of_zeros_stops_at_the_first_empty_length_prefix(tmp_path, capsys):
+    """8 KB of zstd holding 256 MB of zeros once ran for minutes as 64 million empty records."""
+    import zstandard
+
+    path = tmp_path / "zeros.pb.zst"
+    with path.open("wb") as f, zstandard.ZstdCompressor().stream_writer(f) as writer:
+        for _ in range(256):
+            writer.write(b"\x00" * (1 << 20))
+    assert path.stat().st_size < 64 * 1024
+    assert main(["import", str(path), "--store", str(tmp_path / "s.sqlite")]) == 1
+    assert "record 0 (byte 0): a length prefix of 0 bytes" in capsys.readouterr().err
+
+
+def test_a_truncated_gzip_with_no_whole_record_reports_the_cut_and_exits_1(
+    tmp_path, served_store, capsys, monkeypatch
+):
+    """Into a running store: nothing whole before the cut, so no rollout to record; exit 1 naming the
+    truncation (it was exit 2 with the store's 400 for an empty list of rollouts)."""
+    url, _ = served_store
+    monkeypatch.setenv("AGL_STORE_TOKEN", "s3cret")
+    data = gzip.compress(json_line(_record(_agent_run("ro-1"))))
+    path = _write(tmp_path / "cut.jsonl.gz", data[: len(data) // 2])
+    assert main(["import", str(path), "--store", url]) == 1
+    err = capsys.readouterr().err
+    assert "the gzip data is truncated or corrupt" in err and "HTTP 400" not in err
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)

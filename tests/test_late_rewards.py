@@ -607,3 +607,27 @@ def test_late_rewards_give_the_same_transitions_credit_and_advantages_as_rewards
         (EXPLICIT, 1, STYLE_REWARD, "style"),
     ]
     assert advantages[0][1] > 0 > advantages[2][1]
+
+
+def test_agl_reward_file_skips_a_nesting_bomb_and_an_overlong_line_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "cli.sqlite"
+    store = SqliteStore(path)
+    for i in range(3):
+        _rollout(store, f"ro-{i}")
+    store.close()
+    feedback = tmp_path / "feedback.jsonl"
+    feedback.write_text(
+        '{"rollout_id": "ro-0", "value": 1}\n'
+        + "[" * 100_000
+        + "\n"
+        + '{"rollout_id": "ro-1", "value": 1, "source": "'
+        + "s" * 2_000_000
+        + '"}\n'
+        + '{"rollout_id": "ro-2", "value": 0.5}\n'
+    )
+    result = _cli("--file", str(feedback), "--store", str(path))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"{feedback}:2: not JSON this reader takes: nested too deeply" in result.stderr
+    assert f"{feedback}:3: longer than 1048576 characters" in result.stderr
+    assert result.stdout.startswith("attached 2 reward(s)") and "skipped 2 line(s)" in result.stdout

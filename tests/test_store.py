@@ -317,3 +317,29 @@ def test_new_sqlite_files_get_large_pages_and_old_ones_keep_theirs(tmp_path):
     finally:
         new.close()
         old.close()
+
+
+def test_a_span_query_page_is_bounded_by_bytes_and_the_client_pages_on(store, monkeypatch):
+    """With 6 MB of spans stored, a page holds at most QUERY_PAGE_BYTES (here 1 MB) of them and says
+    there is more; the client reads on to its limit, every span once, in order."""
+    from agl_core.store import server as store_server_module
+    from agl_core.testing import Collector
+
+    from .conftest import make_span
+
+    monkeypatch.setattr(store_server_module, "QUERY_PAGE_BYTES", 1_000_000)
+    spans = [make_span(f"s{i}", {"blob": f"{i:04d}" + "b" * 200_000}, trace_id="ab" * 16) for i in range(30)]
+    store.add_spans(spans)
+    page, more = store.span_page(limit=1000, max_bytes=1_000_000)
+    assert more and 1 <= len(page) <= 5
+    one, more_one = store.span_page(limit=1000, max_bytes=10)  # one span over the bound still comes
+    assert len(one) == 1 and more_one
+    everything, more_all = store.span_page(limit=1000)
+    assert len(everything) == 30 and not more_all
+    with Collector(store) as collector:
+        raw = httpx.post(collector.url + "/api/spans/query", json={"limit": 1000}).json()
+        assert raw["more"] is True and len(raw["spans"]) < 30
+        got = collector.client.query_spans(limit=1000)
+        assert [s.name for s in got] == [f"s{i}" for i in range(30)]
+        assert len(collector.client.query_spans(limit=7)) == 7
+        assert len(collector.client.all_spans([])) == 0

@@ -32,18 +32,46 @@ def _content_id(fields: dict[str, Any]) -> str:
     return "file-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
+#: The longest line read as a reward; a longer one is reported and skipped, never held whole.
+MAX_LINE_CHARS = 1024 * 1024
+
+
+def _bounded_lines(stream: IO[str]) -> Iterator[tuple[int, str | None]]:
+    """``(line number, line)``, with ``None`` for a line over :data:`MAX_LINE_CHARS` (its rest skipped)."""
+    number = 0
+    while True:
+        line = stream.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_LINE_CHARS:
+            while not line.endswith("\n"):
+                line = stream.readline(MAX_LINE_CHARS)
+                if not line:
+                    break
+            yield number, None
+            continue
+        yield number, line
+
+
 def read_reward_lines(
     stream: IO[str], *, name: str, source: str
 ) -> Iterator[tuple[int, Reward | None, str | None]]:
     """``(line number, reward, None)`` for each good line and ``(line number, None, why)`` for each bad
     one; blank lines are skipped. ``name`` and ``source`` are the defaults of lines without them."""
-    for number, line in enumerate(stream, start=1):
+    for number, line in _bounded_lines(stream):
+        if line is None:
+            yield number, None, f"longer than {MAX_LINE_CHARS} characters (a reward line is a small object)"
+            continue
         if not line.strip():
             continue
         try:
             fields = json.loads(line)
         except json.JSONDecodeError as exc:
             yield number, None, f"not JSON ({exc.msg} at column {exc.colno})"
+            continue
+        except RecursionError:
+            yield number, None, "not JSON this reader takes: nested too deeply"
             continue
         if not isinstance(fields, dict):
             yield number, None, f"a JSON {type(fields).__name__}, not an object"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import io
-import itertools
 import json
 import mmap
 import stat
@@ -30,13 +29,15 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
-__all__ = ["FORMATS", "BadRecord", "Record", "TraceFile", "split_request"]
+__all__ = ["FORMATS", "MAX_RECORD_BYTES", "BadRecord", "Record", "TraceFile", "split_request"]
 
 FORMATS = ("auto", "otlp-json", "otlp-proto")
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-#: A length prefix above this is taken for corruption (no exporter writes one message this large).
-_MAX_RECORD_BYTES = 256 * 1024 * 1024
+#: The largest record read: a JSON line, a length-prefixed message, a compressed file's single message
+#: (decompressed). A larger one is reported and skipped without being held (no exporter writes one:
+#: the store itself takes at most 32 MiB per request).
+MAX_RECORD_BYTES = 64 * 1024 * 1024
 #: A JSON file whose first line is not a whole object is tried as one document up to this size.
 _MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
 #: Spans per record when a large bare protobuf file is split (the store takes at most 100,000 per export).
@@ -209,30 +210,81 @@ class _ZstdFrames(io.RawIOBase):
             self._in_frame = False
 
 
+def _bounded_lines(stream: Any, start: int = 1) -> Iterator[tuple[int, bytes | None]]:
+    """``(line number, line)`` of ``stream``; ``None`` for a line over :data:`MAX_RECORD_BYTES`, whose
+    rest is read through in bounded pieces, never held."""
+    number = start - 1
+    while True:
+        line = stream.readline(MAX_RECORD_BYTES + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_RECORD_BYTES:
+            while not line.endswith(b"\n"):
+                line = stream.readline(1 << 20)
+                if not line:
+                    break
+            yield number, None
+            continue
+        yield number, line
+
+
+def _too_long(number: int) -> BadRecord:
+    return BadRecord(
+        f"line {number}", f"longer than {MAX_RECORD_BYTES} bytes, more than this reader takes; skipped"
+    )
+
+
 def _json_records(stream: io.BufferedReader) -> Iterator[Record | BadRecord]:
-    lines: Iterator[bytes] = iter(stream)
-    first = True
-    for number, line in enumerate(lines, 1):
+    lines: Any = stream
+    number = 0
+    for number, line in _bounded_lines(stream):
+        if line is None:
+            yield _too_long(number)
+            continue
         text = line.strip()
         if not text:
             continue
-        if first:
-            first = False
-            if not _is_object(text):
-                # a pretty-printed document, or a bad first line: look at what follows, within a bound
-                rest = stream.read(_MAX_DOCUMENT_BYTES + 1)
-                document = text + b"\n" + rest
-                if len(rest) <= _MAX_DOCUMENT_BYTES and _is_object(document):
-                    yield Record(document, True, f"line {number} (one JSON document)")
-                    return
-                rest += stream.readline()  # up to the end of the line the bounded read stopped in
-                lines = itertools.chain(io.BytesIO(rest), stream)
-                yield Record(text, True, f"line {number}")
-                for later, line in enumerate(lines, number + 1):
-                    if line.strip():
-                        yield Record(line.strip(), True, f"line {later}")
+        if not _is_object(text):
+            # a pretty-printed document, or a bad first line: look at what follows, within a bound
+            rest = stream.read(_MAX_DOCUMENT_BYTES + 1)
+            document = text + b"\n" + rest
+            if len(rest) <= _MAX_DOCUMENT_BYTES and _is_object(document):
+                yield Record(document, True, f"line {number} (one JSON document)")
                 return
+            lines = _Prepend(rest, stream)
         yield Record(text, True, f"line {number}")
+        break
+    for later, line in _bounded_lines(lines, number + 1):
+        if line is None:
+            yield _too_long(later)
+        elif line.strip():
+            yield Record(line.strip(), True, f"line {later}")
+
+
+class _Prepend(io.RawIOBase):
+    """``head`` then the rest of ``stream``, as one readable stream."""
+
+    def __init__(self, head: bytes, stream: io.BufferedReader) -> None:
+        self._head = memoryview(head)
+        self._stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> bytes:
+        limit = -1 if size is None else size
+        if self._head.nbytes:
+            cut = bytes(self._head[: limit if limit >= 0 else None])
+            newline = cut.find(b"\n")
+            if newline >= 0:
+                cut = cut[: newline + 1]
+            self._head = self._head[len(cut) :]
+            if cut.endswith(b"\n") or (limit >= 0 and len(cut) >= limit):
+                return cut
+            more = self._stream.readline(limit - len(cut) if limit >= 0 else -1)
+            return cut + more
+        return self._stream.readline(limit)
 
 
 def _is_object(text: bytes) -> bool:
@@ -256,11 +308,13 @@ def _prefixed_records(stream: io.BufferedReader, limit: int | None) -> Iterator[
             yield BadRecord(where, f"the file ends inside a length prefix ({len(header)} of 4 bytes)")
             return
         size = int.from_bytes(header, "big")
-        if size > _MAX_RECORD_BYTES:
+        if size > MAX_RECORD_BYTES or size == 0:
             yield BadRecord(
                 where,
-                f"a length prefix of {size} bytes: this is not a length-prefixed OTLP protobuf file, or it is"
-                " corrupt here; the rest of the file is skipped",
+                f"a length prefix of {size} bytes"
+                + (f" (records are read up to {MAX_RECORD_BYTES})" if size else "")
+                + ": this is not a length-prefixed OTLP protobuf file, or it is corrupt here; the rest of"
+                " the file is skipped",
             )
             return
         body = stream.read(size)
@@ -282,7 +336,17 @@ def _prefixed_records(stream: io.BufferedReader, limit: int | None) -> Iterator[
 
 
 def _bare_records(stream: io.BufferedReader, limit: int) -> Iterator[Record | BadRecord]:
-    body = stream.read(limit)
+    if limit < 0:  # compressed: what it decompresses to is bounded, not the file
+        body = stream.read(MAX_RECORD_BYTES + 1)
+        if len(body) > MAX_RECORD_BYTES:
+            yield BadRecord(
+                "the file",
+                f"it decompresses to one protobuf message of more than {MAX_RECORD_BYTES} bytes, more than"
+                " this reader takes; skipped (export in smaller batches, or as length-prefixed records)",
+            )
+            return
+    else:
+        body = stream.read(limit)
     try:
         request = ExportTraceServiceRequest.FromString(body)
     except (DecodeError, RuntimeError, ValueError) as exc:

@@ -373,11 +373,36 @@ class SqlStore(Generic[_C]):
         after_seq: int = 0,
         limit: int = 10_000,
     ) -> list[Span]:
+        return self.span_page(
+            rollout_ids=rollout_ids,
+            attempt_id=attempt_id,
+            trace_id=trace_id,
+            start_after_ns=start_after_ns,
+            start_before_ns=start_before_ns,
+            after_seq=after_seq,
+            limit=limit,
+        )[0]
+
+    def span_page(
+        self,
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        attempt_id: str | None = None,
+        trace_id: str | None = None,
+        start_after_ns: int | None = None,
+        start_before_ns: int | None = None,
+        after_seq: int = 0,
+        limit: int = 10_000,
+        max_bytes: int | None = None,
+    ) -> tuple[list[Span], bool]:
+        """:meth:`query_spans` holding at most ``max_bytes`` of stored span data (always at least one span),
+        and whether it stopped short of ``limit`` for that (more spans follow the last one's ``seq``).
+        The sizes are read first, without the spans, so a page never loads more than its bound."""
         where = ["seq > ?"]
         args: list[Any] = [after_seq]
         if rollout_ids is not None:
             if not rollout_ids:
-                return []
+                return [], False
             clause, values = self._in("rollout_id", list(rollout_ids))
             where.append(clause)
             args.extend(values)
@@ -397,11 +422,25 @@ class SqlStore(Generic[_C]):
         if start_before_ns is not None:
             where.append("start_ns < ?")
             args.append(start_before_ns)
-        args.append(limit)
+        cut = False
+        if max_bytes is not None:
+            sizes = self._read(
+                f"SELECT seq, length(body) FROM spans WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?",
+                [*args, limit],
+            )
+            total = 0
+            for n, (seq, size) in enumerate(sizes):
+                total += int(size or 0)
+                if total > max_bytes and n > 0:
+                    where.append("seq < ?")
+                    args.append(seq)
+                    cut = True
+                    break
         rows = self._read(
-            f"SELECT seq, scope_key, body FROM spans WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?", args
+            f"SELECT seq, scope_key, body FROM spans WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?",
+            [*args, limit],
         )
-        return [row_to_span(seq, bytes(body), self._resource(bytes(key))) for seq, key, body in rows]
+        return [row_to_span(seq, bytes(body), self._resource(bytes(key))) for seq, key, body in rows], cut
 
     # --- rollouts ------------------------------------------------------------------------------------
     def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:

@@ -58,7 +58,7 @@ def _span_query(
     start_before_ns: int | None,
     after_seq: int,
     limit: int,
-) -> _Call[list[Span]]:
+) -> _Call[tuple[list[Span], bool]]:
     body: dict[str, Any] = {"after_seq": after_seq, "limit": limit}
     for key, value in (
         ("rollout_ids", None if rollout_ids is None else list(rollout_ids)),
@@ -69,7 +69,12 @@ def _span_query(
     ):
         if value is not None:
             body[key] = value
-    return _Call("POST", "/api/spans/query", body, lambda d: [_wire.span_from_json(s) for s in d["spans"]])
+    return _Call(
+        "POST",
+        "/api/spans/query",
+        body,
+        lambda d: ([_wire.span_from_json(s) for s in d["spans"]], bool(d.get("more"))),
+    )
 
 
 def _enqueue(requests: Iterable[RolloutRequest]) -> _Call[list[Rollout]]:
@@ -191,9 +196,25 @@ class StoreClient:
         after_seq: int = 0,
         limit: int = 10_000,
     ) -> list[Span]:
-        return self._run(
-            _span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit)
-        )
+        """Up to ``limit`` spans after ``after_seq``; where the store cut a page by bytes
+        (``QUERY_PAGE_BYTES``), the next pages are fetched until ``limit`` is reached."""
+        out: list[Span] = []
+        while True:
+            spans, more = self._run(
+                _span_query(
+                    rollout_ids,
+                    attempt_id,
+                    trace_id,
+                    start_after_ns,
+                    start_before_ns,
+                    after_seq,
+                    limit - len(out),
+                )
+            )
+            out.extend(spans)
+            if not more or not spans or len(out) >= limit:
+                return out
+            after_seq = spans[-1].seq or after_seq
 
     def all_spans(self, rollout_ids: Sequence[str], *, page: int = 10_000) -> list[Span]:
         """Every span of the given rollouts, paging through the store (and through the ids, at most
@@ -213,8 +234,10 @@ class StoreClient:
         return [r for part in _chunks(list(requests)) for r in self._run(_enqueue(part))]
 
     def add_observed_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
-        """Record finished rollouts that ran outside the queue (see ``Store.add_observed_rollouts``)."""
-        return [r for part in _chunks(list(requests)) for r in self._run(_observed(part))]
+        """Record finished rollouts that ran outside the queue (see ``Store.add_observed_rollouts``);
+        none given, nothing is sent."""
+        items = list(requests)
+        return [r for part in _chunks(items) for r in self._run(_observed(part))] if items else []
 
     def dequeue_rollout(self, worker_id: str, *, lease_s: float = 60.0) -> tuple[Rollout, Attempt] | None:
         return self._run(_dequeue(worker_id, lease_s))
@@ -333,15 +356,30 @@ class AsyncStoreClient:
         after_seq: int = 0,
         limit: int = 10_000,
     ) -> list[Span]:
-        return await self._run(
-            _span_query(rollout_ids, attempt_id, trace_id, start_after_ns, start_before_ns, after_seq, limit)
-        )
+        out: list[Span] = []
+        while True:
+            spans, more = await self._run(
+                _span_query(
+                    rollout_ids,
+                    attempt_id,
+                    trace_id,
+                    start_after_ns,
+                    start_before_ns,
+                    after_seq,
+                    limit - len(out),
+                )
+            )
+            out.extend(spans)
+            if not more or not spans or len(out) >= limit:
+                return out
+            after_seq = spans[-1].seq or after_seq
 
     async def enqueue_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
         return [r for part in _chunks(list(requests)) for r in await self._run(_enqueue(part))]
 
     async def add_observed_rollouts(self, requests: Iterable[RolloutRequest]) -> list[Rollout]:
-        return [r for part in _chunks(list(requests)) for r in await self._run(_observed(part))]
+        items = list(requests)
+        return [r for part in _chunks(items) for r in await self._run(_observed(part))] if items else []
 
     async def dequeue_rollout(
         self, worker_id: str, *, lease_s: float = 60.0

@@ -68,10 +68,13 @@ from ._otlp import OtlpDecodeError, encode_export_response
 from .base import MAX_PAGE, NotFoundError, RolloutFilter, Store, StoreError, StoreUnavailableError
 from .redact import MASK, Redactor
 
-__all__ = ["create_store_app", "MAX_BODY_BYTES"]
+__all__ = ["create_store_app", "MAX_BODY_BYTES", "QUERY_PAGE_BYTES"]
 
 #: Largest request body accepted, after decompression (413 beyond it).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Stored span bytes one ``/api/spans/query`` page holds at most (at least one span); ``"more": true``
+#: then says the page stopped short of its ``limit`` for that, and the next starts after its last ``seq``.
+QUERY_PAGE_BYTES = 16 * 1024 * 1024
 _PROTOBUF = "application/x-protobuf"
 _Handler = Callable[[Request], Awaitable[Response]]
 #: Most ids one API call may name; StoreClient pages longer lists.
@@ -470,8 +473,14 @@ def create_store_app(
 
     async def query_spans(request: Request) -> Response:
         body = await _json_body(request, _SpanQueryIn)
-        spans = await run_in_threadpool(
-            lambda: store.query_spans(
+        page = getattr(store, "span_page", None)
+        if page is None:  # a store without byte-bounded pages: its pages as they are
+
+            def page(max_bytes: int, **query: Any) -> tuple[list[Any], bool]:
+                return store.query_spans(**query), False
+
+        spans, more = await run_in_threadpool(
+            lambda: page(
                 rollout_ids=body.rollout_ids,
                 attempt_id=body.attempt_id,
                 trace_id=body.trace_id,
@@ -479,9 +488,10 @@ def create_store_app(
                 start_before_ns=body.start_before_ns,
                 after_seq=body.after_seq,
                 limit=body.limit,
+                max_bytes=QUERY_PAGE_BYTES,
             )
         )
-        return JSONResponse({"spans": [_wire.span_to_json(s) for s in spans]})
+        return JSONResponse({"spans": [_wire.span_to_json(s) for s in spans], "more": more})
 
     async def add_rewards(request: Request) -> Response:
         body = await _json_body(request, _RewardsIn)
