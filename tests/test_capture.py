@@ -4,6 +4,7 @@ anthropic clients make the calls."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -275,6 +276,9 @@ def test_a_store_that_is_down_neither_fails_nor_slows_the_call(caplog):
         ("/v1/messages", {"metadata": {"user_id": "tab\there"}}, {}, "metadata.user_id"),
         ("/v1/messages", {"metadata": {"session_id": ""}}, {}, "metadata.session_id"),
         ("/v1/messages", {}, {HEADER: "y" * 1000}, HEADER),
+        ("/v1/chat/completions", {}, {HEADER: "line\u2028sep".encode()}, HEADER),
+        ("/v1/responses", {"metadata": {"session_id": "abc\u202edef"}}, {}, "metadata.session_id"),
+        ("/v1/messages", {"metadata": {"user_id": "zero\u200bwidth"}}, {}, "metadata.user_id"),
     ],
 )
 def test_a_bad_session_value_is_refused_in_the_protocols_shape(gateway, path, body, headers, field):
@@ -293,6 +297,34 @@ def test_a_bad_session_value_is_refused_in_the_protocols_shape(gateway, path, bo
     else:
         assert error["error"]["param"] == field and error["error"]["type"] == "invalid_request_error"
         assert field in error["error"]["message"]
+    assert gateway.spans() == [] and gateway.capture.pending() == []
+
+
+@pytest.mark.parametrize("raw", [b"a\x01b", b"a\x7fb", b"a\x00b"])
+def test_a_control_character_in_the_session_header_gets_a_json_error_naming_it(gateway, raw):
+    """HTTP itself forbids these bytes in a header, so the server refuses the request before the app: the
+    400 is still JSON in the shape OpenAI and Anthropic clients read, and says what was wrong."""
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + HEADER.encode()
+            + b": "
+            + raw
+            + b"\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    error = json.loads(payload)
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "control character" in error["error"]["message"] and HEADER in error["error"]["message"]
     assert gateway.spans() == [] and gateway.capture.pending() == []
 
 

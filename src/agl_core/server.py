@@ -5,10 +5,16 @@ services); :func:`serve_forever` runs one in the foreground (the ``agl ... serve
 the socket themselves before uvicorn starts, so a port already in use fails at once with an
 :class:`OSError` naming it, and both turn on TCP_NODELAY (small keep-alive responses are not delayed).
 The app runs with ``lifespan="off"``: startup/shutdown events are not sent, so an app must not rely on them.
+
+A request HTTP itself forbids (a control character in a header, a malformed request line) never reaches
+the app: uvicorn answers it with a 400. Here that 400 is JSON in the shape both OpenAI and Anthropic
+clients read (``{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}``), saying
+what is wrong, instead of uvicorn's plain "Invalid HTTP request received."
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -36,8 +42,42 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: The body of the 400 for a request HTTP forbids.
+BAD_HTTP_MESSAGE = (
+    "invalid HTTP request: a header name or value holds a character HTTP does not allow (a control"
+    " character such as \\x01, DEL or a line break; header values such as x-agl-session-id must be text"
+    " without them), or the request line is malformed"
+)
+_BAD_HTTP_BODY = json.dumps(
+    {"type": "error", "error": {"type": "invalid_request_error", "message": BAD_HTTP_MESSAGE, "code": None}}
+).encode()
+
+
+def _json_400_protocol() -> type[Any]:
+    """uvicorn's HTTP protocol class with :data:`BAD_HTTP_MESSAGE` as JSON for its protocol-level 400."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class _Json400(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+        def send_400_response(self, msg: str) -> None:
+            head = (
+                b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(_BAD_HTTP_BODY)).encode() + b"\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.write(head + _BAD_HTTP_BODY)
+            self.transport.close()
+
+    return _Json400
+
+
 def _config(app: Any, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off", timeout_keep_alive=30)
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=30,
+        http=_json_400_protocol(),
+    )
 
 
 class BackgroundServer:
