@@ -198,3 +198,32 @@ def test_resume_after_sigkill_continues_the_same_run(job, tmp_path):
     assert (
         stats.get("rollouts_queued", 0) == 0 and stats.get("rollouts_running", 0) == 0
     )  # the killed step's work was cancelled
+
+
+def test_state_json_masks_tokens_and_url_passwords(tmp_path):
+    """A checkpoint's state.json (mode 644 like the rest) once held the gateway and dashboard tokens and
+    the store URL's password in clear."""
+    import json
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {
+        "gateway": {"token": "gw-s3cret-token"},
+        "logging": {"dashboard_token": "dash-s3cret"},
+        "store": {"url": "postgresql://agl:db-s3cret@db.internal:5432/agl"},
+        "model": {"max_tokens": 64},
+    }
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        model=model,
+        optimizer=optimizer,
+        state={"config": config, "traces": {"store": config["store"]["url"]}},
+    )
+    text = (path / "state.json").read_text()
+    for secret in ("gw-s3cret-token", "dash-s3cret", "db-s3cret"):
+        assert secret not in text
+    state = json.loads(text)
+    assert state["config"]["gateway"]["token"] == "***"
+    assert state["config"]["store"]["url"] == "postgresql://agl:***@db.internal:5432/agl"
+    assert state["config"]["model"]["max_tokens"] == 64 and state["step"] == 1

@@ -518,3 +518,28 @@ def test_the_store_api_lists_rollouts_for_a_remote_dashboard(client):
         response = httpx.post(f"{client.url}/api/rollouts/list", json=body, timeout=30)
         assert response.status_code == 400, body
         assert message in response.json()["error"]["message"], response.text
+
+
+def test_without_its_own_token_the_dashboard_asks_one_derived_from_the_stores_never_the_stores(monkeypatch):
+    """The dashboard once reused the store token: its start line and visitors' cookies then carried a
+    token that grants every store endpoint. Now it asks a token of its own, derived from the store's."""
+    from agl_core import settings
+    from agl_core.testing import Collector
+
+    monkeypatch.delenv("AGL_DASHBOARD_TOKEN", raising=False)
+    monkeypatch.delenv("AGL_STORE_TOKEN", raising=False)
+    derived = settings.dashboard_token(None, "store-s3cret")
+    assert derived is not None and derived.startswith("agl-dash-") and "store-s3cret" not in derived
+    assert derived == settings.dashboard_token(None, "store-s3cret")  # the same every start
+    assert settings.dashboard_token(None, "other") != derived
+    assert settings.dashboard_token("mine", "store-s3cret") == "mine"
+    assert settings.dashboard_token(None, None) is None
+    with Collector(token="store-s3cret") as collector:
+        refused = httpx.get(collector.url + "/api/stats", headers={"Authorization": f"Bearer {derived}"})
+        assert refused.status_code == 401  # it opens the dashboard only
+        app = create_dashboard_app(collector.client, [], token=derived)
+        with TestClient(app, follow_redirects=False) as client:
+            assert (
+                client.get("/api/stats", headers={"Authorization": "Bearer store-s3cret"}).status_code == 401
+            )
+            assert client.get("/api/stats", headers={"Authorization": f"Bearer {derived}"}).status_code == 200

@@ -21,6 +21,8 @@ Precedence everywhere: an explicit argument, then the environment, then the defa
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import os
 from pathlib import Path
@@ -37,10 +39,23 @@ def store_token(explicit: str | None = None) -> str | None:
 
 
 def dashboard_token(explicit: str | None = None, store: str | None = None) -> str | None:
-    """The token the dashboard asks of visitors: ``explicit``, else ``AGL_DASHBOARD_TOKEN``, else the
-    store's (``store``, else ``AGL_STORE_TOKEN``): a store that asks a token gets a dashboard that asks the
-    same."""
-    return explicit or os.environ.get("AGL_DASHBOARD_TOKEN") or store_token(store)
+    """The token the dashboard asks of visitors: ``explicit``, else ``AGL_DASHBOARD_TOKEN``, else one
+    derived from the store's (``store``, else ``AGL_STORE_TOKEN``; :func:`derived_dashboard_token`): a
+    store that asks a token gets a dashboard that asks one, and the dashboard's URL, log line and visitors'
+    cookies never carry the store's own token, which grants every store endpoint."""
+    explicit = explicit or os.environ.get("AGL_DASHBOARD_TOKEN")
+    if explicit:
+        return explicit
+    store = store_token(store)
+    return derived_dashboard_token(store) if store else None
+
+
+def derived_dashboard_token(store_token: str) -> str:
+    """The dashboard's own token for a store token: ``agl-dash-`` and 32 hex digits of an HMAC-SHA256 of
+    the store token. It opens the dashboard (which reads the store for its visitors) and nothing else;
+    the store token cannot be recovered from it."""
+    digest = hmac.new(store_token.encode(), b"agl dashboard visitor token", hashlib.sha256).hexdigest()
+    return "agl-dash-" + digest[:32]
 
 
 def gateway_token(explicit: str | None = None) -> str | None:

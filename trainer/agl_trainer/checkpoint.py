@@ -2,9 +2,9 @@
 
 A checkpoint is a directory ``output_dir/checkpoints/step-NNNNNN`` holding the trained weights (a PEFT
 adapter directory under LoRA, loadable by PEFT and vLLM; otherwise ``model.safetensors``), the optimizer
-state, the torch RNG state and ``state.json`` (step, policy version, data position, the config). It is
-written under a temporary name and renamed when complete, so a SIGKILL while saving leaves the previous
-checkpoint as the newest one.
+state, the torch RNG state and ``state.json`` (step, policy version, data position, the config with its
+secrets masked). It is written under a temporary name and renamed when complete, so a SIGKILL while
+saving leaves the previous checkpoint as the newest one.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .model import load_adapter_weights
+from .trackers import masked_config
 
 __all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
@@ -79,8 +80,9 @@ def save_checkpoint(
     else:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(torch.get_rng_state(), tmp / "rng.pt")
-    # state.json last: its presence marks the directory complete (see list_checkpoints)
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2, default=str))
+    # state.json last: its presence marks the directory complete (see list_checkpoints). Secrets in the
+    # config (tokens, passwords in URLs) are masked: a resumed run takes them from its config and env again.
+    (tmp / STATE_FILE).write_text(json.dumps(masked_config({"step": step, **state}), indent=2, default=str))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

@@ -272,7 +272,7 @@ def _restore(
     if version > services.serving.policy_version:
         services.serving.publish(policy.model, version)  # serve the restored weights under their version
     before = EvalResult(**state["before"]) if state.get("before") else None
-    changed = _config_changes(state.get("config") or {}, config.model_dump(mode="json"))
+    changed = _config_changes(state.get("config") or {}, masked_config(config.model_dump(mode="json")))
     if changed:
         log.display.line("note: config differs from the checkpoint's in: " + ", ".join(changed))
     log.replay(step)

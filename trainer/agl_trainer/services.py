@@ -28,6 +28,7 @@ from .config import TrainerConfig
 from .cpu import size_torch_threads
 from .rollouts import wait_for_store
 from .serving import HFServing, VLLMServing, start_serving
+from .trackers import masked_config
 
 __all__ = [
     "AgentFn",
@@ -119,7 +120,7 @@ def start_store(
         url = service.start_http_background()
         service.start_maintenance()
         stack.callback(service.close)
-    echo(f"store: {url} ({'remote' if file is None else file})")
+    echo(f"store: {masked_config(url)} ({'remote' if file is None else file})")
     client = StoreClient(url)
     stack.callback(client.close)
     return StoreConnection(url, file, client)
@@ -255,7 +256,8 @@ def start_runners(
         rollout_timeout_s=config.runner.rollout_timeout_s,
         otlp_endpoint=services.store.url,
     ).start()
-    stack.callback(lambda: runner.stop(timeout_s=10.0))
+    # Rollouts still running when the run ends (async training draws ahead) are not needed any more.
+    stack.callback(lambda: runner.stop(timeout_s=10.0, reason="the training run is over"))
     timeout = f", {config.runner.rollout_timeout_s:g}s per rollout" if config.runner.rollout_timeout_s else ""
     echo(f"runner: {runner.workers} worker(s) in {runner.mode} mode{timeout}")
     return runner
