@@ -626,6 +626,38 @@ def test_async_graceful_stop_cancels_what_outlives_the_grace_period(sq):
     )
 
 
+@pytest.mark.parametrize("mode", ["async", "thread"])
+def test_a_stop_with_a_reason_cancels_what_still_runs_and_says_so_without_a_warning(sq, mode, caplog):
+    """A training run that ends with rollouts in flight (async training draws ahead) stops its runner on
+    purpose: those rollouts are cancelled, not failed, and no warning follows the run's end."""
+    if mode == "async":
+
+        async def agent(task, llm):
+            await asyncio.sleep(task["sleep"])
+            return 1.0
+
+    else:
+        release = threading.Event()
+
+        def agent(task, llm):
+            release.wait(task["sleep"])
+            return 1.0
+
+    (long,) = sq.enqueue_rollouts([{"task_id": "l", "input": {"sleep": 30}}])
+    runner = Runner(agent, sq, TracerProvider(), workers=1).start()
+    while runner.counts.running < 1:
+        time.sleep(0.01)
+    with caplog.at_level(logging.INFO, logger="agl_core.runner"):
+        runner.stop(timeout_s=0.3, reason="the training run is over")
+    (done,) = sq.get_rollouts([long.rollout_id])
+    assert done.status == RolloutStatus.CANCELLED
+    assert "cancelled: the training run is over" in done.attempts[0].error
+    assert "cancelling 1 rollout(s) still running: the training run is over" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    if mode == "thread":
+        release.set()
+
+
 def test_worker_processes_import_neither_the_store_nor_the_gateway():
     """A fresh worker process (started at each timeout or crash) must be ready quickly."""
     import subprocess

@@ -102,7 +102,9 @@ class AsyncEngine:
                     assert state.rollout_timeout_s is not None
                     return timeout_outcome(span, state.rollout_timeout_s, how, provider)
                 if state.halt.is_set():
-                    return halted_outcome(span, await self._cancel(task, rollout), provider)
+                    return halted_outcome(
+                        span, await self._cancel(task, rollout), provider, state.stop_reason
+                    )
                 if ended.is_set():  # cancelled or reclaimed in the store: stop the work
                     await self._cancel(task, rollout)
                     return None

@@ -121,7 +121,14 @@ def timeout_outcome(
     return end_with_error(span, error, RolloutStatus.TIMED_OUT, tracer_provider)
 
 
-def halted_outcome(span: trace.Span, how: str, tracer_provider: trace.TracerProvider | None) -> Outcome:
+def halted_outcome(
+    span: trace.Span, how: str, tracer_provider: trace.TracerProvider | None, reason: str | None = None
+) -> Outcome:
+    """The outcome of a rollout still running when the runner's grace period ran out: failed, or, when
+    the runner was stopped on purpose with a ``reason`` (the run it served is over), cancelled."""
+    if reason is not None:
+        error = RuntimeError(f"cancelled: {reason}; the rollout was still running, and {how}")
+        return end_with_error(span, error, RolloutStatus.CANCELLED, tracer_provider)
     error = RuntimeError(
         f"the runner was stopped before the agent finished (its grace period ran out) and {how}"
     )

@@ -275,7 +275,10 @@ class ProcessEngine:
                     ), False
                 if state.halt.is_set():
                     worker.kill()
-                    return halted_outcome(span, "its worker process was killed", provider), False
+                    return (
+                        halted_outcome(span, "its worker process was killed", provider, state.stop_reason),
+                        False,
+                    )
                 if ended.is_set():  # cancelled or reclaimed in the store: stop the work for real
                     worker.kill()
                     return None, False

@@ -306,20 +306,26 @@ class Runner:
         """Stop taking new rollouts; rollouts already running go on (see :meth:`stop`)."""
         self._state.stopping.set()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 30.0, *, reason: str | None = None) -> None:
         """Stop taking new rollouts, let the running ones finish for up to ``timeout_s`` seconds, then end
         those still running as failed (process mode kills their workers, async mode cancels them, thread
-        mode leaves their threads detached) and release everything. Safe to call more than once."""
+        mode leaves their threads detached) and release everything. Safe to call more than once.
+
+        ``reason`` says the stop is on purpose and why (``"the training run is over"``): rollouts still
+        running are then cancelled rather than failed, and that is logged as information, not a warning."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
             engine = self._engine
+        self._state.stop_reason = reason
         self._state.stopping.set()
         if engine is not None:
             if not engine.join(time.monotonic() + max(timeout_s, 0.0)):
                 running = self._state.counts().running
-                if running:
+                if running and reason is not None:
+                    logger.info("agl runner: cancelling %d rollout(s) still running: %s", running, reason)
+                elif running:
                     logger.warning(
                         "agl runner: %d rollout(s) still running after the %g s grace period; ending them"
                         " as failed",

@@ -170,6 +170,9 @@ class RunState:
         self.lease_s = lease_s
         self.stopping = threading.Event()
         self.halt = threading.Event()
+        #: Why the runner was stopped on purpose (``Runner.stop(reason=...)``): rollouts still running
+        #: then are cancelled, not failed, and that is reported as such.
+        self.stop_reason: str | None = None
         self.heartbeats = Heartbeats(store, lease_s)
         self._lock = threading.Lock()
         # the turn to ask the store for work: one idle worker at a time (see claim)

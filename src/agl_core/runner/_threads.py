@@ -96,7 +96,14 @@ class ThreadEngine:
 
     def close(self) -> None:
         with self._lock:
-            if self._abandoned:
+            if self._abandoned and self.state.stop_reason is not None:
+                logger.info(
+                    "agl runner: %d cancelled agent thread(s) are still running (%s); Python cannot stop a"
+                    " thread, so they end with the process",
+                    self._abandoned,
+                    self.state.stop_reason,
+                )
+            elif self._abandoned:
                 logger.warning(
                     "agl runner: %d timed-out agent thread(s) are still running; they are left behind",
                     self._abandoned,
@@ -178,4 +185,4 @@ class ThreadEngine:
                 return timeout_outcome(
                     span, state.rollout_timeout_s, "its thread was left running detached", provider
                 )
-            return halted_outcome(span, "its thread was left running detached", provider)
+            return halted_outcome(span, "its thread was left running detached", provider, state.stop_reason)
