@@ -18,6 +18,7 @@ from agl_core.gateway.backend import ChatRequest, Completion
 from agl_core.policies import AmbiguousAgentError, PolicyRouter
 from agl_trainer import Trainer
 from agl_trainer.config import ConfigError
+from agl_trainer.loop import NothingTrainedError
 
 from ._training import TINY_JOB, Turns, metrics_rows, served_by
 
@@ -229,6 +230,56 @@ def test_each_agent_trains_its_own_adapter_and_an_idle_one_does_not_move(tmp_pat
     assert [
         r["policies"]["writer"]["trained"] for r in metrics_rows(tmp_path / "run") if r["kind"] == "train"
     ] == [4]
+
+
+def _trace_named_agent() -> Any:
+    """An agent that names its role with an ``invoke_agent`` span and sends its trace context, but calls
+    the gateway's plain URL: the span tree names the agent, the gateway serves the base model."""
+    turns = Turns()
+
+    def solve(task: dict[str, Any], llm: Any) -> float:
+        from opentelemetry import propagate
+
+        from agl_core import agent_span
+
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+        with agent_span("writer"):
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            client.chat.completions.create(
+                model=llm.model,
+                messages=[{"role": "user", "content": f"writer: {task['q']}"}],
+                max_tokens=3,
+                extra_headers=headers,
+            )
+        return turns.reward(task)
+
+    return solve
+
+
+def test_calls_served_by_the_base_model_never_train_a_policy_and_the_run_says_why(tmp_path, caplog):
+    """The trainer once picked the policy from the agent name in the span tree: calls the gateway served
+    with the base model trained the writer's adapter, silently. Now the recorded serving policy decides."""
+    import logging
+
+    from agl_core.policies import policy_mismatch, trained_policy
+
+    router = PolicyRouter({"writer": ["writer"]}, default=None)
+    assert trained_policy(router, "writer", "base") is None
+    assert trained_policy(router, "writer", "writer") == "writer"
+    assert trained_policy(router, "writer", None) == "writer"  # nothing recorded: by the agent's name
+    assert trained_policy(router, "writer", "gone") is None  # a policy this run does not have
+    assert policy_mismatch(router, "writer", "writer") is None
+    config = {**BASE_CONFIG, "output_dir": str(tmp_path / "run"), "policies": TWO}
+    with caplog.at_level(logging.WARNING, logger="agl_trainer.step"), pytest.raises(NothingTrainedError):
+        Trainer(config, echo=lambda _: None).fit(_trace_named_agent(), TASKS[:2])
+    # the gateway saw no agent name (none in the URL or headers): it served the base model
+    assert served_by(tmp_path / "run" / "store.sqlite") == {(None, "base"): 4}
+    warnings = [r.getMessage() for r in caplog.records if "were served by 'base'" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text  # once per agent, not per call
+    assert "policy 'writer'" in warnings[0] and "llm.for_agent" in warnings[0]
+    rows = [r for r in metrics_rows(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["trained_transitions"] for r in rows] == [0]  # before: 4, into writer's adapter
 
 
 def test_two_agents_train_two_adapters_and_resume_restores_both(tmp_path):

@@ -13,7 +13,14 @@ import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 
-__all__ = ["BASE", "AmbiguousAgentError", "PolicyRouter", "check_policy_name"]
+__all__ = [
+    "BASE",
+    "AmbiguousAgentError",
+    "PolicyRouter",
+    "check_policy_name",
+    "policy_mismatch",
+    "trained_policy",
+]
 
 #: The name spans and metrics give the base model when it serves an agent no policy trains.
 BASE = "base"
@@ -102,3 +109,33 @@ class PolicyRouter:
         if len(self._cache) < 10_000:
             self._cache[agent] = found
         return found
+
+
+def trained_policy(router: PolicyRouter, agent: str | None, served_by: str | None) -> str | None:
+    """The policy whose adapter a call trains (``None``: none, the base model is never trained).
+
+    The policy the gateway recorded as serving the call (``agl.policy.name``) decides when recorded:
+    ``base`` trains nothing, and neither does a policy this run does not have. Only calls recorded
+    without one (a gateway that serves one policy, older spans) fall back to the agent's policy by name."""
+    if served_by is None:
+        return router.policy_for(agent)
+    if served_by == BASE or served_by not in router.policies:
+        return None
+    return served_by
+
+
+def policy_mismatch(router: PolicyRouter, agent: str | None, served_by: str | None) -> str | None:
+    """A sentence for a call whose recorded serving policy is not its agent's (``None`` when they agree
+    or nothing was recorded): what happened and what to change."""
+    if served_by is None:
+        return None
+    own = router.policy_for(agent) or BASE
+    if own == served_by:
+        return None
+    shown = repr(agent) if agent else "without a name"
+    return (
+        f"calls of agent {shown} were served by {served_by!r}, but the config gives that agent policy"
+        f" {own!r}: they train {'nothing' if served_by == BASE else repr(served_by)}, never {own!r}. The"
+        " gateway picks the policy from the agent name it sees in the request: call it through"
+        " llm.for_agent(NAME) (its base_url names the agent) or send the x-agl-agent-name header"
+    )

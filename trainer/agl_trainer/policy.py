@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
+from agl_core.policies import trained_policy
+
 from .algo import Advantaged
 from .config import LoraConfig, TrainerConfig
 from .services import Services
@@ -267,7 +269,8 @@ class TorchLearner:
         assert self.router is not None
         by_policy: dict[str, list[Advantaged]] = {}
         for sample in samples:
-            name = self.router.policy_for(sample.transition.agent_name)
+            t = sample.transition
+            name = trained_policy(self.router, t.agent_name, t.policy_name)
             if name is not None:
                 by_policy.setdefault(name, []).append(sample)
         per_policy: dict[str, UpdateStats] = {}

@@ -8,6 +8,7 @@ the torch or verl update (:mod:`agl_trainer.policy`), a test a recording fake.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 from collections import Counter
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from agl_core.credit import CreditResult, assign_rewards
-from agl_core.policies import BASE
+from agl_core.policies import BASE, policy_mismatch, trained_policy
 from agl_core.records import Rollout, RolloutStatus, Span, Task, Transition
 from agl_core.transitions import TransitionResult, explain_untrained, spans_to_transitions
 
@@ -147,6 +148,11 @@ def trainable_transitions(credit: CreditResult) -> list[Transition]:
     return [t for t in credit.transitions if t.prompt_ids and t.response_ids]
 
 
+logger = logging.getLogger(__name__)
+#: (run, agent, serving policy) already warned about: an agent's calls served by another policy than its own.
+_MISMATCHES_SAID: set[tuple[str, str | None, str | None]] = set()
+
+
 def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[Span]) -> Batch:
     """The episodes ``used`` (with their ``spans``) as training data: transitions, credit, advantages."""
     algorithm = config.algorithm
@@ -160,6 +166,17 @@ def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[
         agents=config.trained_agents(),
     )
     transitions = trainable_transitions(credit)
+    router = config.router()
+    if router is not None:  # a call trains the policy that served it: none when the base model did
+        for t in transitions:
+            mismatch = policy_mismatch(router, t.agent_name, t.policy_name)
+            said = (str(config.output_dir), t.agent_name, t.policy_name)
+            if mismatch is not None and said not in _MISMATCHES_SAID:
+                _MISMATCHES_SAID.add(said)
+                logger.warning("agl: %s", mismatch)
+        transitions = [
+            t for t in transitions if trained_policy(router, t.agent_name, t.policy_name) is not None
+        ]
     group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
     samples, report = compute_advantages(transitions, group_of, algorithm.name, scores=credit.scores)
     return Batch(
@@ -388,7 +405,7 @@ def policy_metrics(
     credited = {t.span_id: t.reward for t in batch.credit.transitions if t.span_id is not None}
     rewards: dict[str, list[float]] = {}
     for t in batch.result.transitions:
-        policy = router.policy_for(t.agent_name) or BASE
+        policy = trained_policy(router, t.agent_name, t.policy_name) or BASE
         row = out[policy]
         row["calls"] += 1
         name = t.agent_name or UNNAMED_AGENT
@@ -399,7 +416,7 @@ def policy_metrics(
     for policy, values in rewards.items():
         out[policy]["reward"] = sum(values) / len(values)
     for s in batch.samples:
-        trained = router.policy_for(s.transition.agent_name)
+        trained = trained_policy(router, s.transition.agent_name, s.transition.policy_name)
         if trained is not None:  # the base model is never updated
             out[trained]["trained"] += 1
     per_policy = getattr(stats, "per_policy", None) or {}
