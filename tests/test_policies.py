@@ -91,6 +91,18 @@ def test_the_config_refuses_policies_that_cannot_work(tmp_path, extra, message):
 # -- the hf backend: several adapters, one batch ------------------------------------------------------------
 
 
+def test_a_bad_policy_entry_is_named_by_its_name_not_only_its_position(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        Trainer(
+            {
+                **BASE_CONFIG,
+                "output_dir": str(tmp_path),
+                "policies": [TWO[0], {"name": "fixer", "agents": []}],
+            }
+        )
+    assert "'policies.1 ('fixer').agents'" in str(caught.value)
+
+
 def _two_adapter_model() -> Any:
     from peft import LoraConfig, get_peft_model
 
@@ -220,6 +232,9 @@ def test_each_agent_trains_its_own_adapter_and_an_idle_one_does_not_move(tmp_pat
     assert (step.transitions, step.trained_transitions) == (8, 4)
     assert any(line.startswith("  policies: writer [writer] 4/4 calls trained") for line in lines)
     assert any("base model served planner (4 calls, reward 0.500, not trained)" in line for line in lines)
+    # rewriter's pattern matched no calling agent: said at the end of the run
+    assert any(line.startswith("warning: policy 'rewriter' served no call in 1 step(s)") for line in lines)
+    assert not any("policy 'writer' served no call" in line for line in lines)
     assert writer["reward"] == base["reward"] == 0.5  # episode credit: each call gets its episode's reward
     assert result.checkpoint is not None
     assert _adapter_b(result.checkpoint, "writer").abs().sum() > 0  # LoRA B starts at zero: it moved

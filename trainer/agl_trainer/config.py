@@ -856,11 +856,29 @@ def _closest_dotted_key(name: str) -> list[str]:
     return [by_last[m] for m in difflib.get_close_matches(name, list(by_last), n=1)]
 
 
-def _describe(errors: list[Any], source: str) -> str:
+def _shown_key(loc: tuple[Any, ...], data: Any) -> str:
+    """``loc`` as a dotted key, an item of a list of named things shown with its name (``policies.2
+    ('drafter').agents``): a position alone is hard to find in a config."""
+    parts: list[str] = []
+    node = data
+    for part in loc:
+        shown = str(part)
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            node = node[part]
+            name = node.get("name") if isinstance(node, dict) else None
+            if isinstance(name, str):
+                shown += f" ({name!r})"
+        else:
+            node = node.get(part) if isinstance(node, dict) else None
+        parts.append(shown)
+    return ".".join(parts)
+
+
+def _describe(errors: list[Any], source: str, data: Any = None) -> str:
     lines = []
     for err in errors:
         loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in loc)
+        key = _shown_key(loc, data)
         if err["type"] == "extra_forbidden":
             known = [f for f in _fields_at(TrainerConfig, loc) if f != "base_dir"]
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
@@ -979,7 +997,7 @@ def _validate(
     try:
         config = TrainerConfig.model_validate({**data, "base_dir": base_dir})
     except pydantic.ValidationError as exc:
-        raise ConfigError(_describe([*missing, *exc.errors()], source)) from None
+        raise ConfigError(_describe([*missing, *exc.errors()], source, data)) from None
     if missing:
         raise ConfigError(_describe(missing, source))
     resolved: dict[str, Any] = {}

@@ -279,6 +279,20 @@ def _restore(
     return step, before
 
 
+def idle_policies(config: TrainerConfig, history: Sequence[StepMetrics]) -> list[str]:
+    """A sentence for each policy of ``config`` that served no call in the run's steps (``history``): its
+    agents' patterns match no agent that called the gateway, which is most often a typo."""
+    if not config.policies or not history:
+        return []
+    called = {name for m in history for name, row in (m.policies or {}).items() if row.get("calls")}
+    return [
+        f"policy {p.name!r} served no call in {len(history)} step(s): no calling agent matched its agents"
+        f" {list(p.agents)}; check the patterns against the agent names 'agl inspect ROLLOUT_ID' shows"
+        for p in config.policies
+        if p.name not in called
+    ]
+
+
 def _config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(old) | set(new)):
@@ -514,6 +528,8 @@ def train(
             display.line(f"reward curve: {log.plot}")
         if "tensorboard" in log.trackers:
             display.line(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+        for line in idle_policies(config, log.history):
+            display.line(f"warning: {line}")
         display.line(
             f"done: metrics in {log.metrics_path}"
             + ("" if config.store.url else f", spans in {out / config.store.path}")
