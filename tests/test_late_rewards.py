@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -393,12 +394,17 @@ def test_agl_reward_on_a_sqlite_file(tmp_path):
         store.close()
 
 
-def test_agl_reward_file_attaches_many_once_and_reports_each_bad_line(tmp_path):
-    path = tmp_path / "cli.sqlite"
+def _three_rollouts(path: Path) -> Path:
+    """A SQLite store at ``path`` holding rollouts ro-0, ro-1 and ro-2."""
     store = SqliteStore(path)
     for i in range(3):
         _rollout(store, f"ro-{i}")
     store.close()
+    return path
+
+
+def test_agl_reward_file_attaches_many_once_and_reports_each_bad_line(tmp_path):
+    path = _three_rollouts(tmp_path / "cli.sqlite")
     feedback = tmp_path / "feedback.jsonl"
     feedback.write_text(
         "\n".join(
@@ -610,11 +616,7 @@ def test_late_rewards_give_the_same_transitions_credit_and_advantages_as_rewards
 
 
 def test_agl_reward_file_skips_a_nesting_bomb_and_an_overlong_line_and_keeps_the_rest(tmp_path):
-    path = tmp_path / "cli.sqlite"
-    store = SqliteStore(path)
-    for i in range(3):
-        _rollout(store, f"ro-{i}")
-    store.close()
+    path = _three_rollouts(tmp_path / "cli.sqlite")
     feedback = tmp_path / "feedback.jsonl"
     feedback.write_text(
         '{"rollout_id": "ro-0", "value": 1}\n'

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from ._bounded import bounded_lines
 from .rewards import Reward, parse_time
 
 __all__ = ["add_reward_file", "open_reward_store", "read_reward_lines"]
@@ -36,30 +37,12 @@ def _content_id(fields: dict[str, Any]) -> str:
 MAX_LINE_CHARS = 1024 * 1024
 
 
-def _bounded_lines(stream: IO[str]) -> Iterator[tuple[int, str | None]]:
-    """``(line number, line)``, with ``None`` for a line over :data:`MAX_LINE_CHARS` (its rest skipped)."""
-    number = 0
-    while True:
-        line = stream.readline(MAX_LINE_CHARS + 1)
-        if not line:
-            return
-        number += 1
-        if len(line) > MAX_LINE_CHARS:
-            while not line.endswith("\n"):
-                line = stream.readline(MAX_LINE_CHARS)
-                if not line:
-                    break
-            yield number, None
-            continue
-        yield number, line
-
-
 def read_reward_lines(
     stream: IO[str], *, name: str, source: str
 ) -> Iterator[tuple[int, Reward | None, str | None]]:
     """``(line number, reward, None)`` for each good line and ``(line number, None, why)`` for each bad
     one; blank lines are skipped. ``name`` and ``source`` are the defaults of lines without them."""
-    for number, line in _bounded_lines(stream):
+    for number, line in bounded_lines(stream, MAX_LINE_CHARS):
         if line is None:
             yield number, None, f"longer than {MAX_LINE_CHARS} characters (a reward line is a small object)"
             continue

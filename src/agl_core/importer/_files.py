@@ -29,6 +29,8 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
+from .._bounded import bounded_lines
+
 __all__ = ["FORMATS", "MAX_RECORD_BYTES", "BadRecord", "Record", "TraceFile", "split_request"]
 
 FORMATS = ("auto", "otlp-json", "otlp-proto")
@@ -211,22 +213,8 @@ class _ZstdFrames(io.RawIOBase):
 
 
 def _bounded_lines(stream: Any, start: int = 1) -> Iterator[tuple[int, bytes | None]]:
-    """``(line number, line)`` of ``stream``; ``None`` for a line over :data:`MAX_RECORD_BYTES`, whose
-    rest is read through in bounded pieces, never held."""
-    number = start - 1
-    while True:
-        line = stream.readline(MAX_RECORD_BYTES + 1)
-        if not line:
-            return
-        number += 1
-        if len(line) > MAX_RECORD_BYTES:
-            while not line.endswith(b"\n"):
-                line = stream.readline(1 << 20)
-                if not line:
-                    break
-            yield number, None
-            continue
-        yield number, line
+    """``(line number, line)`` of ``stream``; ``None`` for a line over :data:`MAX_RECORD_BYTES`."""
+    return bounded_lines(stream, MAX_RECORD_BYTES, start)
 
 
 def _too_long(number: int) -> BadRecord:
