@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agl_trainer.config import ConfigError, load_config
 
@@ -135,7 +137,43 @@ def test_print_config_shows_defaults(folder):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert '"clip_eps": 0.2' in done.stdout and '"steps": 3' in done.stdout
+    printed = yaml.safe_load(done.stdout)  # YAML, as configs are written
+    assert printed["algorithm"]["clip_eps"] == 0.2 and printed["train"]["steps"] == 3
+    as_json = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agl_core.cli",
+            "train",
+            str(_write(folder, GOOD)),
+            "--print-config",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert as_json.returncode == 0 and json.loads(as_json.stdout) == printed
+
+
+def test_a_bad_set_override_is_blamed_on_set_not_on_the_file(folder):
+    path = _write(folder, GOOD)
+    with pytest.raises(ConfigError) as typo:
+        load_config(path, ["train.stpes=2"])
+    assert "--set train.stpes=2: unknown key 'train.stpes' (did you mean 'train.steps'?)" in str(typo.value)
+    with pytest.raises(ConfigError) as bad:
+        load_config(path, ["train.steps=many"])
+    assert "--set train.steps=many: 'train.steps'" in str(bad.value)
+    assert str(path) not in str(bad.value)
+
+
+def test_agl_version_and_a_mistyped_command_get_an_answer():
+    version = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.startswith("agl ")
+    typo = subprocess.run([sys.executable, "-m", "agl_core.cli", "trian"], capture_output=True, text=True)
+    assert typo.returncode == 2 and "did you mean 'train'?" in typo.stderr
 
 
 def test_tasks_with_a_validation_split(folder):

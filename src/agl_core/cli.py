@@ -22,7 +22,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from . import plugins, settings
 
@@ -56,10 +56,36 @@ def _checked_arguments(command: plugins.CliCommand) -> plugins.CliCommand:
     return command
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a suggestion for a mistyped command (``agl trian`` -> did you mean 'train'?)."""
+
+    def error(self, message: str) -> NoReturn:
+        import difflib
+        import re
+
+        found = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if found:
+            choices = re.findall(r"'([^']*)'", found.group(2)) or [
+                c.strip() for c in found.group(2).split(",")
+            ]
+            close = difflib.get_close_matches(found.group(1), choices, n=1)
+            if close:
+                message += f"; did you mean '{close[0]}'?"
+        super().error(message)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agl")
+    except PackageNotFoundError:
+        return "unknown (not installed as a package)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="agl", description="Train any LLM agent with reinforcement learning."
-    )
+    parser = _Parser(prog="agl", description="Train any LLM agent with reinforcement learning.")
+    parser.add_argument("--version", action="version", version=f"agl {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     store = commands.add_parser("store", help="the collector-store").add_subparsers(

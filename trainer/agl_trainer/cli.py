@@ -11,6 +11,8 @@ import dataclasses
 import json
 import sys
 
+import yaml
+
 from .config import ConfigError, add_override_argument, load_config
 from .cpu import passive_openmp
 
@@ -22,6 +24,7 @@ def run_train(
     overrides: list[str],
     *,
     print_config: bool = False,
+    as_json: bool = False,
     resume: bool = False,
     overwrite: bool = False,
 ) -> int:
@@ -36,7 +39,11 @@ def run_train(
         print(f"agl train: {exc}", file=sys.stderr)
         return 2
     if print_config:
-        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        dumped = config.model_dump(mode="json")
+        if as_json:
+            print(json.dumps(dumped, indent=2))
+        else:
+            print(yaml.safe_dump(dumped, sort_keys=False, allow_unicode=True), end="")
         return 0
     passive_openmp()  # before anything imports torch
     from .checkpoint import CheckpointError
@@ -78,7 +85,12 @@ class _TrainCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("config", help="path of the trainer's YAML config")
         add_override_argument(parser, "train.steps=2")
-        parser.add_argument("--print-config", action="store_true", help="print the validated config and exit")
+        parser.add_argument(
+            "--print-config",
+            action="store_true",
+            help="print the validated config (YAML, every key with its default) and exit",
+        )
+        parser.add_argument("--json", action="store_true", help="with --print-config: print it as JSON")
         again = parser.add_mutually_exclusive_group()
         again.add_argument(
             "--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint"
@@ -94,6 +106,7 @@ class _TrainCommand:
             args.config,
             args.overrides,
             print_config=args.print_config,
+            as_json=args.json,
             resume=args.resume,
             overwrite=args.overwrite,
         )

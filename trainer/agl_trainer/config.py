@@ -874,11 +874,23 @@ def _shown_key(loc: tuple[Any, ...], data: Any) -> str:
     return ".".join(parts)
 
 
-def _describe(errors: list[Any], source: str, data: Any = None) -> str:
+def _source_of(loc: tuple[Any, ...], source: str, overrides: Sequence[str]) -> str:
+    """``--set KEY=VALUE`` when that override set the key an error is about (or a section holding it),
+    else ``source`` (the config file)."""
+    dotted = ".".join(str(p) for p in loc)
+    for override in reversed(overrides):
+        key = override.partition("=")[0].strip()
+        if dotted == key or dotted.startswith(key + "."):
+            return f"--set {override}"
+    return source
+
+
+def _describe(errors: list[Any], file_source: str, data: Any = None, overrides: Sequence[str] = ()) -> str:
     lines = []
     for err in errors:
         loc = tuple(err["loc"])
         key = _shown_key(loc, data)
+        source = _source_of(loc, file_source, overrides)
         if err["type"] == "extra_forbidden":
             known = [f for f in _fields_at(TrainerConfig, loc) if f != "base_dir"]
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
@@ -997,7 +1009,7 @@ def _validate(
     try:
         config = TrainerConfig.model_validate({**data, "base_dir": base_dir})
     except pydantic.ValidationError as exc:
-        raise ConfigError(_describe([*missing, *exc.errors()], source, data)) from None
+        raise ConfigError(_describe([*missing, *exc.errors()], source, data, overrides)) from None
     if missing:
         raise ConfigError(_describe(missing, source))
     resolved: dict[str, Any] = {}
