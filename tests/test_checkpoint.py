@@ -227,3 +227,35 @@ def test_state_json_masks_tokens_and_url_passwords(tmp_path):
     assert state["config"]["gateway"]["token"] == "***"
     assert state["config"]["store"]["url"] == "postgresql://agl:***@db.internal:5432/agl"
     assert state["config"]["model"]["max_tokens"] == 64 and state["step"] == 1
+
+
+def test_sigterm_ends_a_run_cleanly_saying_what_was_kept(job, tmp_path):
+    """SIGTERM once killed ``agl train`` with no message and left run.json saying "running"; it now ends
+    the run as Ctrl-C does: exit 143, run.json "interrupted", and the way on (resume, or start again when
+    no checkpoint exists yet)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, ready in (
+        ("early", lambda out: (out / "run.json").is_file()),
+        ("late", lambda out: latest_checkpoint(out / "checkpoints") is not None),
+    ):
+        out = tmp_path / name
+        proc = subprocess.Popen(
+            _cmd(job, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while not ready(out):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, f"{name}: the run did not get there in time"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 143, err[-2000:]
+        assert "agl train: terminated (SIGTERM); run.json says interrupted" in err
+        assert json.loads((out / "run.json").read_text())["status"] == "interrupted"
+        if latest_checkpoint(out / "checkpoints") is None:
+            assert "no checkpoint was written yet; start again with:" in err and "--overwrite" in err
+        else:
+            assert "--resume" in err and "continue from step-" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 
 import yaml
@@ -58,6 +59,7 @@ def run_train(
     from .model import ModelNotFoundError
     from .offline import train_from_traces
 
+    previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         (train if config.traces is None else train_from_traces)(
             config, echo=lambda line: print(line, flush=True), resume=resume, overwrite=overwrite
@@ -68,10 +70,36 @@ def run_train(
     except NothingTrainedError as exc:
         print(f"agl train: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("agl train: interrupted; continue with --resume from the newest checkpoint", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from .checkpoint import latest_checkpoint
+        from .loop import CHECKPOINTS_DIR
+
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        newest = latest_checkpoint(config.output_dir / CHECKPOINTS_DIR)
+        if newest is not None:
+            then = f"continue from {newest.name} with: agl train {config_path} --resume"
+        else:
+            then = f"no checkpoint was written yet; start again with: agl train {config_path} --overwrite"
+        print(f"agl train: {how}; run.json says interrupted; {then}", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C is, so a terminated run ends the same clean way."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 @dataclasses.dataclass(frozen=True)
