@@ -144,3 +144,31 @@ def test_inspect_reads_an_embedded_stores_sqlite_file(tmp_path, capsys):
     assert "agl.rollout" in out and "rollout made no LLM call through the gateway" in out
     assert main(["inspect", "ro-file", "--store", str(tmp_path / "nope.sqlite")]) == 1
     assert "neither a store URL" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_named_with_the_flag_that_changes_it(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        store = subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "s.sqlite")]
+            + ["--http-port", port, "--no-grpc"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        gateway = subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "gateway", "serve", "--backend", "openai"]
+            + ["--upstream", "http://127.0.0.1:9/v1", "--upstream-model", "m", "--port", port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert store.returncode == 2 and f"127.0.0.1:{port}" in store.stderr
+    assert "(OTLP/HTTP and the API: --http-port PORT)" in store.stderr
+    assert gateway.returncode == 2 and "(--port PORT)" in gateway.stderr

@@ -315,7 +315,10 @@ def _store_serve(args: argparse.Namespace) -> int:
     try:
         grpc_note = "off"
         if not args.no_grpc:
-            grpc_note = f"{args.host}:{service.start_grpc(args.host, args.grpc_port)}"
+            try:
+                grpc_note = f"{args.host}:{service.start_grpc(args.host, args.grpc_port)}"
+            except OSError as exc:
+                raise OSError(f"{exc} (OTLP/gRPC: --grpc-port PORT, or --no-grpc)") from None
         service.start_maintenance()
         print(
             f"agl store: {args.db}; OTLP/HTTP + API on http://{args.host}:{args.http_port},"
@@ -328,7 +331,10 @@ def _store_serve(args: argparse.Namespace) -> int:
         # returns lets the finally below run (parse workers stopped, the database closed cleanly).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-        serve_forever(service.app, args.host, args.http_port)
+        try:
+            serve_forever(service.app, args.host, args.http_port)
+        except OSError as exc:
+            raise OSError(f"{exc} (OTLP/HTTP and the API: --http-port PORT)") from None
     except (OSError, ImportError) as exc:
         return fail(str(exc))
     finally:

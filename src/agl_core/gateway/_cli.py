@@ -369,7 +369,7 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     try:
         serve_forever(app, args.host, args.port)
     except OSError as exc:
-        print(f"agl gateway serve: {exc}", file=sys.stderr)
+        print(f"agl gateway serve: {exc} (--port PORT)", file=sys.stderr)
         return 2
     finally:
         if capture is not None:
