@@ -150,4 +150,4 @@ def test_agl_dev_refuses_a_bad_config_in_one_line(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert "agl dev: invalid trainer config:" in done.stderr
     assert "config.yaml: missing required key 'tasks'" in done.stderr
-    assert "config.yaml: unknown key 'train.stpes' (did you mean 'train.steps'?)" in done.stderr
+    assert "--set train.stpes=2: unknown key 'train.stpes' (did you mean 'train.steps'?)" in done.stderr
