@@ -79,7 +79,7 @@ TWO = [{"name": "writer", "agents": ["writer"]}, {"name": "rewriter", "agents": 
             "verl's actor trains one adapter: set update.backend: torch",
         ),
         ({"policies": TWO, "model": {"source": "tiny", "lora": None}}, "set model.lora"),
-        ({"policies": [{"name": "writer", "agents": []}]}, "policies.0.agents"),
+        ({"policies": [{"name": "writer", "agents": []}]}, "policies.0 ('writer').agents"),
     ],
 )
 def test_the_config_refuses_policies_that_cannot_work(tmp_path, extra, message):

@@ -74,7 +74,7 @@ def test_out_of_range_integers_are_a_400(store_server, query):
 
 def test_largest_int64_is_accepted(store_server):
     r = _api(store_server.url, "/api/spans/query", json.dumps({"after_seq": 2**63 - 1}))
-    assert r.status_code == 200 and r.json() == {"spans": []}
+    assert r.status_code == 200 and r.json() == {"spans": [], "more": False}
 
 
 @pytest.mark.parametrize("path", ["/api/rollouts/query", "/api/rollouts/cancel", "/api/rollouts/consumed"])
