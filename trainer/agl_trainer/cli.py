@@ -11,6 +11,7 @@ import dataclasses
 import json
 import signal
 import sys
+from typing import Any
 
 import yaml
 
@@ -59,41 +60,68 @@ def run_train(
     from .model import ModelNotFoundError
     from .offline import train_from_traces
 
-    previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
+    received.clear()
+    previous = (
+        {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)} if _main_thread() else {}
+    )
     try:
         (train if config.traces is None else train_from_traces)(
             config, echo=lambda line: print(line, flush=True), resume=resume, overwrite=overwrite
         )
-    except (ModelNotFoundError, CheckpointError, ValueError) as exc:
-        print(f"agl train: {exc}", file=sys.stderr)
-        return 2
-    except NothingTrainedError as exc:
-        print(f"agl train: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as exc:
-        from .checkpoint import latest_checkpoint
-        from .loop import CHECKPOINTS_DIR
-
-        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-        newest = latest_checkpoint(config.output_dir / CHECKPOINTS_DIR)
-        if newest is not None:
-            then = f"continue from {newest.name} with: agl train {config_path} --resume"
-        else:
-            then = f"no checkpoint was written yet; start again with: agl train {config_path} --overwrite"
-        print(f"agl train: {how}; run.json says interrupted; {then}", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+    except BaseException as exc:
+        # A signal's exception can surface wrapped (raised inside a library callback, pydantic's
+        # serializers say "Error calling function ..."): what was received decides, not its shape.
+        if received or isinstance(exc, KeyboardInterrupt):
+            return _interrupted(config, config_path, terminated=signal.SIGTERM in received)
+        if isinstance(exc, (ModelNotFoundError, CheckpointError, ValueError)):
+            print(f"agl train: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, NothingTrainedError):
+            print(f"agl train: {exc}", file=sys.stderr)
+            return 1
+        raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+#: The signals received during the current ``run_train`` (SIGINT, SIGTERM).
+received: list[int] = []
+
+
+def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:
+    """The closing line of a run stopped by Ctrl-C or SIGTERM, run.json marked ``interrupted``; the exit
+    status (130, or 143 for SIGTERM)."""
+    from .checkpoint import latest_checkpoint
+    from .loop import CHECKPOINTS_DIR
+    from .runfile import RUN_FILE
+
+    run_file = config.output_dir / RUN_FILE
+    try:  # the signal may have come where the run file's own handler saw another exception
+        data = json.loads(run_file.read_text())
+        if data.get("status") != "interrupted":
+            data.update(status="interrupted", error=None)
+            run_file.write_text(json.dumps(data, indent=2, default=str))
+    except (OSError, ValueError):
+        pass
+    how = "terminated (SIGTERM)" if terminated else "interrupted"
+    newest = latest_checkpoint(config.output_dir / CHECKPOINTS_DIR)
+    if newest is not None:
+        then = f"continue from {newest.name} with: agl train {config_path} --resume"
+    else:
+        then = f"no checkpoint was written yet; start again with: agl train {config_path} --overwrite"
+    print(f"agl train: {how}; run.json says interrupted; {then}", file=sys.stderr)
+    return 143 if terminated else 130
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C is, so a terminated run ends the same clean way."""
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+def _stop(signum: int, frame: object) -> None:
+    received.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _main_thread() -> bool:
