@@ -262,6 +262,7 @@ def _call_every_endpoint(url: str, attempt_id: str) -> dict[str, httpx.Response]
         "query": ("POST", "/api/rollouts/query", ids),
         "cancel": ("POST", "/api/rollouts/cancel", {"rollout_ids": ["ro-cancel"]}),
         "consumed": ("POST", "/api/rollouts/consumed", ids),
+        "merge": ("POST", "/api/rollouts/merge", {"moves": {"ro-never-stored": "ro-q0"}}),
         "heartbeat": ("POST", f"/api/attempts/{attempt_id}/heartbeat", {}),
         "complete": ("POST", f"/api/attempts/{attempt_id}/complete", {"status": "failed", "error": "x"}),
         "spans": ("POST", "/api/spans/query", ids),

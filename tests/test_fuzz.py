@@ -90,6 +90,7 @@ _STORE_ENDPOINTS: list[tuple[str, str, list[str]]] = [
     ("POST", "/api/rollouts/query", ["rollout_ids"]),
     ("POST", "/api/rollouts/cancel", ["rollout_ids"]),
     ("POST", "/api/rollouts/consumed", ["rollout_ids"]),
+    ("POST", "/api/rollouts/merge", ["moves"]),
     ("POST", "/api/attempts/{id}/heartbeat", ["lease_s"]),
     ("POST", "/api/attempts/{id}/complete", ["status", "reward", "error"]),
     (

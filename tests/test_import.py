@@ -34,7 +34,7 @@ from agl_core.cli import main
 from agl_core.importer import _run, import_traces, session_rollout_id
 from agl_core.importer._files import MAX_RECORD_BYTES
 from agl_core.records import RolloutStatus
-from agl_core.store import SqliteStore
+from agl_core.store import NotFoundError, SqliteStore, StoreError
 from agl_core.store.redact import parse_rules
 from agl_core.testing import Collector
 from agl_core.tracing import emit_reward, rollout_scope
@@ -984,3 +984,92 @@ def _varint(value: int) -> bytes:
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+# --- importing again after a cut file ------------------------------------------------------------------
+def _session_parent_and_plain_trace(provider: Any) -> None:
+    """Trace 1: ``agent`` names session ``s-cut``, its child ``step`` names nothing (finished first);
+    trace 2: ``alone``, no session."""
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("agent", attributes={semconv.SESSION_ID: "s-cut"}):
+        with tracer.start_as_current_span("step"):
+            pass
+    with tracer.start_as_current_span("alone"):
+        pass
+
+
+def _cut_and_whole(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """The same three records (``step`` | ``agent`` | ``alone``), whole and cut inside ``agent``'s line."""
+    spans = {s.name: s for s in _record(_session_parent_and_plain_trace)}
+    lines = [json_line([spans[name]]) for name in ("step", "agent", "alone")]
+    whole = _write(tmp_path / "whole.jsonl", b"".join(lines))
+    cut = _write(tmp_path / "cut.jsonl", lines[0] + lines[1][: len(lines[1]) // 2])
+    return cut, whole, {name: format(s.context.trace_id, "032x") for name, s in spans.items()}
+
+
+def _assert_one_rollout_per_trace(store: Any, traces: dict[str, str]) -> None:
+    grouped = store.query_spans(trace_id=traces["agent"])
+    assert sorted(s.name for s in grouped) == ["agent", "step"]
+    assert {s.rollout_id for s in grouped} == {session_rollout_id("s-cut")}
+    assert {s.attributes[semconv.ROLLOUT_ID] for s in grouped} == {session_rollout_id("s-cut")}
+    with pytest.raises(NotFoundError):  # the emptied rollout is gone
+        store.get_rollouts([f"imp-t-{traces['agent']}"])
+    (alone,) = store.query_spans(trace_id=traces["alone"])
+    assert alone.rollout_id == alone.attributes[semconv.ROLLOUT_ID] == f"imp-t-{traces['alone']}"
+    assert {r.rollout_id for r in store.list_rollouts(limit=50).rollouts} == {
+        session_rollout_id("s-cut"),
+        f"imp-t-{traces['alone']}",
+    }
+
+
+def test_importing_the_whole_file_after_a_cut_one_moves_the_trace_into_one_rollout(tmp_path, store):
+    cut, whole, traces = _cut_and_whole(tmp_path)
+    first = import_traces([cut], store)
+    assert first.exit_code == 1 and first.spans == 1  # the cut line skipped and named
+    (early,) = store.query_spans(trace_id=traces["agent"])
+    assert early.rollout_id == f"imp-t-{traces['agent']}"  # its session was on the line cut off
+
+    again = import_traces([whole], store)
+
+    assert (again.exit_code, again.new_spans, again.merged_spans) == (0, 2, 1)
+    _assert_one_rollout_per_trace(store, traces)
+    assert import_traces([whole], store).merged_spans == 0  # and once moved, nothing moves again
+
+
+def test_importing_the_whole_file_again_into_a_running_store_moves_the_trace(
+    tmp_path, served_store, capsys, monkeypatch
+):
+    url, db = served_store
+    cut, whole, traces = _cut_and_whole(tmp_path)
+    monkeypatch.setenv("AGL_STORE_TOKEN", "s3cret")
+    assert main(["import", str(cut), "--store", url, "-q"]) == 1
+    assert main(["import", str(whole), "--store", url, "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "1 span(s) of earlier imports moved into their trace's rollout" in out
+    with _open(db) as stored:
+        _assert_one_rollout_per_trace(stored, traces)
+
+
+def test_merging_refuses_rollouts_that_ran_under_the_queue_and_bad_ids(store):
+    (queued,) = store.enqueue_rollouts([{"task_id": "t", "rollout_id": "queued-1"}])
+    store.dequeue_rollout("w")
+    store.add_observed_rollouts([{"rollout_id": "obs-1"}, {"rollout_id": "obs-2"}])
+    with pytest.raises(StoreError, match="'queued-1' ran under the queue"):
+        store.merge_rollouts({"obs-1": "obs-2", "queued-1": "obs-2"})
+    assert len(store.get_rollouts(["obs-1", "obs-2", "queued-1"])) == 3  # nothing changed
+    for bad, why in (({"": "x"}, "non-empty"), ({"a": "b", "b": "c"}, "both merged")):
+        with pytest.raises(StoreError, match=why):
+            store.merge_rollouts(bad)
+    assert store.merge_rollouts({"obs-1": "obs-1", "no-such": "obs-2"}) == 0  # nothing to move
+
+
+def test_the_merge_endpoint_validates_its_body(store_server):
+    for body, status in (
+        ({"moves": {}}, 400),
+        ({"moves": {"a": "x" * 257}}, 400),
+        ({"moves": {"a": "b"}, "extra": 1}, 400),
+        ({"moves": {"a": "b"}}, 200),
+    ):
+        response = httpx.post(store_server.url + "/api/rollouts/merge", json=body)
+        assert response.status_code == status, (body, response.text)
+    assert response.json() == {"moved": 0}

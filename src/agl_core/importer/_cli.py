@@ -140,5 +140,10 @@ def run_import(args: argparse.Namespace) -> int:
         f" {summary.rollouts:,} rollout(s) from {summary.files} file(s) into {args.store} in {elapsed:.1f} s;"
         f" skipped: {len(summary.problems)} line(s)/record(s)"
         + (f", {summary.refused_spans} span(s) refused" if summary.refused_spans else "")
+        + (
+            f"; {summary.merged_spans:,} span(s) of earlier imports moved into their trace's rollout"
+            if summary.merged_spans
+            else ""
+        )
     )
     return summary.exit_code

@@ -174,6 +174,15 @@ class Grouping:
             return session_rollout_id(value), {key: value}
         return trace_rollout_id(trace_id), {"trace_id": trace_id.hex()}
 
+    def regrouped(self) -> dict[str, str]:
+        """``{imp-t-<trace>: rollout}`` for each trace whose spans name a rollout id or a session: where an
+        earlier import, which did not read those spans (a file cut short, say), put spans of the trace in
+        the trace's own rollout, they belong in ``rollout`` (:meth:`Store.merge_rollouts` moves them)."""
+        moves: dict[str, str] = {}
+        for trace_id in {*self._trace_rollout, *self._trace_session}:
+            moves[trace_rollout_id(trace_id)] = self.rollout_of(trace_id)[0]
+        return moves
+
     def settled(self, trace_id: bytes, may_hold: Callable[[str], bool]) -> bool:
         """Whether :meth:`rollout_of` ``trace_id`` is final, whatever spans are read after those learnt so
         far; ``may_hold(key)`` says whether spans still to be read may carry attribute ``key``. A trace's

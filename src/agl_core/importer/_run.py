@@ -85,6 +85,9 @@ class ImportSummary:
     #: spans the store's checks refused (invalid ids or times), counted in ``problems`` too
     refused_spans: int = 0
     rollouts: int = 0
+    #: spans an earlier import had put in a trace's own rollout (``imp-t-<trace>``, its grouping not known
+    #: then: a session or rollout id on a span it did not read) moved to the rollout this import gives
+    merged_spans: int = 0
     problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -157,6 +160,7 @@ def import_traces(
             before = sink.client.stats()["spans"]
             _write_all(files, total, sink, summary, progress)
             sink.client.add_observed_rollouts(rollouts.requests())
+            summary.merged_spans = sink.client.merge_rollouts(grouping.regrouped())
             summary.new_spans = sink.client.stats()["spans"] - before
     else:
         target = open_store(store) if isinstance(store, str) else store
@@ -178,6 +182,7 @@ def import_traces(
                     request["metadata"] = redactor.redact_json(request["metadata"])
             for start in range(0, len(requests), 10_000):
                 target.add_observed_rollouts(requests[start : start + 10_000])
+            summary.merged_spans = target.merge_rollouts(grouping.regrouped())
             summary.new_spans = target.stats()["spans"] - before
         finally:
             if isinstance(store, str):

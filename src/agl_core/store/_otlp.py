@@ -41,6 +41,7 @@ __all__ = [
     "row_to_span",
     "span_slices",
     "span_to_proto",
+    "with_rollout_id",
 ]
 
 _STATUS_NAMES: dict[Status.StatusCode.ValueType, str] = {
@@ -354,6 +355,21 @@ def extract_rows(
                     )
                 )
     return ParsedBatch(rows, scopes, rejected, first_error)
+
+
+def with_rollout_id(body: bytes, rollout_id: str) -> bytes:
+    """A stored span's encoding with its ``agl.rollout.id`` attribute set to ``rollout_id`` (every entry of
+    that key rewritten; added as the last attribute when it has none)."""
+    span = SpanProto.FromString(body)
+    found = False
+    for kv in span.attributes:
+        if kv.key == semconv.ROLLOUT_ID:
+            kv.value.Clear()
+            kv.value.string_value = rollout_id
+            found = True
+    if not found:
+        span.attributes.add(key=semconv.ROLLOUT_ID).value.string_value = rollout_id
+    return span.SerializeToString()
 
 
 def _clean_text(text: str) -> str:

@@ -12,7 +12,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -21,7 +21,14 @@ from .. import semconv
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ..rewards import EPISODE, Reward, StoredReward
 from ..transitions import episode_rewards
-from ._otlp import SpanRow, extract_rows, records_to_request, resource_attributes, row_to_span
+from ._otlp import (
+    SpanRow,
+    extract_rows,
+    records_to_request,
+    resource_attributes,
+    row_to_span,
+    with_rollout_id,
+)
 from ._rewards import LEDGER_COLUMNS, RewardPlacer, ledger_row
 from .base import (
     AGENT_COUNT_CAP,
@@ -33,10 +40,13 @@ from .base import (
     RolloutRequest,
     StoreError,
     StoreUnavailableError,
+    validate_merge,
 )
 
 __all__ = ["SqlStore"]
 
+#: Rollouts a merge looks up in one statement.
+_MERGE_CHUNK = 500
 _Q, _R = RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value
 #: Attributes that name the agent a span belongs to, as :meth:`SqlStore.list_rollouts` looks for them.
 AGENT_NAME_KEYS = (semconv.GEN_AI_AGENT_NAME, semconv.OI_AGENT_NAME)
@@ -869,6 +879,42 @@ class SqlStore(Generic[_C]):
         clause, values = self._in("rollout_id", list(rollout_ids))
         with self._write() as conn:
             return self._exec(conn, f"UPDATE rollouts SET consumed = 1 WHERE {clause}", values).rowcount
+
+    def merge_rollouts(self, moves: Mapping[str, str]) -> int:
+        """Move the spans of each rollout ``old`` of ``moves`` into rollout ``new`` (the indexed rollout id
+        and the ``agl.rollout.id`` attribute each span carries), the ids of late rewards with them, and
+        delete the record of ``old``; all in one transaction. Only rollouts that never ran under the queue
+        (no attempt: observed, imported) can be merged; one that did raises :class:`StoreError` and
+        nothing changes. Rollouts with no span stored are left alone. Returns how many spans moved."""
+        pairs = validate_merge(moves)
+        if not pairs:
+            return 0
+        olds = list(pairs)
+        moved = 0
+        with self._write() as conn:
+            for start in range(0, len(olds), _MERGE_CHUNK):
+                clause, values = self._in("rollout_id", olds[start : start + _MERGE_CHUNK])
+                ran = self._exec(conn, f"SELECT DISTINCT rollout_id FROM attempts WHERE {clause}", values)
+                queued = sorted(row[0] for row in ran.fetchall())
+                if queued:
+                    raise StoreError(
+                        f"rollout {queued[0]!r} ran under the queue (it has attempts): only observed or"
+                        " imported rollouts can be merged into another"
+                    )
+                present = self._exec(conn, f"SELECT DISTINCT rollout_id FROM spans WHERE {clause}", values)
+                for (old,) in present.fetchall():
+                    new = pairs[old]
+                    rows = self._exec(
+                        conn, "SELECT seq, body FROM spans WHERE rollout_id = ?", [old]
+                    ).fetchall()
+                    conn.executemany(
+                        self._sql("UPDATE spans SET rollout_id = ?, body = ? WHERE seq = ?"),
+                        [(new, with_rollout_id(bytes(body), new), seq) for seq, body in rows],
+                    )
+                    self._exec(conn, "UPDATE reward_ids SET rollout_id = ? WHERE rollout_id = ?", [new, old])
+                    self._exec(conn, "DELETE FROM rollouts WHERE rollout_id = ?", [old])
+                    moved += len(rows)
+        return moved
 
     def apply_retention(
         self, *, max_age_s: float | None = None, consumed: bool = False, now: float | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
@@ -17,6 +17,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailableError",
+    "validate_merge",
 ]
 
 
@@ -43,6 +44,30 @@ MAX_PAGE = 500
 #: filter, which reads span bodies, up to ``AGENT_COUNT_CAP``.
 COUNT_CAP = 100_000
 AGENT_COUNT_CAP = 1_000
+
+
+#: Longest rollout id a merge names (the store indexes rollout ids of up to 256 characters).
+MAX_ROLLOUT_ID = 256
+
+
+def validate_merge(moves: Mapping[str, str]) -> dict[str, str]:
+    """The ``old -> new`` pairs of :meth:`Store.merge_rollouts` that move anything (a rollout merged into
+    itself is left out); :class:`StoreError` for an id that is not a non-empty string of at most 256
+    characters without NUL, or a rollout that is both merged away and merged into."""
+    pairs: dict[str, str] = {}
+    for old, new in moves.items():
+        for what, value in (("merged rollout", old), ("target rollout", new)):
+            if not isinstance(value, str) or not value or len(value) > MAX_ROLLOUT_ID or "\x00" in value:
+                raise StoreError(
+                    f"{what} id {str(value)[:80]!r}: give a non-empty string of at most {MAX_ROLLOUT_ID}"
+                    " characters, without NUL"
+                )
+        if old != new:
+            pairs[old] = new
+    both = sorted(set(pairs) & set(pairs.values()))
+    if both:
+        raise StoreError(f"rollout {both[0]!r} is both merged into another and merged into: merge it once")
+    return pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +182,11 @@ class Store(Protocol):
     def get_resource(self, name: str) -> Resource | None: ...
 
     def mark_consumed(self, rollout_ids: Sequence[str]) -> int: ...
+
+    def merge_rollouts(self, moves: Mapping[str, str]) -> int:
+        """Move the spans of each rollout ``old`` into rollout ``new`` (``{old: new}``), rewriting the
+        rollout id each span carries, and delete the record of ``old``; all or none. Only rollouts that
+        never ran under the queue (observed, imported) can be merged. Returns how many spans moved."""
 
     def apply_retention(
         self, *, max_age_s: float | None = None, consumed: bool = False, now: float | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Generic, TypeVar, cast
 
@@ -83,6 +83,16 @@ def _enqueue(requests: Iterable[RolloutRequest]) -> _Call[list[Rollout]]:
 
 def _observed(requests: Iterable[RolloutRequest]) -> _Call[list[Rollout]]:
     return _Call("POST", "/api/rollouts/observed", {"rollouts": [dict(r) for r in requests]}, _rollouts)
+
+
+def _merge(moves: dict[str, str]) -> _Call[int]:
+    return _Call("POST", "/api/rollouts/merge", {"moves": moves}, lambda d: int(d["moved"]))
+
+
+def _merge_pages(moves: Mapping[str, str]) -> list[dict[str, str]]:
+    """``moves`` in pages the store accepts (none when there is nothing to move)."""
+    items = list(moves.items())
+    return [dict(items[i : i + _PAGE]) for i in range(0, len(items), _PAGE)]
 
 
 def _dequeue(worker_id: str, lease_s: float) -> _Call[tuple[Rollout, Attempt] | None]:
@@ -256,6 +266,11 @@ class StoreClient:
     def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
         return sum(self._run(_ids_call(_CONSUMED, ids, _marked)) for ids in _chunks(rollout_ids))
 
+    def merge_rollouts(self, moves: Mapping[str, str]) -> int:
+        """See ``Store.merge_rollouts``; more than ``MAX_IDS_PER_CALL`` pairs go in several requests, each
+        all or none."""
+        return sum(self._run(_merge(page)) for page in _merge_pages(moves))
+
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
         return [r for ids in _chunks(rollout_ids) for r in self._run(_ids_call(_QUERY, ids, _rollouts))]
 
@@ -401,6 +416,9 @@ class AsyncStoreClient:
 
     async def mark_consumed(self, rollout_ids: Sequence[str]) -> int:
         return sum([await self._run(_ids_call(_CONSUMED, ids, _marked)) for ids in _chunks(rollout_ids)])
+
+    async def merge_rollouts(self, moves: Mapping[str, str]) -> int:
+        return sum([await self._run(_merge(page)) for page in _merge_pages(moves)])
 
     async def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
         return [r for ids in _chunks(rollout_ids) for r in await self._run(_ids_call(_QUERY, ids, _rollouts))]

@@ -18,6 +18,9 @@ Endpoints (JSON unless noted):
 ``POST /api/rollouts/observed``                record finished rollouts that ran outside the queue
                                                (``{"rollouts": [{rollout_id, ...}]}``, as enqueue; ids
                                                already stored are kept) -> ``{"rollouts": [...]}``
+``POST /api/rollouts/merge``                   ``{"moves": {old_id: new_id}}`` -> ``{"moved": n}`` (spans of
+                                               observed rollouts moved into another; 409 for a rollout
+                                               that ran under the queue)
 ``POST /api/attempts/{attempt_id}/heartbeat``  ``{"lease_s"?}`` -> ``{"attempt"}`` (its status says if it
                                                should stop: cancelled or timed out)
 ``POST /api/attempts/{attempt_id}/complete``   ``{"status", "reward"?, "error"?}`` -> ``{"rollout"}``
@@ -110,6 +113,13 @@ class _ObservedIn(_Strict):
         if any(r.rollout_id is None for r in rollouts):
             raise ValueError("every observed rollout needs its rollout_id")
         return rollouts
+
+
+_RolloutId = Annotated[str, pydantic.StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00]+$")]
+
+
+class _MergeIn(_Strict):
+    moves: dict[_RolloutId, _RolloutId] = pydantic.Field(min_length=1, max_length=MAX_IDS_PER_CALL)
 
 
 class _DequeueIn(_Strict):
@@ -444,6 +454,10 @@ def create_store_app(
         body = await _json_body(request, _RolloutQueryIn)
         return JSONResponse({"marked": await run_in_threadpool(store.mark_consumed, body.rollout_ids)})
 
+    async def merge(request: Request) -> Response:
+        body = await _json_body(request, _MergeIn)
+        return JSONResponse({"moved": await run_in_threadpool(store.merge_rollouts, body.moves)})
+
     def path_id(request: Request, name: str) -> str:
         value = str(request.path_params[name])
         if not value or len(value) > 512 or "\x00" in value:
@@ -545,6 +559,7 @@ def create_store_app(
             Route("/api/rollouts/cancel", api(cancel), methods=["POST"]),
             Route("/api/rollouts/consumed", api(consumed), methods=["POST"]),
             Route("/api/rollouts/observed", api(observed), methods=["POST"]),
+            Route("/api/rollouts/merge", api(merge), methods=["POST"]),
             Route("/api/attempts/{attempt_id}/heartbeat", api(heartbeat), methods=["POST"]),
             Route("/api/attempts/{attempt_id}/complete", api(complete), methods=["POST"]),
             Route("/api/spans/query", api(query_spans), methods=["POST"]),
