@@ -141,6 +141,15 @@ def _parser() -> argparse.ArgumentParser:
         default=200_000,
         help="write backlog above which ingest answers 'retry later' (default: %(default)s)",
     )
+    serve.add_argument(
+        "--group-wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="spans that arrive without a rollout (an agent run outside agl's runner) become rollouts,"
+        " grouped by rollout id, session or trace, once their trace has had no new span for SECONDS;"
+        " 0 leaves them loose (default: %(default)s)",
+    )
     stats = store.add_parser("stats", help="print what a running store holds")
     stats.add_argument(
         "--store",
@@ -295,6 +304,8 @@ def _store_serve(args: argparse.Namespace) -> int:
         return fail("--max-pending-spans must be >= 1")
     if not 0 <= args.parse_workers <= 64:
         return fail("--parse-workers must be between 0 and 64")
+    if not 0 <= args.group_wait <= 86_400:  # NaN fails too
+        return fail(f"--group-wait {args.group_wait}: give seconds from 0 (off) to 86400")
     try:
         redactor = parse_rules(args.redact)
         retention = RetentionPolicy.parse(args.retention)
@@ -311,6 +322,7 @@ def _store_serve(args: argparse.Namespace) -> int:
         retention=retention,
         max_pending_spans=args.max_pending_spans,
         parse_workers=args.parse_workers,
+        group_wait_s=args.group_wait or None,
     )
     try:
         grpc_note = "off"

@@ -21,6 +21,8 @@ from .. import semconv
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ..rewards import EPISODE, Reward, StoredReward
 from ..transitions import episode_rewards
+from ._loose import SOURCE as LOOSE_SOURCE
+from ._loose import LooseSpans, rollout_for_trace
 from ._otlp import (
     SpanRow,
     extract_rows,
@@ -45,8 +47,10 @@ from .base import (
 
 __all__ = ["SqlStore"]
 
-#: Rollouts a merge looks up in one statement.
+#: Rollouts a merge (or traces a grouping pass) looks up in one statement.
 _MERGE_CHUNK = 500
+#: A grouping pass of loose spans reads new spans' ids in pages of this many, at most this many pages.
+_LOOSE_PAGE, _LOOSE_PAGES = 20_000, 10
 _Q, _R = RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value
 #: Attributes that name the agent a span belongs to, as :meth:`SqlStore.list_rollouts` looks for them.
 AGENT_NAME_KEYS = (semconv.GEN_AI_AGENT_NAME, semconv.OI_AGENT_NAME)
@@ -915,6 +919,77 @@ class SqlStore(Generic[_C]):
                     self._exec(conn, "DELETE FROM rollouts WHERE rollout_id = ?", [old])
                     moved += len(rows)
         return moved
+
+    def group_loose_spans(self, loose: LooseSpans, now: float | None = None) -> tuple[int, int]:
+        """One pass of grouping the spans stored without a rollout (:mod:`._loose`): note the spans
+        stored since the last pass, then give the loose spans of each trace quiet for ``loose.quiet_s``
+        their rollout (the indexed id and the span's ``agl.rollout.id``) and the rollout an observed
+        record, as rollout ids that spans name without one. ``now``: monotonic seconds. Returns (spans
+        given a rollout, the rollouts they were given)."""
+        now = time.monotonic() if now is None else now
+        if loose.after_seq is None:
+            first = self._read("SELECT MIN(seq) FROM spans WHERE rollout_id IS NULL")[0][0]
+            last = self._read("SELECT MAX(seq) FROM spans")[0][0]
+            loose.after_seq = int(first) - 1 if first is not None else int(last or 0)
+        for _ in range(_LOOSE_PAGES):
+            rows = self._read(
+                "SELECT seq, trace_id, rollout_id FROM spans WHERE seq > ? ORDER BY seq LIMIT ?",
+                [loose.after_seq, _LOOSE_PAGE],
+            )
+            for _seq, trace_id, rollout_id in rows:
+                if rollout_id is None:
+                    loose.saw_trace(bytes(trace_id), now)
+                else:
+                    loose.saw_rollout(rollout_id, now)
+            if rows:
+                loose.after_seq = int(rows[-1][0])
+            if len(rows) < _LOOSE_PAGE:
+                break
+        grouped = 0
+        records: dict[str, dict[str, Any]] = {}
+        given: set[str] = set()
+        ready = loose.ready_traces(now)
+        for start in range(0, len(ready), _MERGE_CHUNK):
+            clause, values = self._in("trace_id", ready[start : start + _MERGE_CHUNK])
+            with self._write() as conn:
+                spans: dict[bytes, list[tuple[int, str | None, bytes | None]]] = {}
+                for seq, trace_id, rollout_id, body in self._exec(
+                    conn,
+                    "SELECT seq, trace_id, rollout_id, CASE WHEN rollout_id IS NULL THEN body END FROM spans"
+                    f" WHERE {clause} ORDER BY seq",
+                    values,
+                ).fetchall():
+                    spans.setdefault(bytes(trace_id), []).append(
+                        (seq, rollout_id, None if body is None else bytes(body))
+                    )
+                updates = []
+                for trace_id, rows_ in spans.items():
+                    if all(rollout_id is not None for _, rollout_id, _ in rows_):
+                        continue
+                    rollout_id, grouped_by = rollout_for_trace(trace_id, [(r, b) for _, r, b in rows_])
+                    updates += [
+                        (rollout_id, with_rollout_id(body, rollout_id), seq)
+                        for seq, r, body in rows_
+                        if r is None and body is not None
+                    ]
+                    records.setdefault(rollout_id, grouped_by)
+                    given.add(rollout_id)
+                conn.executemany(
+                    self._sql(
+                        "UPDATE spans SET rollout_id = ?, body = ? WHERE seq = ? AND rollout_id IS NULL"
+                    ),
+                    updates,
+                )
+                grouped += len(updates)
+        for rollout_id in loose.ready_rollouts(now):
+            records.setdefault(rollout_id, {})
+        requests = [
+            {"rollout_id": rid, "task_id": rid, "metadata": {"source": LOOSE_SOURCE, **by}}
+            for rid, by in records.items()
+        ]
+        for start in range(0, len(requests), 10_000):
+            self.add_observed_rollouts(requests[start : start + 10_000])
+        return grouped, len(given)
 
     def apply_retention(
         self, *, max_age_s: float | None = None, consumed: bool = False, now: float | None = None

@@ -11,6 +11,8 @@ from typing import Any
 from ..server import BackgroundServer
 from ._grpc import start_grpc_server
 from ._ingest import IngestPipeline
+from ._loose import LooseSpans
+from ._sql import SqlStore
 from .base import Store
 from .redact import Redactor
 from .server import create_store_app
@@ -73,6 +75,7 @@ class StoreService:
         max_pending_spans: int = 200_000,
         maintenance_interval_s: float = 5.0,
         parse_workers: int = 0,
+        group_wait_s: float | None = None,
     ) -> None:
         self.store = store
         self.token = token
@@ -86,6 +89,11 @@ class StoreService:
         )
         self.app = create_store_app(store, token=token, pipeline=self.pipeline, redactor=redactor)
         self.maintenance_interval_s = maintenance_interval_s
+        #: Spans stored without a rollout, grouped into rollouts once their trace is quiet for
+        #: ``group_wait_s`` (:mod:`._loose`; SQL stores, ``None``: off).
+        self.loose = (
+            LooseSpans(quiet_s=group_wait_s) if group_wait_s and isinstance(store, SqlStore) else None
+        )
         self._grpc: Any = None
         self._http: BackgroundServer | None = None
         self._stop = threading.Event()
@@ -110,6 +118,15 @@ class StoreService:
             logger.warning(
                 "agl store: reclaimed %d attempts whose runner stopped sending heartbeats", reclaimed
             )
+        if self.loose is not None:
+            assert isinstance(self.store, SqlStore)
+            grouped, rollouts = self.store.group_loose_spans(self.loose)
+            if grouped:
+                logger.info(
+                    "agl store: %d span(s) sent without a rollout grouped into %d rollout(s)",
+                    grouped,
+                    rollouts,
+                )
         if self.retention is not None:
             deleted = self.store.apply_retention(
                 max_age_s=self.retention.max_age_s, consumed=self.retention.consumed
