@@ -41,7 +41,9 @@ def _port(text: str) -> int:
     return value
 
 
-_BUILT_IN_COMMANDS = frozenset({"store", "gateway", "run", "inspect", "reward", "import", "dashboard"})
+_BUILT_IN_COMMANDS = frozenset(
+    {"store", "gateway", "run", "inspect", "reward", "import", "dashboard", "rollouts"}
+)
 
 
 def _checked_arguments(command: plugins.CliCommand) -> plugins.CliCommand:
@@ -158,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
     )
-    stats.add_argument("--token", default=None)
+    stats.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
 
     gateway = commands.add_parser("gateway", help="the LLM gateway").add_subparsers(
         dest="gateway_command", required=True, metavar="SUBCOMMAND"
@@ -178,14 +180,22 @@ def _parser() -> argparse.ArgumentParser:
             " SIGINT/SIGTERM (the first lets running rollouts finish, a second exits at once).",
         )
     )
-    inspect = commands.add_parser("inspect", help="print a rollout's span tree, transitions and problems")
-    inspect.add_argument("rollout_id", metavar="ROLLOUT_ID")
+    from ._rollouts_cli import add_rollouts_arguments
+
+    add_rollouts_arguments(commands.add_parser("rollouts", help="list the rollouts a store holds"))
+    inspect = commands.add_parser(
+        "inspect",
+        help="print a rollout's span tree, transitions and problems",
+        description="Print one rollout as the trainer sees it: its span tree, the transitions its LLM calls"
+        " make, and why a call makes none. Rollout ids: `agl rollouts list`.",
+    )
+    inspect.add_argument("rollout_id", metavar="ROLLOUT_ID", help="the rollout (see `agl rollouts list`)")
     inspect.add_argument(
         "--store",
         default=None,
         help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
     )
-    inspect.add_argument("--token", default=None)
+    inspect.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
     from .importer._cli import add_import_arguments
 
     add_import_arguments(
@@ -515,6 +525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .dashboard._cli import run_dashboard
 
         return run_dashboard(args)
+    if args.command == "rollouts":
+        from ._rollouts_cli import run_rollouts
+
+        return run_rollouts(args)
     if args.command == "import":
         from .importer._cli import run_import
 
