@@ -388,7 +388,9 @@ class LeanSpan(trace.Span):
 
 class _GlobalTracer(trace.Tracer):
     """The global provider's tracer, asked for before the process set one: each span asks again until
-    there is one (an adapter instrumented before :func:`~agl_core.setup_tracing` still records lean)."""
+    there is one (an adapter instrumented before :func:`~agl_core.setup_tracing` still records lean). A
+    span started while there is none sets up the export the environment names, or warns once that
+    nothing is recorded (:func:`~agl_core.tracing.export_from_environment`)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -399,7 +401,12 @@ class _GlobalTracer(trace.Tracer):
             return self._tracer
         provider = trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider):
-            return provider.get_tracer(self._name)
+            from .tracing import export_from_environment  # it imports this module
+
+            export_from_environment()  # AGL_STORE_URL / OTEL_EXPORTER_OTLP_*: export there; else warn once
+            provider = trace.get_tracer_provider()
+            if isinstance(provider, trace.ProxyTracerProvider):
+                return provider.get_tracer(self._name)
         self._tracer = lean_tracer(provider, self._name)
         return self._tracer
 

@@ -412,6 +412,35 @@ def setup_tracing(
     return provider
 
 
+_NOWHERE_WARNED = False
+
+
+def export_from_environment() -> TracerProvider | None:
+    """What an adapter does at its first span in a process that set no tracer provider (``instrument()``
+    alone, outside agl's runner): send the process's spans to the store ``AGL_STORE_URL`` names, or where
+    the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` say
+    (:func:`setup_tracing`); with neither set, warn once that nothing is recorded and what to set.
+    Returns the provider set up, or ``None``."""
+    global _NOWHERE_WARNED
+    if _global_setup is not None:
+        return _global_setup[0]
+    if os.environ.get("AGL_STORE_URL") or settings.otlp_env_configured():
+        provider = setup_tracing()
+        logger.info(
+            "agl: an instrumented agent's spans go to %s", _global_setup[1].endpoint if _global_setup else "?"
+        )
+        return provider
+    if not _NOWHERE_WARNED:
+        _NOWHERE_WARNED = True
+        logger.warning(
+            "agl: an instrumented agent started a span, but this process sends spans nowhere, so nothing is"
+            " recorded. Set AGL_STORE_URL=http://127.0.0.1:4318 (where `agl store serve` listens) or"
+            " OTEL_EXPORTER_OTLP_ENDPOINT before the agent starts, or call"
+            " agl_core.setup_tracing(URL) at start-up."
+        )
+    return None
+
+
 def mark_span_error(span: trace.Span, error: BaseException) -> None:
     """Set ERROR status with the exception's type and message on ``span``."""
     span.set_attribute(semconv.ERROR_TYPE, type(error).__name__)
