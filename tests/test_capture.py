@@ -449,3 +449,29 @@ def test_agl_gateway_serve_capture_in_front_of_an_openai_compatible_server(colle
     collector.client.add_reward(1.0, rollout_id=rollout_id)
     result = spans_to_transitions(collector.spans(rollout_id))
     assert result.transitions == () and NOT_TRAINABLE in result.reasons()
+
+
+def test_the_answer_names_the_rollout_the_call_was_recorded_in(gateway):
+    """``x-agl-rollout-id`` on the answer: the captured session's rollout (JSON and streamed), the rollout
+    the caller named, none for a call in no rollout."""
+    plain = _openai(gateway)
+    raw = plain.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_headers={HEADER: "conv-9"}
+    )
+    assert raw.headers[semconv.HEADER_ROLLOUT_ID] == session_rollout_id("conv-9")
+    with plain.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True, user="carol"
+    ) as streamed:
+        assert streamed.headers[semconv.HEADER_ROLLOUT_ID] == session_rollout_id("carol")
+        list(streamed.iter_lines())
+    named = plain.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_headers={semconv.HEADER_ROLLOUT_ID: "ro-7"},
+    )
+    assert named.headers[semconv.HEADER_ROLLOUT_ID] == "ro-7"
+    with GatewayServer(ScriptedBackend(model_name=MODEL)) as bare:
+        answer = _openai(bare).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert semconv.HEADER_ROLLOUT_ID not in answer.headers

@@ -5,6 +5,7 @@
 
 from ._user_spans import Tool, ToolCall, agent_span, current_tool_call, tool, tool_call
 from .records import Attempt, Resource, Rollout, RolloutStatus, Span, Task, Transition
+from .rollout_ids import session_rollout_id, trace_rollout_id
 from .runner import LLM, RolloutTimeout
 from .tracing import (
     RolloutContext,
@@ -36,7 +37,9 @@ __all__ = [
     "emit_error",
     "emit_reward",
     "rollout_scope",
+    "session_rollout_id",
     "setup_tracing",
     "tool",
     "tool_call",
+    "trace_rollout_id",
 ]

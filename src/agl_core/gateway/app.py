@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -69,6 +69,14 @@ logger = logging.getLogger(__name__)
 _MAX_BODY = 8 * 1024 * 1024
 _propagator = TraceContextTextMapPropagator()
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def _rollout_header(rollout: RolloutContext | None) -> dict[str, str]:
+    """``x-agl-rollout-id`` on an answer: the rollout the call was recorded in (given by the caller, or
+    its captured session's), so a client outside agl's runner learns the id to inspect or reward."""
+    if rollout is None or not (rollout.rollout_id.isascii() and rollout.rollout_id.isprintable()):
+        return {}  # a header carries printable ASCII only: such an id is left out, never an error
+    return {semconv.HEADER_ROLLOUT_ID: rollout.rollout_id}
 
 
 def _rollout_of(request: Request) -> RolloutContext | None:
@@ -517,7 +525,7 @@ class _Gateway:
                 # status.
                 first = await events.__anext__()
                 call.saw_event()
-                return _SSEResponse(_EventStream(self, call, events, first))
+                return _SSEResponse(_EventStream(self, call, events, first), _rollout_header(rollout))
             with anyio.CancelScope() as scope:
                 # stop generating when the client goes away: nobody waits for the answer any more
                 watcher = asyncio.ensure_future(_cancel_when_gone(request, scope))
@@ -559,7 +567,7 @@ class _Gateway:
         body = door.response(call)
         if call.completions:
             door.recorded(call)
-        return self._done(endpoint, JSONResponse(body))
+        return self._done(endpoint, JSONResponse(body, headers=_rollout_header(rollout)))
 
     def _done(self, endpoint: str, response: Response) -> Response:
         self.metrics.request_done(endpoint, response.status_code)
@@ -655,8 +663,8 @@ class _EventStream:
 class _SSEResponse(StreamingResponse):
     """A streaming response that always finishes its call, also when the client leaves before it starts."""
 
-    def __init__(self, stream: _EventStream) -> None:
-        super().__init__(stream.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
+    def __init__(self, stream: _EventStream, headers: Mapping[str, str]) -> None:
+        super().__init__(stream.sse(), media_type="text/event-stream", headers={**_SSE_HEADERS, **headers})
         self._stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -39,7 +39,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .. import semconv
-from ..importer._grouping import session_rollout_id, trace_rollout_id
+from ..rollout_ids import session_rollout_id, trace_rollout_id
 from ..store import StoreClient
 from ..store.base import RolloutRequest
 from ._door import SessionHint

@@ -16,7 +16,6 @@ without any of these keys are not even decoded).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +26,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from .. import semconv
+from ..rollout_ids import session_rollout_id, trace_rollout_id
 from ..store._otlp import SpanRow
 from ._files import Record
 
@@ -37,19 +37,6 @@ SESSION_KEYS = (semconv.SESSION_ID, semconv.GEN_AI_CONVERSATION_ID)
 _KEYS = (semconv.ROLLOUT_ID, *SESSION_KEYS)
 _MARKERS = tuple(k.encode() for k in _KEYS)
 _SESSION_MARKERS = tuple(k.encode() for k in SESSION_KEYS)
-
-
-def session_rollout_id(session: str) -> str:
-    """The rollout id of the traces of one session: ``imp-s-<hash of the session id>``. It depends only on
-    the session id, so the same session names the same rollout whenever and however it is recorded
-    (imported from a file, or captured live by ``agl gateway serve --capture``)."""
-    digest = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
-    return f"imp-s-{digest}"
-
-
-def trace_rollout_id(trace_id: bytes) -> str:
-    """The rollout id of a trace that names no session and no rollout: ``imp-t-<trace id in hex>``."""
-    return f"imp-t-{trace_id.hex()}"
 
 
 def _varint(n: int) -> bytes:

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 
 from .. import semconv
+from ..rollout_ids import session_rollout_id, trace_rollout_id
 
 __all__ = ["LooseSpans", "rollout_for_trace"]
 
@@ -104,8 +105,6 @@ def rollout_for_trace(
     """The rollout of a trace's loose spans and what it was grouped by (the record's metadata), from the
     trace's stored spans in store order as ``(rollout id, body)`` (the body needed only for spans
     without a rollout id): the first rollout id a span names, else the trace's session, else the trace."""
-    from ..importer._grouping import session_rollout_id, trace_rollout_id
-
     session: tuple[str, str] | None = None
     for rollout_id, body in rows:
         if rollout_id:
