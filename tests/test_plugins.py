@@ -73,6 +73,7 @@ def _says_install_the_extra(done: subprocess.CompletedProcess[str], what: str) -
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert what in done.stderr and HINT in done.stderr, done.stderr
+    assert "--index-url https://download.pytorch.org/whl/cpu" in done.stderr  # never the CUDA build unasked
 
 
 def test_without_torch_train_is_listed_and_says_what_to_install(tmp_path):

@@ -137,9 +137,18 @@ class UnavailableCommand:
         raise PluginError(self.reason)
 
 
+#: What to install first for agl's extras that pull torch: a bare ``torch`` requirement resolves to the CUDA
+#: build on Linux (gigabytes), so a CPU machine takes torch's CPU wheel before the extra.
+TORCH_CPU_FIRST = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
 def install_hint(extra: str, dist: str = "agl") -> str:
-    """``pip install 'DIST[EXTRA]'`` (or ``'DIST'`` when ``extra`` is empty)."""
-    return f"pip install '{dist}[{extra}]'" if extra else f"pip install '{dist}'"
+    """``pip install 'DIST[EXTRA]'`` (or ``'DIST'`` when ``extra`` is empty); for agl's ``trainer`` extra,
+    with torch's CPU build installed first on a machine without a GPU."""
+    hint = f"pip install '{dist}[{extra}]'" if extra else f"pip install '{dist}'"
+    if dist == "agl" and extra == "trainer":
+        return f"{hint} (on a machine without a GPU, first: {TORCH_CPU_FIRST}, or the CUDA build comes)"
+    return hint
 
 
 def _entry_points(group: str) -> list[EntryPoint]:
