@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +93,9 @@ def test_the_trainer_prints_the_dashboard_url_and_records_the_run(run):
     assert info["status"] == "finished" and info["steps"] == 2
     assert info["config"]["model"]["source"] == "tiny"
     assert info["ended_at"] >= info["started_at"]
+    assert info["phase"] is None  # a finished run is doing nothing
+    # the console says what a long silent phase is doing before it starts
+    assert "validation (before training): scoring 3 held-out task(s) x 1 rollout(s)..." in run["stdout"]
     # secrets in the config are masked before they reach disk (and the dashboard)
     assert "gw-secret-41" not in (run["out"] / "run.json").read_text()
     assert info["config"]["gateway"]["token"] == "***"
@@ -118,6 +122,23 @@ def test_runs_list_and_one_run_show_status_curves_and_held_out_results(app_clien
         assert t["change"] == pytest.approx(t["after"] - t["before"])
     assert detail["config"]["train"]["steps"] == 2
     assert app_client.get("/api/runs/nope").status_code == 404
+
+
+def test_a_running_run_shows_what_it_is_doing(tmp_path):
+    out = tmp_path / "runs" / "live"
+    out.mkdir(parents=True)
+    started = time.time() - 30
+    info = {"title": "agent:solve", "status": "running", "steps": 4, "started_at": started}
+    info |= {"pid": os.getpid(), "host": socket.gethostname(), "phase": "held-out pass before training"}
+    (out / "run.json").write_text(json.dumps({**info, "phase_started_at": started + 5}))
+    store = SqliteStore(tmp_path / "s.sqlite")
+    try:
+        with TestClient(create_dashboard_app(store, [tmp_path / "runs"])) as client:
+            (summary,) = client.get("/api/runs").json()["runs"]
+    finally:
+        store.close()
+    assert summary["phase"] == "held-out pass before training"
+    assert summary["phase_started_at"] == pytest.approx(started + 5)
 
 
 def test_rollout_table_filters_and_pages(app_client, run):
@@ -417,6 +438,8 @@ def test_browser_runs_page_lists_the_run_and_its_progress(page, tmp_path):
     row = page.locator("tr[data-run='run']")
     assert row.count() == 1
     assert "finished" in row.inner_text() and "step 2 / 2" in row.inner_text()
+    assert row.locator("a").inner_text() == "run"  # named by its output folder, the agent beside it
+    assert "agent:solve" in row.inner_text()
     assert (tmp_path / "runs.png").stat().st_size > 10_000
     assert page.locator("#store-stats").inner_text().startswith("store:")
 

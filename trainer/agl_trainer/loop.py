@@ -427,15 +427,24 @@ def train(
 
     title = config.agent or agent_name(agent_fn)
     with ExitStack() as stack, Display(config.logging.progress, steps, echo=echo) as display:
-        stack.push(
-            RunFile(
-                out,
-                title=title,
-                config=masked_config(config.model_dump(mode="json")),
-                steps=steps,
-                resumed=checkpoint is not None,
-            )
+        run_file = RunFile(
+            out,
+            title=title,
+            config=masked_config(config.model_dump(mode="json")),
+            steps=steps,
+            resumed=checkpoint is not None,
         )
+        stack.push(run_file)
+
+        def held_out_pass(step: int, label: str) -> EvalResult:
+            count = min(len(val_tasks), config.validation.max_tasks or len(val_tasks))
+            run_file.phase(f"held-out pass {label}")
+            display.line(
+                f"validation ({label}): scoring {count} held-out task(s)"
+                f" x {config.validation.rollouts_per_task} rollout(s)..."
+            )
+            return _validate(config, queue, step, val_tasks)
+
         log = _RunLog(config, display, stack, title=title)
         display.line(
             f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
@@ -477,13 +486,14 @@ def train(
             queue.cancel_inflight()  # before any worker can pick up the killed step's rollouts
         start_runners(config, services, agent_fn, stack, echo=display.line)
         if checkpoint is None and validating and config.validation.before:
-            before = _validate(config, queue, 0, val_tasks)
+            before = held_out_pass(0, "before training")
             log.record_eval(before, "before training")
         last_saved: Path | None = checkpoint
         trained_any = checkpoint is not None  # a resumed run trained before
         warnings_seen: list[str] = []
         for step in range(start_step, steps + 1):
             display.start_step(step, step - 1)
+            run_file.phase(f"step {step} of {steps}")
             outcome = trainer.run(step, sampler.sample(config.train.tasks_per_step), draw=sampler.sample)
             release_free_memory()  # the update's activations, before the next rollouts allocate caches
             metrics = outcome.metrics
@@ -501,7 +511,7 @@ def train(
             during = None
             if validating and every and step % every == 0 and step != steps:
                 t0 = time.monotonic()
-                during = _validate(config, queue, step, val_tasks)
+                during = held_out_pass(step, "during training")
                 metrics.phases["validation"] = round(time.monotonic() - t0, 3)
             log.record_step(metrics)
             if during is not None:
@@ -517,7 +527,7 @@ def train(
             trainer.close()  # the groups still in flight would train no step
         after = None
         if validating and config.validation.after:
-            after = _validate(config, queue, steps, val_tasks)
+            after = held_out_pass(steps, "after training")
             log.record_eval(after, "after training")
             log.redraw()
         if before is not None and after is not None:

@@ -1,5 +1,6 @@
 """``output_dir/run.json``: what a run is and how it stands, for the dashboard and for people: its title,
-config, steps, status (``running``, ``finished``, ``failed``, ``interrupted``), times and process."""
+config, steps, status (``running``, ``finished``, ``failed``, ``interrupted``), what a running run is
+doing now (``phase``, since ``phase_started_at``), times and process."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class RunFile:
             "steps": steps,
             "started_at": time.time(),
             "ended_at": None,
+            "phase": "starting",
+            "phase_started_at": time.time(),
             "resumed": resumed,
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -41,8 +44,13 @@ class RunFile:
         tmp.write_text(json.dumps(self.data, indent=2, default=str))
         tmp.replace(self.path)
 
+    def phase(self, what: str) -> None:
+        """What the run is doing from now on (``held-out pass before training``, ``step 3 of 12``...)."""
+        self.data.update(phase=what, phase_started_at=time.time())
+        self._write()
+
     def end(self, status: str, error: str | None = None) -> None:
-        self.data.update(status=status, ended_at=time.time(), error=error)
+        self.data.update(status=status, ended_at=time.time(), error=error, phase=None)
         self._write()
 
     def __call__(

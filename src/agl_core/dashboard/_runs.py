@@ -201,6 +201,8 @@ def run_summary(
             "ended_at": info.get("ended_at"),
             "updated_at": updated,
             "eta_s": _eta_s(train, total, status),
+            "phase": info.get("phase") if status == "running" else None,
+            "phase_started_at": info.get("phase_started_at") if status == "running" else None,
             "mean_reward": last.get("mean_reward"),
             "val_first": val[0].get("mean") if val else None,
             "val_last": val[-1].get("mean") if len(val) > 1 else None,

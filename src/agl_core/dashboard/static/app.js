@@ -150,8 +150,8 @@ async function viewRuns() {
     const bar = el("div", { class: "progress" }, el("div", {}));
     bar.firstChild.style.width = `${pct}%`;
     table.append(el("tr", { class: "clickable", "data-run": run.name, onclick: () => { location.hash = `#/run/${encodeURIComponent(run.name)}`; } },
-      el("td", {}, el("a", { href: `#/run/${encodeURIComponent(run.name)}` }, run.title), el("div", { class: "muted" }, run.path)),
-      el("td", {}, status(run.status)),
+      el("td", {}, el("a", { href: `#/run/${encodeURIComponent(run.name)}` }, run.name), el("div", { class: "muted" }, `${run.title} · ${run.path}`)),
+      el("td", {}, status(run.status), run.phase ? el("div", { class: "muted", "data-test": "phase" }, run.phase) : ""),
       el("td", {}, bar, el("span", { class: "muted" }, `step ${run.step}${run.steps ? " / " + run.steps : ""}`)),
       el("td", {}, run.status === "running" ? duration(run.eta_s) : "–"),
       el("td", { class: "num" }, fmt(run.mean_reward)),
@@ -222,13 +222,13 @@ async function viewRun(name) {
   }
   const last = train.length ? train[train.length - 1] : {};
   const cards = el("div", { class: "cards" },
-    card("Status", status(run.status)),
+    card("Status", run.phase ? [status(run.status), el("div", { class: "muted", "data-test": "phase" }, `${run.phase}, for ${duration(run.now - run.phase_started_at)}`)] : status(run.status)),
     card("Step", `${run.step}${run.steps ? " / " + run.steps : ""}`),
     card("ETA", run.status === "running" ? duration(run.eta_s) : "–"),
     card("Train reward (last step)", fmt(last.mean_reward)),
     card("Loss (last step)", fmt(last.loss)),
     card("Started", when(run.started_at)));
-  const parts = [el("h1", {}, run.title), el("p", { class: "muted" }, run.path), cards];
+  const parts = [el("h1", {}, run.name), el("p", { class: "muted" }, `${run.title} · ${run.path}`), cards];
   if (run.error) parts.push(el("p", { class: "error" }, run.error));
   parts.push(el("h2", {}, "Curves"), charts);
   parts.push(el("h2", {}, "Held-out results"), heldOutTable(run.held_out));
