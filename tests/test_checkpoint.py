@@ -282,3 +282,35 @@ def test_a_signal_surfacing_wrapped_in_another_exception_still_ends_the_run_as_i
     err = capsys.readouterr().err
     assert "terminated (SIGTERM); run.json says interrupted" in err and "Error calling" not in err
     assert json.loads((out / "run.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_agl_eval_stopped_by_a_signal_ends_at_once_saying_so(job, tmp_path, stop):
+    """``agl eval`` once ran on to the end through Ctrl-C (exit 0), and died of SIGTERM without a word."""
+    (job / "agent.py").write_text(AGENT.replace("time.sleep(0.05)", "time.sleep(60)"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "agl_core.cli",
+        "eval",
+        str(job / "config.yaml"),
+        "--tasks",
+        "tasks.jsonl",
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the runner is up: rollouts are under way
+            if line.startswith("runner:"):
+                break
+        time.sleep(1.0)
+        started = time.monotonic()
+        proc.send_signal(stop)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + stop and time.monotonic() - started < 20, err[-2000:]
+    how = "terminated (SIGTERM)" if stop == signal.SIGTERM else "interrupted"
+    assert f"agl eval: {how} before it finished; no score was computed or written" in err
+    assert "Traceback" not in err and "terminate called" not in err

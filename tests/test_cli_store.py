@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
 import time
 
 import httpx
+import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+from agl_core.store import SqliteStore
 from agl_core.tracing import rollout_scope
 
 
@@ -172,3 +175,45 @@ def test_a_port_in_use_is_named_with_the_flag_that_changes_it(tmp_path):
     assert store.returncode == 2 and f"127.0.0.1:{port}" in store.stderr
     assert "(OTLP/HTTP and the API: --http-port PORT)" in store.stderr
     assert gateway.returncode == 2 and "(--port PORT)" in gateway.stderr
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_store_serve_stopped_by_a_signal_says_what_it_kept_and_exits_the_shells_way(tmp_path, stop):
+    port = _free_port()
+    db = tmp_path / "s.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(db), "--http-port", str(port)]
+        + ["--no-grpc", "--parse-workers", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.post(
+            f"http://127.0.0.1:{port}/api/rollouts", json={"rollouts": [{"task_id": "t"}]}
+        ).is_success
+        started = time.monotonic()
+        proc.send_signal(stop)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + stop and time.monotonic() - started < 10
+    name = signal.Signals(stop).name
+    assert f"agl store serve: stopped by {name}; every span and rollout it acknowledged is in {db}" in err
+    assert "Traceback" not in err
+    kept = SqliteStore(db)
+    try:
+        assert kept.stats()["rollouts"] == 1
+    finally:
+        kept.close()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
@@ -286,7 +285,7 @@ class _Reader:
 
 
 def _store_serve(args: argparse.Namespace) -> int:
-    from .server import serve_forever
+    from .server import StopSignals, serve_forever
     from .store import StoreError, open_store
     from .store.redact import parse_rules
     from .store.service import RetentionPolicy, StoreService
@@ -351,8 +350,7 @@ def _store_serve(args: argparse.Namespace) -> int:
         )
         # uvicorn stops on SIGINT / SIGTERM, then re-raises the signal to the handler it found; one that
         # returns lets the finally below run (parse workers stopped, the database closed cleanly).
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
+        stop = StopSignals()
         try:
             serve_forever(service.app, args.host, args.http_port)
         except OSError as exc:
@@ -362,7 +360,13 @@ def _store_serve(args: argparse.Namespace) -> int:
     finally:
         service.close()
         store.close()
-    return 0
+    if stop.received is not None:
+        print(
+            f"agl store serve: stopped by {stop.name}; every span and rollout it acknowledged is in"
+            f" {args.db}",
+            file=sys.stderr,
+        )
+    return stop.exit_code
 
 
 def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ what is wrong, instead of uvicorn's plain "Invalid HTTP request received."
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["BackgroundServer", "serve_forever"]
+__all__ = ["BackgroundServer", "StopSignals", "serve_forever"]
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -132,6 +133,30 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class StopSignals:
+    """SIGINT and SIGTERM noted instead of acted on, for a server command that cleans up after uvicorn
+    stopped: uvicorn handles them while it runs, then re-raises each to the handler it found, which is
+    this one. :attr:`exit_code` is then the shell's convention for a process a signal ended (130 for
+    SIGINT, 143 for SIGTERM), 0 when none came."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.received if self.received is not None else 0
 
 
 def serve_forever(

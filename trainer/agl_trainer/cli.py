@@ -7,10 +7,12 @@ The command reaches ``agl`` through the ``agl.commands`` entry point ``train`` (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -48,7 +50,6 @@ def run_train(
             print(yaml.safe_dump(dumped, sort_keys=False, allow_unicode=True), end="")
         return 0
     passive_openmp()  # before anything imports torch
-    from .checkpoint import CheckpointError
     from .requirements import check_requirements
 
     try:
@@ -56,14 +57,16 @@ def run_train(
     except ValueError as exc:
         print(f"agl train: {exc}", file=sys.stderr)
         return 2
+    with stop_on_signals():
+        return _train_until_stopped(config, config_path, resume=resume, overwrite=overwrite)
+
+
+def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwrite: bool) -> int:
+    from .checkpoint import CheckpointError
     from .loop import NothingTrainedError, train
     from .model import ModelNotFoundError
     from .offline import train_from_traces
 
-    received.clear()
-    previous = (
-        {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)} if _main_thread() else {}
-    )
     try:
         (train if config.traces is None else train_from_traces)(
             config, echo=lambda line: print(line, flush=True), resume=resume, overwrite=overwrite
@@ -80,14 +83,27 @@ def run_train(
             print(f"agl train: {exc}", file=sys.stderr)
             return 1
         raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return 0
 
 
-#: The signals received during the current ``run_train`` (SIGINT, SIGTERM).
+#: The signals received during the current ``run_train`` or ``agl eval`` (SIGINT, SIGTERM).
 received: list[int] = []
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` (:class:`Terminated` for SIGTERM) in the main thread
+    while inside, and are noted in :data:`received` (yielded), so a command can tell a signal from an
+    error whatever exception it surfaced as; the previous handlers come back after."""
+    received.clear()
+    previous = (
+        {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)} if _main_thread() else {}
+    )
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:

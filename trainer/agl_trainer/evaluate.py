@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import tempfile
 from collections import defaultdict
@@ -410,6 +411,14 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _stopped(terminated: bool, store: str | None) -> int:
+    """The closing line of an evaluation stopped by Ctrl-C or SIGTERM; its exit status (130, 143)."""
+    how = "terminated (SIGTERM)" if terminated else "interrupted"
+    kept = f"the rollouts that finished are in {store}" if store else "no score was computed or written"
+    print(f"agl eval: {how} before it finished; {kept}; run it again to score", file=sys.stderr)
+    return 143 if terminated else 130
+
+
 class EvalCommand:
     """``agl eval``: the ``agl`` subcommand (an entry point in the ``agl.commands`` group, implementing
     :class:`agl_core.plugins.CliCommand`); it imports torch only when it runs."""
@@ -488,21 +497,29 @@ class EvalCommand:
             for path in (args.checkpoint, args.baseline if isinstance(args.baseline, str) else None):
                 if path is not None:
                     find_checkpoint(path)
-            evaluation = evaluate(
-                config,
-                tasks=tasks,
-                checkpoint=args.checkpoint,
-                baseline=args.baseline,
-                samples=args.samples,
-                split=args.split,
-                store=args.store,
-                echo=lambda line: print(line, file=sys.stderr, flush=True),
-            )
         except (EvalError, DatasetError, ModelNotFoundError, ValueError) as exc:
             return _fail(str(exc).replace("\n", " "))
-        except KeyboardInterrupt:
-            print("agl eval: interrupted", file=sys.stderr)
-            return 130
+        from .cli import stop_on_signals
+
+        with stop_on_signals() as received:
+            try:
+                evaluation = evaluate(
+                    config,
+                    tasks=tasks,
+                    checkpoint=args.checkpoint,
+                    baseline=args.baseline,
+                    samples=args.samples,
+                    split=args.split,
+                    store=args.store,
+                    echo=lambda line: print(line, file=sys.stderr, flush=True),
+                )
+            except BaseException as exc:
+                # a signal's exception may surface wrapped: what was received decides
+                if received or isinstance(exc, KeyboardInterrupt):
+                    return _stopped(signal.SIGTERM in received, args.store)
+                if isinstance(exc, (EvalError, DatasetError, ModelNotFoundError, ValueError)):
+                    return _fail(str(exc).replace("\n", " "))
+                raise
         for line in report(evaluation):
             print(line)
         if args.per_field:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -312,7 +311,7 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from ..server import serve_forever
+    from ..server import StopSignals, serve_forever
     from ..tracing import make_otlp_exporter
     from .app import create_gateway_app
     from .backend import BackendError
@@ -364,8 +363,7 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     )
     # uvicorn stops on SIGINT / SIGTERM and then re-raises the signal to the handler it found; a handler
     # that returns lets this function flush the spans still buffered instead of dying with them.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+    stop = StopSignals()
     try:
         serve_forever(app, args.host, args.port)
     except OSError as exc:
@@ -378,4 +376,10 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
         close = getattr(backend, "close", None)
         if close is not None:
             close()
-    return 0
+    if stop.received is not None:
+        print(
+            f"agl gateway serve: stopped by {stop.name}; the spans of the calls it answered were sent to"
+            f" {store}" + (" (or spooled where the store could not take them)" if args.spool_dir else ""),
+            file=sys.stderr,
+        )
+    return stop.exit_code
