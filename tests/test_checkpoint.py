@@ -234,11 +234,19 @@ def test_sigterm_ends_a_run_cleanly_saying_what_was_kept(job, tmp_path):
     the run as Ctrl-C does: exit 143, run.json "interrupted", and the way on (resume, or start again when
     no checkpoint exists yet)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def phase(out: Path) -> str | None:
+        try:
+            return json.loads((out / "run.json").read_text()).get("phase")
+        except (OSError, ValueError):
+            return None
+
     for name, ready in (
         ("early", lambda out: (out / "run.json").is_file()),
+        ("validating", lambda out: phase(out) == "held-out pass before training"),
+        ("in a step", lambda out: phase(out) == "step 2 of 5"),
         ("late", lambda out: latest_checkpoint(out / "checkpoints") is not None),
     ):
-        out = tmp_path / name
+        out = tmp_path / name.replace(" ", "-")
         proc = subprocess.Popen(
             _cmd(job, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )

@@ -237,6 +237,20 @@ def test_run_log_sends_the_same_scalars_to_every_tracker(tmp_path):
             assert _same(tensorboard, expected[name])
     for name in ["train/rollouts_failed", "train/policy_version"]:
         assert _tensorboard_scalars(out / "tensorboard", name) == _wandb_history(records, name), name
+    # every series the dashboard plots reaches the trackers too
+    for name, values in {
+        "train/kl": [(1, 0.01), (2, 0.02)],
+        "train/approx_kl": [(1, 0.002), (2, 0.002)],
+        "train/generation_tokens_per_s": [(1, 80.0), (2, 80.0)],
+        "train/rollouts": [(1, 4.0), (2, 4.0)],
+        "memory/peak_rss_mb": [(1, 901.0), (2, 902.0)],
+        "time/update_s": [(1, 0.5), (2, 1.0)],
+        "time/rollouts_s": [(1, 2.5), (2, 2.5)],
+        "agent/solver/calls": [(1, 4.0), (2, 4.0)],
+        "agent/solver/trained": [(1, 3.0), (2, 3.0)],
+    }.items():
+        assert _same(_tensorboard_scalars(out / "tensorboard", name), values), name
+        assert _same(_wandb_history(records, name), values), name
     # the reward curve, kept once, at the end
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["reward_curve.png"]
     assert len([r for r in records if r["type"] == "artifact"]) == 1
@@ -260,10 +274,15 @@ def _metrics(step: int, reward: float) -> StepMetrics:
         problems={},
         untrained={},
         reward_events={},
-        agents={},
+        agents={"solver": {"calls": 4, "trained": 3}},
         tasks=["a"],
         redrawn_tasks=0,
         seconds=1.0,
+        phases={"rollouts": 2.5, "update": 0.5 * step},
+        generation_tokens_per_s=80.0,
+        peak_rss_mb=900.0 + step,
+        kl=0.01 * step,
+        approx_kl=0.002,
     )
 
 

@@ -139,6 +139,19 @@ class _RunLog:
                 "train/tokens_per_s": metrics.tokens_per_s,
                 "train/rollouts_failed": float(metrics.rollouts_failed),
                 "train/policy_version": float(metrics.policy_version),
+                # every series the dashboard plots (its run page), under the same names
+                "train/kl": metrics.kl,
+                "train/approx_kl": metrics.approx_kl,
+                "train/generation_tokens_per_s": metrics.generation_tokens_per_s,
+                "train/rollouts": float(metrics.rollouts),
+                "train/rollouts_late": float(metrics.rollouts_late),
+                "memory/peak_rss_mb": metrics.peak_rss_mb,
+                **{f"time/{phase}_s": _number(seconds) for phase, seconds in metrics.phases.items()},
+                **{
+                    f"agent/{name}/{key}": _number(row.get(key))
+                    for name, row in metrics.agents.items()
+                    for key in ("calls", "trained")
+                },
             },
         )
         if metrics.pipeline is not None:
@@ -346,6 +359,13 @@ def _validate(config: TrainerConfig, queue: RolloutQueue, step: int, tasks: Sequ
         rollouts_per_task=v.rollouts_per_task,
         max_attempts=config.runner.max_attempts,
     ).result
+
+
+def _number(value: Any) -> float | None:
+    """A metric as a tracker takes it: a float, or ``None`` for anything that is not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 class NothingTrainedError(RuntimeError):
