@@ -234,6 +234,7 @@ def test_sigterm_ends_a_run_cleanly_saying_what_was_kept(job, tmp_path):
     the run as Ctrl-C does: exit 143, run.json "interrupted", and the way on (resume, or start again when
     no checkpoint exists yet)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
     def phase(out: Path) -> str | None:
         try:
             return json.loads((out / "run.json").read_text()).get("phase")

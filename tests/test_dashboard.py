@@ -5,6 +5,7 @@ validation of every parameter, the token, and span content kept inert."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -458,6 +459,27 @@ def test_browser_run_page_draws_curves_and_held_out_results(page, run, tmp_path)
     held = page.locator("text=tasks changed").inner_text()
     assert "before (step 0)" in held
     assert page.locator("table[data-test='steps'] tr").count() == 1 + len(train)
+    # axes: round ticks, from zero for series that never go below it, every label inside the chart
+    for title in ("Tokens/s", "Step time (s)", "Peak RSS (MB)", "KL", "Loss"):
+        chart = page.locator(f"[data-chart='{title}'] svg")
+        if chart.count() == 0:
+            continue  # no data for it in this run
+        labels = chart.locator("text[data-tick='y']")
+        ticks = [float(t) for t in labels.evaluate_all("ns => ns.map(n => n.textContent)")]
+        steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:], strict=False)}
+        assert len(steps) == 1, (title, ticks)  # evenly spaced
+        (step,) = steps
+        mantissa = step / 10 ** math.floor(math.log10(step))
+        assert min(abs(mantissa - m) for m in (1, 2, 5, 10)) < 1e-6, (title, ticks)  # 1, 2 or 5 x 10^k
+        if title != "Loss":
+            assert ticks[0] == 0, (title, ticks)
+        box = chart.bounding_box()
+        for label in labels.all():
+            where = label.bounding_box()
+            assert where["x"] >= box["x"] - 0.5, (title, ticks)  # not clipped at the left
+    lines = page.locator("[data-chart='Step time (s)'] polyline")
+    dashes = lines.evaluate_all("ns => ns.map(n => n.getAttribute('stroke-dasharray'))")
+    assert len(dashes) >= 2 and len(set(dashes)) >= 2, dashes  # series on top of each other stay apart
 
 
 def test_browser_rollouts_filter_pages_and_open_a_rollout(page, tmp_path):

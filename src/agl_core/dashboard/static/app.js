@@ -23,7 +23,9 @@ function el(tag, attrs, ...children) {
 
 function svg(tag, attrs, ...children) {
   const node = document.createElementNS(SVG, tag);
-  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value !== null && value !== undefined) node.setAttribute(key, String(value));
+  }
   for (const child of children.flat()) {
     if (child === null || child === undefined) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
@@ -80,8 +82,23 @@ function showError(error) {
 
 // ---- charts ---------------------------------------------------------------------------------------
 
+// Round tick values covering [lo, hi]: a step of 1, 2 or 5 times a power of ten, about `count` of them.
+function niceTicks(lo, hi, count = 4) {
+  const raw = (hi - lo) / count;
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw) || 10 * power;
+  const start = Math.floor(lo / step + 1e-9) * step, end = Math.ceil(hi / step - 1e-9) * step;
+  const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  const ticks = [];
+  for (let v = start; v <= end + step / 2; v += step) ticks.push(Number(v.toFixed(decimals)));
+  return { ticks, decimals };
+}
+
+// Dash patterns that tell apart series drawn on top of each other (equal values hide a line otherwise).
+const DASHES = ["", "6 4", "2 3", "8 3 2 3"];
+
 function lineChart(title, series, options = {}) {
-  const width = 440, height = 220, left = 48, right = 12, top = 10, bottom = 28;
+  const width = 440, height = 220, right = 12, top = 10, bottom = 28;
   const points = series.flatMap((s) => s.points.concat(s.band ? s.band.flatMap((b) => [[b[0], b[1]], [b[0], b[2]]]) : []));
   const box = el("div", { class: "card chart", "data-chart": title });
   box.append(el("div", { class: "title" }, title));
@@ -91,19 +108,21 @@ function lineChart(title, series, options = {}) {
   }
   let [x0, x1] = [Math.min(...points.map((p) => p[0])), Math.max(...points.map((p) => p[0]))];
   let [y0, y1] = [Math.min(...points.map((p) => p[1])), Math.max(...points.map((p) => p[1]))];
-  if (options.zero) y0 = Math.min(0, y0);
+  // a series that never goes below zero (times, rates, counts, rewards in [0, 1]) is drawn from zero
+  if (options.zero || y0 >= 0) y0 = Math.min(0, y0);
   if (x0 === x1) { x0 -= 1; x1 += 1; }
-  if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
-  const pad = (y1 - y0) * 0.05;
-  y0 -= pad; y1 += pad;
+  if (y0 === y1) { y1 = y0 === 0 ? 1 : y1 + Math.abs(y1) * 0.5; if (y0 !== 0) y0 -= Math.abs(y0) * 0.5; }
+  const { ticks, decimals } = niceTicks(y0, y1);
+  y0 = ticks[0]; y1 = ticks[ticks.length - 1];
+  const labels = ticks.map((v) => v.toFixed(decimals));
+  const left = Math.max(30, 10 + 6.5 * Math.max(...labels.map((l) => l.length)));  // room for the widest label
   const X = (x) => left + ((x - x0) / (x1 - x0)) * (width - left - right);
   const Y = (y) => top + (1 - (y - y0) / (y1 - y0)) * (height - top - bottom);
   const chart = svg("svg", { viewBox: `0 0 ${width} ${height}`, role: "img" });
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + ((y1 - y0) * i) / 4;
+  ticks.forEach((y, i) => {
     chart.append(svg("line", { x1: left, x2: width - right, y1: Y(y), y2: Y(y), stroke: "#e8ecf0" }));
-    chart.append(svg("text", { x: left - 6, y: Y(y) + 4, "text-anchor": "end", "font-size": 10, fill: "#6b7480" }, fmt(y, 3)));
-  }
+    chart.append(svg("text", { x: left - 6, y: Y(y) + 4, "text-anchor": "end", "font-size": 10, fill: "#6b7480", "data-tick": "y" }, labels[i]));
+  });
   const steps = [...new Set(points.map((p) => p[0]))].sort((a, b) => a - b);
   const every = Math.max(1, Math.ceil(steps.length / 8));
   steps.filter((_, i) => i % every === 0).forEach((x) => {
@@ -118,7 +137,8 @@ function lineChart(title, series, options = {}) {
       chart.append(svg("polygon", { points: upper.concat(lower).join(" "), fill: color, opacity: 0.15 }));
     }
     if (s.points.length > 1) {
-      chart.append(svg("polyline", { points: s.points.map((p) => `${X(p[0])},${Y(p[1])}`).join(" "), fill: "none", stroke: color, "stroke-width": 2 }));
+      const dash = DASHES[index % DASHES.length];
+      chart.append(svg("polyline", { points: s.points.map((p) => `${X(p[0])},${Y(p[1])}`).join(" "), fill: "none", stroke: color, "stroke-width": 2, "stroke-dasharray": dash || null, "data-series": s.name }));
     }
     s.points.forEach((p) => {
       chart.append(svg("circle", { cx: X(p[0]), cy: Y(p[1]), r: 3, fill: color }, svg("title", {}, `${s.name} @ ${options.xLabel || "step"} ${p[0]}: ${fmt(p[1], 4)}`)));
@@ -126,7 +146,11 @@ function lineChart(title, series, options = {}) {
   });
   box.append(chart);
   box.append(el("div", { class: "legend" }, series.map((s, i) => el("span", {}, el("i", {}), s.name))));
-  box.querySelectorAll(".legend i").forEach((node, i) => { node.style.background = series[i].color || COLORS[i % COLORS.length]; });
+  box.querySelectorAll(".legend i").forEach((node, i) => {
+    const color = series[i].color || COLORS[i % COLORS.length];
+    // the legend shows each series' dash too
+    node.style.background = i % DASHES.length ? `repeating-linear-gradient(90deg, ${color} 0 ${3 + (i % DASHES.length)}px, transparent 0 ${6 + (i % DASHES.length)}px)` : color;
+  });
   return box;
 }
 
