@@ -588,3 +588,19 @@ def test_without_its_own_token_the_dashboard_asks_one_derived_from_the_stores_ne
                 client.get("/api/stats", headers={"Authorization": "Bearer store-s3cret"}).status_code == 401
             )
             assert client.get("/api/stats", headers={"Authorization": f"Bearer {derived}"}).status_code == 200
+
+
+def test_the_gateway_span_is_shown_under_the_llm_call_it_served():
+    """The gateway records a call in a trace of its own (no context propagated): the timeline puts it under
+    the framework's LLM span it was joined to, not beside the rollout's tree."""
+    from agl_core.dashboard._rollout import _timeline
+    from tests.conftest import make_span
+
+    agent = make_span("agent")
+    llm = make_span("chat", parent=agent)
+    gateway = make_span("gateway.chat")  # a root, in another trace
+    rows = {r["span_id"]: r for r in _timeline([agent, llm, gateway], {}, {}, {llm.span_id: gateway.span_id})}
+    assert rows[gateway.span_id]["parent_span_id"] == llm.span_id
+    assert rows[gateway.span_id]["depth"] == rows[llm.span_id]["depth"] + 1 == 2
+    alone = {r["span_id"]: r for r in _timeline([agent, llm, gateway], {}, {})}
+    assert alone[gateway.span_id]["depth"] == 0  # without the join it stays a root

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -170,9 +171,28 @@ def _transition(
     return out
 
 
+def _nest_gateway_spans(spans: Sequence[Span], joins: Mapping[str, str]) -> list[Span]:
+    """``spans`` with each gateway span that is not already under the framework LLM span it was joined to
+    (``joins``: framework span id -> gateway span id) placed under it: the gateway's record of a call is
+    a trace of its own, or sits beside the call, unless the client propagated its context."""
+    gateway_to_call = {g: f for f, g in joins.items()}
+    present = {s.span_id for s in spans}
+    out = []
+    for span in spans:
+        call = gateway_to_call.get(span.span_id)
+        if call is not None and call in present and span.parent_span_id != call:
+            span = dataclasses.replace(span, parent_span_id=call)
+        out.append(span)
+    return out
+
+
 def _timeline(
-    spans: Sequence[Span], joined: Mapping[str, int], problems: Mapping[str, str]
+    spans: Sequence[Span],
+    joined: Mapping[str, int],
+    problems: Mapping[str, str],
+    joins: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
+    spans = _nest_gateway_spans(spans, joins or {})
     tree = SpanTree(spans)
     origin = min(s.start_ns for s in spans)
     rows = []
@@ -271,7 +291,7 @@ def rollout_detail(
             ],
         },
         "group": [rollout_row(r) for r in group[1:]],
-        "spans": _timeline(own, joined, problems) if own else [],
+        "spans": _timeline(own, joined, problems, result.joins) if own else [],
         "transitions": [
             _transition(t, advantages.get((t.rollout_id, t.call_index)), reason, tokenizer) for t in mine
         ],
