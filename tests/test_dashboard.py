@@ -512,8 +512,10 @@ def test_browser_rollout_page_shows_timeline_tokens_and_reasons(page, app_client
     rows = app_client.get("/api/rollouts", params={"limit": 500, "split": "train"}).json()["rollouts"]
     done = next(r for r in rows if r["status"] == "succeeded")
     _visit(page, f"#/rollout/{done['rollout_id']}", tmp_path, "rollout")
-    timeline = page.locator("[data-test='timeline'] .tl-row")
+    timeline = page.locator("[data-test='timeline'] .tl-row[data-span]")
     assert timeline.count() == done["spans"]
+    ticks = page.locator("[data-test='time-axis'] .tl-tick").all_inner_texts()
+    assert len(ticks) >= 3 and ticks[0] in ("0 ms", "0 s"), ticks  # a time axis from the first span
     assert page.locator(".tl-bar.gateway").count() == 1 and page.locator(".tl-bar.tool").count() == 1
     text = page.locator("[data-test='timeline']").inner_text()
     assert "agent=writer" in text and "→ call 0" in text

@@ -337,8 +337,17 @@ async function viewRollouts(params) {
 // ---- one rollout ----------------------------------------------------------------------------------
 
 function timeline(spans) {
-  const end = Math.max(1, ...spans.map((s) => s.start_ms + s.duration_ms));
+  const { ticks } = niceTicks(0, Math.max(1, ...spans.map((s) => s.start_ms + s.duration_ms)), 5);
+  const end = ticks[ticks.length - 1];
   const box = el("div", { class: "timeline", "data-test": "timeline" });
+  // a time axis over the bars: round ticks from the rollout's first span, in ms or s
+  const axis = el("div", { class: "tl-track tl-axis", "data-test": "time-axis" });
+  for (const t of ticks) {
+    const label = el("span", { class: "tl-tick" }, end >= 5000 ? `${fmt(t / 1000)} s` : `${fmt(t)} ms`);
+    label.style.left = `${(100 * t) / end}%`;
+    axis.append(label);
+  }
+  box.append(el("div", { class: "tl-row tl-axis-row" }, el("div", { class: "tl-name muted" }, "time from start"), axis));
   for (const s of spans) {
     const bar = el("div", { class: `tl-bar ${s.kind}${s.error ? " error" : ""}` });
     bar.style.left = `${(100 * s.start_ms) / end}%`;
