@@ -172,6 +172,9 @@ def test_rollout_table_filters_and_pages(app_client, run):
     assert app_client.get("/api/rollouts", params={"agent": "nobody"}).json()["total"] == 0
     by_task = app_client.get("/api/rollouts", params={"task": "t1"}).json()
     assert all(r["task_id"] == "t1" for r in by_task["rollouts"])
+    # search: the tool span's argument text (each rollout asked about its own task's question)
+    counted = app_client.get("/api/rollouts", params={"search": "count to 3", "limit": 500}).json()
+    assert counted["total"] >= 1 and all(r["task_id"] == "t3" for r in counted["rollouts"])
 
 
 @pytest.mark.parametrize(
@@ -184,6 +187,7 @@ def test_rollout_table_filters_and_pages(app_client, run):
         ({"reward_min": "1", "reward_max": "0"}, "above reward_max"),
         ({"limit": "100000"}, "limit must be between"),
         ({"agent": "x" * 300}, "at most 256"),
+        ({"search": "x" * 300}, "search must be at most 256"),
         ({"before": "abc"}, "before must be a whole number"),
     ],
 )

@@ -51,6 +51,8 @@ def test_lists_every_rollout_newest_first_with_filters(tmp_path, capsys):
         (["--split", "train", "--step", "3"], ["ro-a"]),
         (["--reward-min", "0.5"], ["ro-a"]),
         (["--task-id", "q-2"], ["ro-b"]),
+        (["--search", "writer"], ["ro-a"]),
+        (["--search", "nothing like it"], []),
     ):
         assert main(["rollouts", "list", "--store", str(path), "--json", *flags]) == 0
         assert [r["rollout_id"] for r in json.loads(capsys.readouterr().out)["rollouts"]] == expected, flags
@@ -83,7 +85,8 @@ def test_lists_a_running_store_with_its_token(tmp_path, capsys, monkeypatch):
         (["--limit", "x"], "'x' is not a whole number"),
         (["--status", "done"], "invalid choice: 'done'"),
         (["--reward-min", "nan"], "give a finite number"),
-        (["--reward-min", "2", "--reward-max", "1"], "--reward-min must not be above --reward-max"),
+        (["--reward-min", "2", "--reward-max", "1"], "is above reward_max (1.0) (--search, --reward-min"),
+        (["--search", "x" * 257], "a search text must be 1 to 256 characters"),
     ],
 )
 def test_bad_flags_are_named_and_exit_2(tmp_path, capsys, flags, message):
@@ -106,3 +109,21 @@ def test_store_serve_refuses_a_bad_group_wait(tmp_path, capsys, value):
     code = main(["store", "serve", "--db", str(tmp_path / "s.sqlite"), "--group-wait", value, "--no-grpc"])
     assert code == 2
     assert f"--group-wait {float(value)}: give seconds from 0 (off) to 86400" in capsys.readouterr().err
+
+
+def test_search_finds_rollouts_by_span_names_and_text_values(store):
+    from agl_core.store import RolloutFilter
+
+    store.add_spans([make_span("lookup_weather", {semconv.ROLLOUT_ID: "ro-w", "tool.input": "Zürich, CH"})])
+    store.add_spans([make_span("chat", {semconv.ROLLOUT_ID: "ro-c", "gen_ai.prompt": "what is 2 + 2?"})])
+    store.add_observed_rollouts([{"rollout_id": "ro-w"}, {"rollout_id": "ro-c"}])
+
+    def found(text: str) -> list[str]:
+        return sorted(r.rollout_id for r in store.list_rollouts(RolloutFilter(text=text)).rollouts)
+
+    assert found("weather") == ["ro-w"]  # a span name
+    assert found("Zürich") == ["ro-w"]  # a text value, not ASCII
+    assert found("2 + 2") == ["ro-c"]
+    assert found("gen_ai.prompt") == ["ro-c"]  # an attribute key
+    assert found("zürich") == []  # case-sensitive
+    assert store.list_rollouts(RolloutFilter(text="chat", statuses=("failed",))).rollouts == []

@@ -83,6 +83,13 @@ def add_rollouts_arguments(parser: argparse.ArgumentParser) -> None:
     listing.add_argument(
         "--agent", default=None, help="only rollouts with a span naming this agent (gen_ai.agent.name)"
     )
+    listing.add_argument(
+        "--search",
+        default=None,
+        metavar="TEXT",
+        help="only rollouts with a span whose name or an attribute (key or text value) contains TEXT"
+        " (case-sensitive)",
+    )
     listing.add_argument("--reward-min", type=_finite, default=None, help="only rewards at least this")
     listing.add_argument("--reward-max", type=_finite, default=None, help="only rewards at most this")
     listing.add_argument(
@@ -129,11 +136,12 @@ def run_rollouts(args: argparse.Namespace) -> int:
             step=args.step,
             split=args.split,
             agent=args.agent,
+            text=args.search,
             reward_min=args.reward_min,
             reward_max=args.reward_max,
         )
     except ValueError as exc:
-        return fail(f"{exc}: --reward-min must not be above --reward-max")
+        return fail(f"{exc} (--search, --reward-min, --reward-max)")
     try:
         reader = _Reader(args.store, settings.store_token(args.token))
         try:

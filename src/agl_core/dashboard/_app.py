@@ -112,6 +112,7 @@ def _rollout_filter(request: Request) -> tuple[RolloutFilter, int | None, int]:
             step=_int(params, "step", 0, 2**62),
             split=_text(params, "split", 64),
             agent=_text(params, "agent"),
+            text=_text(params, "search", 256),
             reward_min=_float(params, "reward_min"),
             reward_max=_float(params, "reward_max"),
         )

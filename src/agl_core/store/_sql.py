@@ -712,6 +712,13 @@ class SqlStore(Generic[_C]):
                 f" AND ({contains} OR {contains}))"
             )
             args += [agent_attribute_bytes(key, where.agent) for key in AGENT_NAME_KEYS]
+        if where.text is not None:
+            # names and text values sit in a span's encoding as their UTF-8 bytes
+            clauses.append(
+                "EXISTS (SELECT 1 FROM spans s WHERE s.rollout_id = rollouts.rollout_id"
+                f" AND {self._contains_bytes('s.body')})"
+            )
+            args.append(where.text.encode("utf-8", "surrogatepass"))
         matched = " AND ".join(clauses) or "1 = 1"
         with self._reading() as conn:
             page_where, page_args = matched, list(args)
@@ -726,7 +733,7 @@ class SqlStore(Generic[_C]):
             more = len(rows) > limit
             rows = rows[:limit]
             ids = [r[1] for r in rows]
-            cap = COUNT_CAP if where.agent is None else AGENT_COUNT_CAP
+            cap = COUNT_CAP if where.agent is None and where.text is None else AGENT_COUNT_CAP
             total = self._exec(
                 conn,
                 f"SELECT COUNT(*) FROM (SELECT 1 FROM rollouts WHERE {matched} LIMIT ?) AS m",

@@ -44,6 +44,8 @@ MAX_PAGE = 500
 #: filter, which reads span bodies, up to ``AGENT_COUNT_CAP``.
 COUNT_CAP = 100_000
 AGENT_COUNT_CAP = 1_000
+#: Longest text a rollout listing searches span content for.
+MAX_SEARCH = 256
 
 
 #: Longest rollout id a merge names (the store indexes rollout ids of up to 256 characters).
@@ -76,7 +78,9 @@ class RolloutFilter:
 
     ``step`` and ``split`` are the trainer's ``metadata["step"]`` / ``metadata["split"]``; ``agent``
     matches rollouts with a span naming that agent (``gen_ai.agent.name`` or OpenInference's
-    ``agent.name``); the reward bounds are inclusive and leave out rollouts without a reward.
+    ``agent.name``); ``text`` rollouts with a span whose name, an attribute's key or a text value
+    contains it (case-sensitive, as stored: after redaction); the reward bounds are inclusive and leave
+    out rollouts without a reward.
     """
 
     statuses: tuple[str, ...] = ()
@@ -85,10 +89,13 @@ class RolloutFilter:
     step: int | None = None
     split: str | None = None
     agent: str | None = None
+    text: str | None = None
     reward_min: float | None = None
     reward_max: float | None = None
 
     def __post_init__(self) -> None:
+        if self.text is not None and not 0 < len(self.text) <= MAX_SEARCH:
+            raise ValueError(f"a search text must be 1 to {MAX_SEARCH} characters")
         if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
             raise ValueError(f"reward_min ({self.reward_min}) is above reward_max ({self.reward_max})")
 

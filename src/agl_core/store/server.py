@@ -10,7 +10,8 @@ Endpoints (JSON unless noted):
                                                or 204
 ``POST /api/rollouts/query``                   ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/list``                    ``{"statuses"?, "task_id"?, "group_id"?, "step"?, "split"?,
-                                               "agent"?, "reward_min"?, "reward_max"?, "before"?, "limit"?}``
+                                               "agent"?, "text"?, "reward_min"?, "reward_max"?, "before"?,
+                                               "limit"?}``
                                                -> a page, newest first (``{"rollouts", "seqs",
                                                "span_counts", "before", "total", "total_capped"}``)
 ``POST /api/rollouts/cancel``                  ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
@@ -142,6 +143,7 @@ class _ListIn(_Strict):
     step: int | None = pydantic.Field(default=None, ge=0, le=_INT64)
     split: Annotated[_Id, pydantic.Field(max_length=64)] | None = None
     agent: Annotated[_Id, pydantic.Field(max_length=256)] | None = None
+    text: Annotated[_Id, pydantic.Field(max_length=256)] | None = None
     reward_min: float | None = pydantic.Field(default=None, allow_inf_nan=False)
     reward_max: float | None = pydantic.Field(default=None, allow_inf_nan=False)
     before: int | None = pydantic.Field(default=None, ge=0, le=_INT64)
@@ -160,6 +162,7 @@ class _ListIn(_Strict):
             step=self.step,
             split=self.split,
             agent=self.agent,
+            text=self.text,
             reward_min=self.reward_min,
             reward_max=self.reward_max,
         )

@@ -274,7 +274,7 @@ function card(label, value) {
 
 // ---- rollouts -------------------------------------------------------------------------------------
 
-const FILTERS = ["status", "step", "split", "agent", "task", "reward_min", "reward_max"];
+const FILTERS = ["status", "step", "split", "agent", "task", "search", "reward_min", "reward_max"];
 
 async function viewRollouts(params) {
   const query = new URLSearchParams();
@@ -288,8 +288,8 @@ async function viewRollouts(params) {
       if (s === (params.get("status") || "")) option.selected = true;
       return option;
     }))),
-    ...["step", "split", "agent", "task", "reward_min", "reward_max"].map((name) =>
-      el("label", {}, name.replace("_", " "), el("input", { name, value: params.get(name) || "", size: name === "task" || name === "agent" ? 14 : 6 }))),
+    ...["step", "split", "agent", "task", "search", "reward_min", "reward_max"].map((name) =>
+      el("label", {}, name.replace("_", " "), el("input", { name, value: params.get(name) || "", size: name === "search" ? 20 : name === "task" || name === "agent" ? 14 : 6, title: name === "search" ? "rollouts with a span whose name or an attribute contains this text (case-sensitive)" : null }))),
     el("button", { type: "submit" }, "Filter"),
     el("button", { type: "button", class: "secondary", onclick: () => { location.hash = "#/rollouts"; } }, "Clear"));
   form.addEventListener("submit", (event) => {
