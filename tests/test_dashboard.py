@@ -610,3 +610,48 @@ def test_the_gateway_span_is_shown_under_the_llm_call_it_served():
     assert rows[gateway.span_id]["depth"] == rows[llm.span_id]["depth"] + 1 == 2
     alone = {r["span_id"]: r for r in _timeline([agent, llm, gateway], {}, {})}
     assert alone[gateway.span_id]["depth"] == 0  # without the join it stays a root
+
+
+def test_browser_compares_two_runs_on_the_same_curves(browser, run, tmp_path):
+    """Two runs (the same run's output copied under another name, with another learning rate in its
+    config): ticked on the runs page, compared on one page with a series per run and what differs."""
+    import shutil
+
+    from agl_core.server import BackgroundServer
+
+    root = tmp_path / "runs"
+    shutil.copytree(run["out"], root / "lr-a", ignore=shutil.ignore_patterns("store.sqlite*"))
+    shutil.copytree(run["out"], root / "lr-b", ignore=shutil.ignore_patterns("store.sqlite*"))
+    info = json.loads((root / "lr-b" / "run.json").read_text())
+    info["config"]["algorithm"]["learning_rate"] = 0.5
+    (root / "lr-b" / "run.json").write_text(json.dumps(info))
+    store = SqliteStore(tmp_path / "empty.sqlite")
+    server = BackgroundServer(create_dashboard_app(store, [root]), "127.0.0.1", 0).start()
+    context = browser.new_context(viewport={"width": 1360, "height": 900})
+    try:
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(server.url + "/")
+        _ready(page, lambda ready: ready == "/")
+        assert page.locator("button[data-test='compare']").is_disabled()
+        page.check("input[data-pick='lr-a']")
+        page.check("input[data-pick='lr-b']")
+        assert page.evaluate("() => location.hash") in ("", "#/")  # ticking does not open a run
+        page.click("button[data-test='compare']")
+        _ready(page, lambda ready: ready.startswith("/compare"))
+        legend = page.locator("[data-chart='Reward'] .legend").inner_text()
+        assert "lr-a" in legend and "lr-b" in legend
+        assert page.locator("[data-chart='Reward'] polyline").count() == 2
+        assert page.locator("[data-chart='Held-out reward'] circle").count() == 4  # before and after, twice
+        rows = page.locator("table[data-test='compared']").inner_text()
+        assert "algorithm.learning_rate=0.5" in rows
+        page.screenshot(path=str(tmp_path / "compare.png"), full_page=True)
+        page.evaluate("() => { location.hash = '#/compare?runs=lr-a'; }")
+        _ready(page, lambda ready: ready == "/compare?runs=lr-a")
+        assert "choose two runs or more" in page.locator("main").inner_text()
+        assert not errors, errors
+    finally:
+        context.close()
+        server.stop()
+        store.close()

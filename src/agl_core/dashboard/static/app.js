@@ -168,12 +168,22 @@ async function viewRuns() {
     return;
   }
   const table = el("table", { "data-test": "runs" },
-    el("tr", {}, ["Run", "Status", "Progress", "ETA", "Train reward", "Held-out before → after", "Started"].map((h) => el("th", {}, h))));
+    el("tr", {}, ["", "Run", "Status", "Progress", "ETA", "Train reward", "Held-out before → after", "Started"].map((h) => el("th", {}, h))));
+  const chosen = new Set();
+  const compare = el("button", { type: "button", "data-test": "compare", disabled: true,
+    onclick: () => { location.hash = `#/compare?runs=${[...chosen].map(encodeURIComponent).join(",")}`; } }, "Compare selected runs");
   for (const run of data.runs) {
     const pct = run.steps ? Math.min(100, (100 * run.step) / run.steps) : 0;
     const bar = el("div", { class: "progress" }, el("div", {}));
     bar.firstChild.style.width = `${pct}%`;
+    const pick = el("input", { type: "checkbox", "data-pick": run.name, title: "compare this run with others" });
+    pick.addEventListener("click", (event) => {
+      event.stopPropagation();  // ticking a box does not open the run
+      if (pick.checked) chosen.add(run.name); else chosen.delete(run.name);
+      compare.disabled = chosen.size < 2;
+    });
     table.append(el("tr", { class: "clickable", "data-run": run.name, onclick: () => { location.hash = `#/run/${encodeURIComponent(run.name)}`; } },
+      el("td", {}, pick),
       el("td", {}, el("a", { href: `#/run/${encodeURIComponent(run.name)}` }, run.name), el("div", { class: "muted" }, `${run.title} · ${run.path}`)),
       el("td", {}, status(run.status), run.phase ? el("div", { class: "muted", "data-test": "phase" }, run.phase) : ""),
       el("td", {}, bar, el("span", { class: "muted" }, `step ${run.step}${run.steps ? " / " + run.steps : ""}`)),
@@ -182,8 +192,47 @@ async function viewRuns() {
       el("td", { class: "num" }, `${fmt(run.val_first)} → ${fmt(run.val_last)}`),
       el("td", {}, when(run.started_at))));
   }
-  setMain(el("h1", {}, "Runs"), table);
+  setMain(el("h1", {}, "Runs"), table, data.runs.length > 1 ? el("p", {}, compare) : "");
   if (data.runs.some((r) => r.status === "running")) refreshTimer = setTimeout(route, 5000);
+}
+
+// Several runs on the same curves, one series per run.
+async function viewCompare(params) {
+  const names = (params.get("runs") || "").split(",").filter(Boolean);
+  if (names.length < 2) throw new Error("choose two runs or more on the Runs page to compare them");
+  const runs = await Promise.all(names.map((name) => api(`/api/runs/${encodeURIComponent(name)}`)));
+  const per = (pick) => runs.map((run) => seriesOf(run.train, run.name, pick));
+  const heldOut = runs.map((run) => ({ name: run.name, points: run.val.map((v) => [v.step, v.mean]).filter((p) => Number.isFinite(p[1])) }));
+  const charts = el("div", { class: "charts" },
+    lineChart("Reward", per((r) => r.mean_reward)),
+    lineChart("Held-out reward", heldOut),
+    lineChart("Loss", per((r) => r.loss)),
+    lineChart("KL", per((r) => r.kl)),
+    lineChart("Tokens/s", per((r) => r.generation_tokens_per_s), { zero: true }),
+    lineChart("Step time (s)", per((r) => r.seconds), { zero: true }));
+  const table = el("table", { "data-test": "compared" },
+    el("tr", {}, ["Run", "Status", "Steps", "Held-out before → after", "Config"].map((h) => el("th", {}, h))),
+    ...runs.map((run) => el("tr", {},
+      el("td", {}, el("a", { href: `#/run/${encodeURIComponent(run.name)}` }, run.name), el("div", { class: "muted" }, run.title)),
+      el("td", {}, status(run.status)),
+      el("td", {}, `${run.step}${run.steps ? " / " + run.steps : ""}`),
+      el("td", { class: "num" }, `${fmt(run.val_first)} → ${fmt(run.val_last)}`),
+      el("td", { class: "muted" }, configDiff(run.config, runs.map((r) => r.config))))));
+  setMain(el("h1", {}, `Comparing ${runs.length} runs`), table, el("h2", {}, "Curves"), charts);
+}
+
+// The config keys (dotted) where this run differs from the others, with its values.
+function configDiff(config, all) {
+  const flat = (obj, prefix = "", out = {}) => {
+    for (const [k, v] of Object.entries(obj || {})) {
+      if (v && typeof v === "object" && !Array.isArray(v)) flat(v, `${prefix}${k}.`, out);
+      else out[`${prefix}${k}`] = JSON.stringify(v);
+    }
+    return out;
+  };
+  const mine = flat(config), flats = all.map((c) => flat(c));
+  const keys = Object.keys(mine).filter((k) => k !== "output_dir" && flats.some((f) => f[k] !== mine[k]));
+  return keys.length ? keys.map((k) => `${k}=${mine[k]}`).join(", ") : "same config";
 }
 
 function agentSeries(train) {
@@ -450,6 +499,7 @@ async function route() {
   document.querySelectorAll("header nav a").forEach((a) => a.classList.toggle("active", a.dataset.nav === section));
   try {
     if (path.startsWith("/run/")) await viewRun(decodeURIComponent(path.slice(5)));
+    else if (path === "/compare") await viewCompare(params);
     else if (path === "/rollouts") await viewRollouts(params);
     else if (path.startsWith("/rollout/")) await viewRollout(decodeURIComponent(path.slice(9)));
     else await viewRuns();
