@@ -170,6 +170,9 @@ def test_rollout_table_filters_and_pages(app_client, run):
     writer = app_client.get("/api/rollouts", params={"agent": "writer", "limit": 500}).json()
     assert writer["total"] == sum(r["spans"] > 0 for r in rows)
     assert app_client.get("/api/rollouts", params={"agent": "nobody"}).json()["total"] == 0
+    tagged = app_client.get("/api/rollouts", params={"run": "run", "limit": 500}).json()
+    assert tagged["total"] == everything["total"]  # every rollout names the run that queued it
+    assert app_client.get("/api/rollouts", params={"run": "another-run"}).json()["total"] == 0
     by_task = app_client.get("/api/rollouts", params={"task": "t1"}).json()
     assert all(r["task_id"] == "t1" for r in by_task["rollouts"])
     # search: the tool span's argument text (each rollout asked about its own task's question)
@@ -215,6 +218,7 @@ def test_one_rollout_shows_its_timeline_transitions_and_why_a_call_did_not_train
     if not call["trained"]:
         assert call["reason"]
     assert len(detail["group"]) == 1  # rollouts_per_task 2: one sibling
+    assert detail["rollout"]["run"] == "run" and detail["rollout"]["step"] in (1, 2)
     failed = next(r for r in rows if r["status"] == "failed")
     bad = app_client.get(f"/api/rollouts/{failed['rollout_id']}").json()
     assert bad["untrained"] and bad["rollout"]["attempts"][-1]["error"].startswith("RuntimeError")
@@ -475,7 +479,7 @@ def test_browser_run_page_draws_curves_and_held_out_results(page, run, tmp_path)
         (step,) = steps
         mantissa = step / 10 ** math.floor(math.log10(step))
         assert min(abs(mantissa - m) for m in (1, 2, 5, 10)) < 1e-6, (title, ticks)  # 1, 2 or 5 x 10^k
-        if title != "Loss":
+        if title not in ("Loss", "KL"):  # times, rates, memory: never below zero (an approximate KL can be)
             assert ticks[0] == 0, (title, ticks)
         box = chart.bounding_box()
         for label in labels.all():
@@ -533,6 +537,10 @@ def test_browser_rollout_page_shows_timeline_tokens_and_reasons(page, app_client
     shades = {tokens.nth(i).evaluate("n => n.style.background") for i in range(tokens.count())}
     assert all(s.startswith("rgba(200, 50, 60") for s in shades)
     assert "advantage:" in call.inner_text()
+    # from the rollout to its run, and to the rollouts of its run's step
+    assert page.locator("[data-test='run-link']").get_attribute("href") == "#/run/run"
+    step_link = page.locator("[data-test='step-link']").get_attribute("href")
+    assert step_link == f"#/rollouts?run=run&step={done['step']}"
     failed = next(r for r in rows if r["status"] == "failed")
     _visit(page, f"#/rollout/{failed['rollout_id']}", tmp_path, "rollout-failed")
     assert "Did not train: the rollout failed" in page.locator("[data-test='untrained']").inner_text()

@@ -81,6 +81,9 @@ def add_rollouts_arguments(parser: argparse.ArgumentParser) -> None:
     )
     listing.add_argument("--split", default=None, help="only rollouts of this split (train, val, ...)")
     listing.add_argument(
+        "--run", default=None, help="only rollouts of this training run (its output folder's name)"
+    )
+    listing.add_argument(
         "--agent", default=None, help="only rollouts with a span naming this agent (gen_ai.agent.name)"
     )
     listing.add_argument(
@@ -135,6 +138,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
             group_id=args.group_id,
             step=args.step,
             split=args.split,
+            run=args.run,
             agent=args.agent,
             text=args.search,
             reward_min=args.reward_min,

@@ -487,6 +487,7 @@ def train(
             step_timeout_s=config.runner.step_timeout_s,
             flush=services.flush,
             inflight=out / INFLIGHT_FILE,
+            run=out.name,
         )
         learner = make_learner(config, policy, services)
         trainer: TrainStep | AsyncTrainStep

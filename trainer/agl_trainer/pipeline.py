@@ -124,7 +124,7 @@ class AsyncTrainStep:
                 }
                 for _ in range(config.train.rollouts_per_task)
             ]
-        queued = self.queue.client.enqueue_rollouts(requests)
+        queued = self.queue.client.enqueue_rollouts(self.queue.tagged(requests))
         now = time.monotonic()
         for group_id, task in names:
             ids = [r.rollout_id for r in queued if r.group_id == group_id]

@@ -161,14 +161,24 @@ class RolloutQueue:
         step_timeout_s: float,
         flush: Callable[[], object] = lambda: None,
         inflight: Path | None = None,
+        run: str | None = None,
     ) -> None:
         self.client = client
+        #: The training run (its output folder's name) every rollout queued here is tagged with
+        #: (``metadata["run"]``), so a store shared by runs tells them apart.
+        self.run_name = run
         self.progress = progress
         self.step_timeout_s = step_timeout_s
         self._flush = flush
         self._inflight = inflight
         #: The rollouts in flight, by who started them (a round, the asynchronous pipeline).
         self._inflight_ids: dict[str, list[str]] = {}
+
+    def tagged(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``requests`` with the run's name in their metadata (when the queue has one)."""
+        if self.run_name is None:
+            return requests
+        return [{**r, "metadata": {**(r.get("metadata") or {}), "run": self.run_name}} for r in requests]
 
     def flush(self) -> None:
         """Export the spans buffered for the store (the gateway's), before reading finished rollouts'."""
@@ -193,7 +203,7 @@ class RolloutQueue:
 
     def run(self, label: str, requests: list[dict[str, Any]]) -> RolloutRound:
         """Enqueue ``requests``, wait until all are done or ``step_timeout_s`` passed, cancel the rest."""
-        queued = self.client.enqueue_rollouts(requests)
+        queued = self.client.enqueue_rollouts(self.tagged(requests))
         ids = [r.rollout_id for r in queued]
         self.note_inflight("round", ids)
         deadline = time.monotonic() + self.step_timeout_s

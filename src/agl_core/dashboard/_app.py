@@ -111,6 +111,7 @@ def _rollout_filter(request: Request) -> tuple[RolloutFilter, int | None, int]:
             task_id=_text(params, "task"),
             step=_int(params, "step", 0, 2**62),
             split=_text(params, "split", 64),
+            run=_text(params, "run"),
             agent=_text(params, "agent"),
             text=_text(params, "search", 256),
             reward_min=_float(params, "reward_min"),

@@ -99,6 +99,7 @@ def rollout_row(rollout: Rollout, seq: int | None = None, spans: int | None = No
         "reward": rollout.reward if rollout.reward is None or math.isfinite(rollout.reward) else None,
         "step": meta.get("step"),
         "split": meta.get("split"),
+        "run": meta.get("run") if isinstance(meta.get("run"), str) else None,
         "created_at": rollout.created_at,
         "attempts": len(rollout.attempts),
         "duration_s": duration,

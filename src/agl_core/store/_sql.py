@@ -692,7 +692,7 @@ class SqlStore(Generic[_C]):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 args.append(value)
-        metadata: list[tuple[str, Any]] = [("step", where.step), ("split", where.split)]
+        metadata: list[tuple[str, Any]] = [("step", where.step), ("split", where.split), ("run", where.run)]
         for key, value in metadata:
             if value is not None:
                 clause, values = self._metadata_is(key, value)

@@ -76,7 +76,8 @@ def validate_merge(moves: Mapping[str, str]) -> dict[str, str]:
 class RolloutFilter:
     """Which rollouts :meth:`Store.list_rollouts` lists; every given field must match.
 
-    ``step`` and ``split`` are the trainer's ``metadata["step"]`` / ``metadata["split"]``; ``agent``
+    ``step``, ``split`` and ``run`` are the trainer's ``metadata["step"]`` / ``["split"]`` / ``["run"]``
+    (the run's output folder name); ``agent``
     matches rollouts with a span naming that agent (``gen_ai.agent.name`` or OpenInference's
     ``agent.name``); ``text`` rollouts with a span whose name, an attribute's key or a text value
     contains it (case-sensitive, as stored: after redaction); the reward bounds are inclusive and leave
@@ -88,6 +89,7 @@ class RolloutFilter:
     group_id: str | None = None
     step: int | None = None
     split: str | None = None
+    run: str | None = None
     agent: str | None = None
     text: str | None = None
     reward_min: float | None = None

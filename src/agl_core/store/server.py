@@ -10,8 +10,8 @@ Endpoints (JSON unless noted):
                                                or 204
 ``POST /api/rollouts/query``                   ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
 ``POST /api/rollouts/list``                    ``{"statuses"?, "task_id"?, "group_id"?, "step"?, "split"?,
-                                               "agent"?, "text"?, "reward_min"?, "reward_max"?, "before"?,
-                                               "limit"?}``
+                                               "run"?, "agent"?, "text"?, "reward_min"?, "reward_max"?,
+                                               "before"?, "limit"?}``
                                                -> a page, newest first (``{"rollouts", "seqs",
                                                "span_counts", "before", "total", "total_capped"}``)
 ``POST /api/rollouts/cancel``                  ``{"rollout_ids": [...]}`` -> ``{"rollouts": [...]}``
@@ -142,6 +142,7 @@ class _ListIn(_Strict):
     group_id: _Id | None = None
     step: int | None = pydantic.Field(default=None, ge=0, le=_INT64)
     split: Annotated[_Id, pydantic.Field(max_length=64)] | None = None
+    run: Annotated[_Id, pydantic.Field(max_length=256)] | None = None
     agent: Annotated[_Id, pydantic.Field(max_length=256)] | None = None
     text: Annotated[_Id, pydantic.Field(max_length=256)] | None = None
     reward_min: float | None = pydantic.Field(default=None, allow_inf_nan=False)
@@ -161,6 +162,7 @@ class _ListIn(_Strict):
             group_id=self.group_id,
             step=self.step,
             split=self.split,
+            run=self.run,
             agent=self.agent,
             text=self.text,
             reward_min=self.reward_min,

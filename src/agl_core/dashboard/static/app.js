@@ -323,7 +323,7 @@ function card(label, value) {
 
 // ---- rollouts -------------------------------------------------------------------------------------
 
-const FILTERS = ["status", "step", "split", "agent", "task", "search", "reward_min", "reward_max"];
+const FILTERS = ["status", "run", "step", "split", "agent", "task", "search", "reward_min", "reward_max"];
 
 async function viewRollouts(params) {
   const query = new URLSearchParams();
@@ -337,7 +337,7 @@ async function viewRollouts(params) {
       if (s === (params.get("status") || "")) option.selected = true;
       return option;
     }))),
-    ...["step", "split", "agent", "task", "search", "reward_min", "reward_max"].map((name) =>
+    ...["run", "step", "split", "agent", "task", "search", "reward_min", "reward_max"].map((name) =>
       el("label", {}, name.replace("_", " "), el("input", { name, value: params.get(name) || "", size: name === "search" ? 20 : name === "task" || name === "agent" ? 14 : 6, title: name === "search" ? "rollouts with a span whose name or an attribute contains this text (case-sensitive)" : null }))),
     el("button", { type: "submit" }, "Filter"),
     el("button", { type: "button", class: "secondary", onclick: () => { location.hash = "#/rollouts"; } }, "Clear"));
@@ -351,11 +351,12 @@ async function viewRollouts(params) {
   const started = performance.now();
   const page = await api(`/api/rollouts?${query}`);
   const table = el("table", { "data-test": "rollouts" },
-    el("tr", {}, ["Rollout", "Task", "Status", "Reward", "Step", "Split", "Spans", "Attempts", "Duration", "Created"].map((h) => el("th", {}, h))));
+    el("tr", {}, ["Rollout", "Task", "Status", "Reward", "Run", "Step", "Split", "Spans", "Attempts", "Duration", "Created"].map((h) => el("th", {}, h))));
   for (const r of page.rollouts) {
     table.append(el("tr", { class: "clickable", "data-rollout": r.rollout_id, onclick: () => { location.hash = `#/rollout/${encodeURIComponent(r.rollout_id)}`; } },
       el("td", {}, el("a", { href: `#/rollout/${encodeURIComponent(r.rollout_id)}` }, r.rollout_id), r.error ? el("div", { class: "error" }, r.error) : null),
       el("td", {}, r.task_id), el("td", {}, status(r.status)), el("td", { class: "num" }, fmt(r.reward)),
+      el("td", {}, r.run ? el("a", { href: `#/run/${encodeURIComponent(r.run)}` }, r.run) : "–"),
       el("td", { class: "num" }, fmt(r.step)), el("td", {}, fmt(r.split)), el("td", { class: "num" }, fmt(r.spans)),
       el("td", { class: "num" }, fmt(r.attempts)), el("td", { class: "num" }, r.duration_s === null ? "–" : `${fmt(r.duration_s)}s`),
       el("td", {}, when(r.created_at))));
@@ -456,7 +457,11 @@ async function viewRollout(id) {
     el("h1", {}, `Rollout ${r.rollout_id}`),
     el("div", { class: "cards" },
       card("Status", status(r.status)), card("Task", r.task_id), card("Reward", fmt(r.reward, 4)),
-      card("Step / split", `${fmt(r.step)} / ${fmt(r.split)}`), card("Attempts", r.attempts.length), card("Spans", fmt(r.spans))),
+      card("Run", r.run ? el("a", { href: `#/run/${encodeURIComponent(r.run)}`, "data-test": "run-link" }, r.run) : "–"),
+      card("Step / split", r.run && r.step !== null && r.step !== undefined
+        ? el("a", { href: `#/rollouts?run=${encodeURIComponent(r.run)}&step=${r.step}`, "data-test": "step-link" }, `${fmt(r.step)} / ${fmt(r.split)}`)
+        : `${fmt(r.step)} / ${fmt(r.split)}`),
+      card("Attempts", r.attempts.length), card("Spans", fmt(r.spans))),
   ];
   if (data.untrained) parts.push(el("p", { class: "error", "data-test": "untrained" }, `Did not train: ${data.untrained}`));
   const lastAttempt = r.attempts.length ? r.attempts[r.attempts.length - 1] : null;
