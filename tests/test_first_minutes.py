@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -124,3 +125,65 @@ def test_instrument_follows_the_standard_otlp_variables(tmp_path, store_url):
     while json.loads(_cli("store", "stats", "--store", store_url).stdout)["spans"] < 6:
         assert time.monotonic() < deadline
         time.sleep(0.3)
+
+
+AGENT_WITHOUT_AGL = """
+from langchain_core.runnables import RunnableLambda
+
+chain = RunnableLambda(lambda x: x + 1, name="add_one") | RunnableLambda(lambda x: x * 2, name="double")
+print(chain.invoke(1))
+"""
+
+
+def test_opentelemetry_instrument_turns_agl_capture_on_with_no_code_change(tmp_path, store_url):
+    """agl's adapters are OpenTelemetry instrumentors registered under ``opentelemetry_instrumentor``: the
+    real ``opentelemetry-instrument`` command records an agent that never imports agl (OpenInference's
+    instrumentors, installed here too, are turned off the standard way so nothing is recorded twice)."""
+    agent = tmp_path / "plain_agent.py"
+    agent.write_text(AGENT_WITHOUT_AGL)
+    command = Path(sys.executable).parent / "opentelemetry-instrument"
+    env = _env(
+        AGL_STORE_URL=store_url,
+        OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="langchain,openai_agents,autogen_agentchat",
+    )
+    run = subprocess.run(
+        [str(command), sys.executable, str(agent)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["4"]
+    deadline = time.monotonic() + 60
+    while True:
+        page = json.loads(_cli("rollouts", "list", "--store", store_url, "--json").stdout)
+        if page["total"] == 1:
+            break
+        assert time.monotonic() < deadline, page
+        time.sleep(0.3)
+    (rollout,) = page["rollouts"]
+    assert page["span_counts"][rollout["rollout_id"]] == 3
+
+
+def test_each_adapter_is_an_opentelemetry_instrumentor():
+    script = """
+import agl_autogen, agl_langchain, agl_openai_agents
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+for module, cls, needs in (
+    (agl_langchain, agl_langchain.LangChainInstrumentor, "langchain-core"),
+    (agl_openai_agents, agl_openai_agents.OpenAIAgentsInstrumentor, "openai-agents"),
+    (agl_autogen, agl_autogen.AutoGenInstrumentor, "autogen-agentchat"),
+):
+    instrumentor = cls()
+    assert isinstance(instrumentor, BaseInstrumentor)
+    assert any(d.startswith(needs) for d in instrumentor.instrumentation_dependencies())
+    assert not module.is_instrumented()
+    instrumentor.instrument(capture_content=True)
+    assert module.is_instrumented() and instrumentor.is_instrumented_by_opentelemetry
+    instrumentor.uninstrument()
+    assert not module.is_instrumented()
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

@@ -262,8 +262,9 @@ def _metric(url: str, name: str) -> float:
 
 def test_captured_calls_answered_while_the_store_is_down_are_all_stored_after(tmp_path):
     """The store stops for a minute (six times the OpenTelemetry exporter's 10 s deadline, after which it
-    gave the spans up; the retry delay reaches its 30 s cap) under steady captured traffic: every call the gateway answered has its span stored
-    once the store is back, counted exactly, and /metrics showed them queued meanwhile."""
+    gave the spans up; the retry delay reaches its 30 s cap) under steady captured traffic: every call the
+    gateway answered has its span stored once the store is back, counted exactly, and /metrics showed them
+    queued meanwhile."""
     store = _StoreAt(tmp_path / "store.sqlite", _free_port())
     store.start()
     port = _free_port()

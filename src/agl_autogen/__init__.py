@@ -8,11 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._instrument import instrument, is_instrumented, uninstrument
+    from ._otel import AutoGenInstrumentor
 
-__all__ = ["instrument", "is_instrumented", "uninstrument"]
+__all__ = ["instrument", "is_instrumented", "uninstrument", "AutoGenInstrumentor"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "AutoGenInstrumentor":  # needs opentelemetry-instrumentation (in this adapter's extra)
+        from ._otel import AutoGenInstrumentor
+
+        return AutoGenInstrumentor
     if name in __all__:
         from . import _instrument
 

@@ -11,11 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._callback import AglCallbackHandler, instrument, is_instrumented, uninstrument
+    from ._otel import LangChainInstrumentor
 
-__all__ = ["AglCallbackHandler", "instrument", "is_instrumented", "uninstrument"]
+__all__ = ["AglCallbackHandler", "instrument", "is_instrumented", "uninstrument", "LangChainInstrumentor"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "LangChainInstrumentor":  # needs opentelemetry-instrumentation (in this adapter's extra)
+        from ._otel import LangChainInstrumentor
+
+        return LangChainInstrumentor
     if name in __all__:
         from . import _callback
 

@@ -11,12 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._otel import OpenAIAgentsInstrumentor
     from ._processor import AglTracingProcessor, instrument, is_instrumented, uninstrument
 
-__all__ = ["AglTracingProcessor", "instrument", "is_instrumented", "uninstrument"]
+__all__ = ["AglTracingProcessor", "instrument", "is_instrumented", "uninstrument", "OpenAIAgentsInstrumentor"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "OpenAIAgentsInstrumentor":  # needs opentelemetry-instrumentation (in this adapter's extra)
+        from ._otel import OpenAIAgentsInstrumentor
+
+        return OpenAIAgentsInstrumentor
     if name in __all__:
         from . import _processor
 
