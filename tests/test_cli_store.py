@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from agl_core.store import SqliteStore
 from agl_core.tracing import rollout_scope
+from tests._servers import wait_healthy
 
 
 def _free_port() -> int:
@@ -47,15 +48,7 @@ def test_store_serve_process_ingests_and_reports_stats(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "store did not start"
-            time.sleep(0.1)
+        wait_healthy(url + "/healthz", proc)
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=url + "/v1/traces")))
         for i in range(3):
@@ -189,15 +182,7 @@ def test_store_serve_stopped_by_a_signal_says_what_it_kept_and_exits_the_shells_
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
         assert httpx.post(
             f"http://127.0.0.1:{port}/api/rollouts", json={"rollouts": [{"task_id": "t"}]}
         ).is_success

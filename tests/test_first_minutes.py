@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests._servers import free_port, wait_healthy
 
 AGENT = """
 import agl_langchain
@@ -27,12 +27,6 @@ print(chain.invoke(2))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGL_", "OTEL_"))}
     return {**env, **extra}
@@ -40,7 +34,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture
 def store_url(tmp_path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "agl_core.cli", "store", "serve", "--db", str(tmp_path / "s.sqlite")]
         + ["--http-port", str(port), "--no-grpc", "--group-wait", "0.5", "--parse-workers", "0"],
@@ -50,15 +44,7 @@ def store_url(tmp_path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the store did not start"
-            time.sleep(0.1)
+        wait_healthy(url + "/healthz", proc, timeout_s=60)
         yield url
     finally:
         proc.terminate()

@@ -39,6 +39,7 @@ from agl_core.store.redact import parse_rules
 from agl_core.testing import Collector
 from agl_core.tracing import emit_reward, rollout_scope
 from agl_core.transitions import COUNT_MISMATCH, NO_LLM_CALL
+from tests._servers import wait_healthy
 
 
 # --- files as the exporters write them -----------------------------------------------------------------
@@ -784,15 +785,7 @@ def served_store(tmp_path) -> Iterator[tuple[str, Path]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "store did not start"
-            time.sleep(0.1)
+        wait_healthy(url + "/healthz", proc)
         yield url, db
     finally:
         proc.terminate()

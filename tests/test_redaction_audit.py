@@ -22,6 +22,7 @@ from agl_core.records import RolloutStatus
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.redact import parse_rules
 from agl_core.store.service import StoreService
+from tests._servers import wait_healthy
 
 from .conftest import POSTGRES_DSN
 
@@ -202,15 +203,7 @@ def test_spans_deleted_by_retention_leave_the_files_of_a_stopped_store(tmp_path,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "store did not start"
-            time.sleep(0.1)
+        wait_healthy(url + "/healthz", proc)
         r = httpx.post(
             url + "/v1/traces", content=_old_spans(), headers={"content-type": "application/x-protobuf"}
         )
