@@ -232,7 +232,8 @@ def test_state_json_masks_tokens_and_url_passwords(tmp_path):
 def test_sigterm_ends_a_run_cleanly_saying_what_was_kept(job, tmp_path):
     """SIGTERM once killed ``agl train`` with no message and left run.json saying "running"; it now ends
     the run as Ctrl-C does: exit 143, run.json "interrupted", and the way on (resume, or start again when
-    no checkpoint exists yet)."""
+    no checkpoint exists yet), wherever it lands: before anything, during the held-out pass, the
+    rollouts, the update, a checkpoint write (run.json's phase says when), and after a checkpoint."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def phase(out: Path) -> str | None:
@@ -244,7 +245,9 @@ def test_sigterm_ends_a_run_cleanly_saying_what_was_kept(job, tmp_path):
     for name, ready in (
         ("early", lambda out: (out / "run.json").is_file()),
         ("validating", lambda out: phase(out) == "held-out pass before training"),
-        ("in a step", lambda out: phase(out) == "step 2 of 5"),
+        ("rollouts", lambda out: phase(out) == "step 2 of 5: rollouts"),
+        ("updating", lambda out: phase(out) == "step 2 of 5: update"),
+        ("checkpointing", lambda out: phase(out) == "step 2 of 5: writing a checkpoint"),
         ("late", lambda out: latest_checkpoint(out / "checkpoints") is not None),
     ):
         out = tmp_path / name.replace(" ", "-")
@@ -256,7 +259,7 @@ def test_sigterm_ends_a_run_cleanly_saying_what_was_kept(job, tmp_path):
             while not ready(out):
                 assert proc.poll() is None, proc.communicate()
                 assert time.monotonic() < deadline, f"{name}: the run did not get there in time"
-                time.sleep(0.01)
+                time.sleep(0.001)  # an update or a checkpoint of the tiny model takes tens of ms
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=120)
         finally:

@@ -11,6 +11,7 @@ PNG and (when installed) TensorBoard scalars in ``output_dir``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -361,6 +362,10 @@ def _validate(config: TrainerConfig, queue: RolloutQueue, step: int, tasks: Sequ
     ).result
 
 
+def _step_phase(run_file: RunFile, step: str, what: str) -> None:
+    run_file.phase(f"{step}: {what}")
+
+
 def _number(value: Any) -> float | None:
     """A metric as a tracker takes it: a float, or ``None`` for anything that is not a number."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -515,6 +520,7 @@ def train(
         for step in range(start_step, steps + 1):
             display.start_step(step, step - 1)
             run_file.phase(f"step {step} of {steps}")
+            trainer.on_phase = functools.partial(_step_phase, run_file, f"step {step} of {steps}")
             outcome = trainer.run(step, sampler.sample(config.train.tasks_per_step), draw=sampler.sample)
             release_free_memory()  # the update's activations, before the next rollouts allocate caches
             metrics = outcome.metrics
@@ -539,6 +545,7 @@ def train(
                 log.record_eval(during, "during training")
             every = config.checkpoint.every_steps
             if trained_any and (step == steps or (every and step % every == 0)):
+                run_file.phase(f"step {step} of {steps}: writing a checkpoint")
                 last_saved = _save(config, policy, services, step, sampler, before) or last_saved
             log.redraw()
             display.end_step(

@@ -104,6 +104,15 @@ class AsyncTrainStep:
 
     # -- the pipeline -----------------------------------------------------------------------------------
 
+    @property
+    def on_phase(self) -> Callable[[str], object]:
+        """Told what the step is doing now (its update; rollouts run all the time here)."""
+        return self.steps.on_phase
+
+    @on_phase.setter
+    def on_phase(self, value: Callable[[str], object]) -> None:
+        self.steps.on_phase = value
+
     def _queue(self, tasks: Sequence[Task], step: int) -> None:
         """Queue a group of ``rollouts_per_task`` rollouts for each task."""
         if not tasks:

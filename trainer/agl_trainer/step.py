@@ -220,6 +220,8 @@ class TrainStep:
         self.config = config
         self.queue = queue
         self.learner = learner
+        #: Told what the step is doing now (``rollouts``, ``update``): run.json's phase.
+        self.on_phase: Callable[[str], object] = lambda what: None
         meter = getattr(learner, "meter", None)
         self.meter: Meter = meter if isinstance(meter, Meter) else Meter()
         self.begin()
@@ -259,6 +261,7 @@ class TrainStep:
                 for _ in range(config.train.rollouts_per_task)
             ]
             label = f"rollouts of step {step}" + (f" (redraw {extra_rounds})" if extra_rounds else "")
+            self.on_phase("rollouts")
             t0 = time.monotonic()
             this_round = self.queue.run(label, requests)
             t1 = time.monotonic()
@@ -308,6 +311,7 @@ class TrainStep:
         stats: UpdateStats | None = None
         update_s = 0.0
         if batch.samples:
+            self.on_phase("update")
             t0 = time.monotonic()
             stats = self.learner.update(batch.samples, batch.group_of)
             update_s = time.monotonic() - t0
