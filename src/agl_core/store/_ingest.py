@@ -58,7 +58,7 @@ def _parse(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBat
 def _parse_elsewhere(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBatch:
     """:func:`_parse` in a parse worker: a span kept as the bytes it arrived as comes back as its place
     in ``body`` (which the store process still holds), not as a copy sent back over the pipe (on two
-    cores that took ingest from 72-74k to 79k spans/s, bench/README.md); :func:`_with_bodies` puts the
+    cores that took ingest from 72-74k to 79k spans/s, bench/RESULTS.md); :func:`_with_bodies` puts the
     bytes back."""
     if json_body:
         return extract_rows(decode_json(body), redactor)

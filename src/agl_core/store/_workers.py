@@ -5,7 +5,7 @@ A body goes straight from the thread that received it down an idle worker's pipe
 export is one system call), and the small answer comes back on a second pipe, read by one thread that
 waits on every worker at once. ``concurrent.futures.ProcessPoolExecutor`` passes each job through a
 manager thread, a shared queue and its feeder thread, and each answer back through the manager: on two
-cores that hand-off took 1.5-1.8 ms of a 512-span export's 12 ms round trip (bench/README.md).
+cores that hand-off took 1.5-1.8 ms of a 512-span export's 12 ms round trip (bench/RESULTS.md).
 
 A worker that dies (killed, out of memory) fails only the job it held, with :class:`WorkerLost`, and is
 replaced at once; jobs waiting for a worker wait for the new one. Workers exit with the store process,

@@ -86,7 +86,7 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
         # A new database file gets 16 KiB pages (SQLite's default is 4): a 512-span commit writes about a
         # quarter as many WAL frames (two writes each) and checkpoints copy a quarter as many pages, which
         # took a fifth off the store's CPU per request and kept ingest at 75k spans/s past 1M spans where
-        # 4 KiB pages fell to 56-59k (bench/README.md). A file that exists keeps its page size.
+        # 4 KiB pages fell to 56-59k (bench/RESULTS.md). A file that exists keeps its page size.
         conn.execute(f"PRAGMA page_size={PAGE_SIZE}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
