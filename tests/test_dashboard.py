@@ -663,3 +663,23 @@ def test_browser_compares_two_runs_on_the_same_curves(browser, run, tmp_path):
         context.close()
         server.stop()
         store.close()
+
+
+def test_browser_a_slow_earlier_page_never_draws_over_the_one_asked_for_since(page, tmp_path):
+    """Under load the runs list answered after the rollouts page the user had gone on to, and drew the runs
+    over it (a flaky failure of the rollouts test in a full run): a view whose data arrives after a later
+    navigation stops."""
+    held: list[Any] = []
+    page.route("**/api/runs", lambda route: held.append(route))
+    page.evaluate("() => { location.hash = '#/'; }")
+    deadline = time.monotonic() + 15
+    while not held:  # the runs view waits for its data
+        assert time.monotonic() < deadline, "the runs view asked for nothing"
+        page.wait_for_timeout(20)
+    _visit(page, "#/rollouts", tmp_path, "rollouts-first")
+    assert page.locator("tr[data-rollout]").count() > 0
+    held[0].continue_()  # the earlier view's answer arrives last
+    page.wait_for_timeout(500)
+    assert page.locator("main h1").inner_text() == "Rollouts"
+    assert page.locator("tr[data-rollout]").count() > 0
+    page.unroute("**/api/runs")

@@ -33,10 +33,18 @@ function svg(tag, attrs, ...children) {
   return node;
 }
 
-async function api(path) {
+// Each navigation counts up; a view whose data arrives after a later navigation began is stale and stops
+// there (else a slow earlier view would draw over the page asked for since).
+let routeSeq = 0;
+
+class StaleRoute extends Error {}
+
+async function api(path, { forRoute = true } = {}) {
+  const seq = routeSeq;
   const response = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
   let body = null;
   try { body = await response.json(); } catch (e) { body = null; }
+  if (forRoute && seq !== routeSeq) throw new StaleRoute();
   if (!response.ok) {
     const message = body && body.error ? body.error.message : `HTTP ${response.status}`;
     throw new Error(message);
@@ -488,7 +496,7 @@ async function viewRollout(id) {
 
 async function storeStats() {
   try {
-    const stats = await api("/api/stats");
+    const stats = await api("/api/stats", { forRoute: false });
     document.getElementById("store-stats").textContent = `store: ${fmt(stats.spans)} spans · ${fmt(stats.rollouts)} rollouts`;
   } catch (e) {
     document.getElementById("store-stats").textContent = "";
@@ -497,6 +505,7 @@ async function storeStats() {
 
 async function route() {
   clearTimeout(refreshTimer);
+  routeSeq += 1;
   const hash = location.hash.slice(1) || "/";
   const [path, search] = hash.split("?");
   const params = new URLSearchParams(search || "");
@@ -510,6 +519,7 @@ async function route() {
     else await viewRuns();
     document.body.dataset.ready = hash;
   } catch (error) {
+    if (error instanceof StaleRoute) return;  // a later navigation draws the page
     showError(error);
     document.body.dataset.ready = hash;
   }
