@@ -386,6 +386,11 @@ class LeanSpan(trace.Span):
             on_end(readable)
 
 
+#: Called when an adapter's span starts while the process has no tracer provider yet;
+#: :mod:`agl_core.tracing` adds :func:`~agl_core.tracing.export_from_environment` when it is imported.
+NO_PROVIDER_HOOKS: list[Callable[[], object]] = []
+
+
 class _GlobalTracer(trace.Tracer):
     """The global provider's tracer, asked for before the process set one: each span asks again until
     there is one (an adapter instrumented before :func:`~agl_core.setup_tracing` still records lean). A
@@ -401,9 +406,8 @@ class _GlobalTracer(trace.Tracer):
             return self._tracer
         provider = trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider):
-            from .tracing import export_from_environment  # it imports this module
-
-            export_from_environment()  # AGL_STORE_URL / OTEL_EXPORTER_OTLP_*: export there; else warn once
+            for hook in NO_PROVIDER_HOOKS:  # agl_core.tracing's: export where the environment says, or warn
+                hook()
             provider = trace.get_tracer_provider()
             if isinstance(provider, trace.ProxyTracerProvider):
                 return provider.get_tracer(self._name)

@@ -123,7 +123,7 @@ def _when(created_at: float) -> str:
 
 
 def run_rollouts(args: argparse.Namespace) -> int:
-    from .cli import _Reader
+    from ._store_reader import StoreReader
     from .store import RolloutFilter, StoreError
     from .store._wire import page_to_json
 
@@ -147,7 +147,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(f"{exc} (--search, --reward-min, --reward-max)")
     try:
-        reader = _Reader(args.store, settings.store_token(args.token))
+        reader = StoreReader(args.store, settings.store_token(args.token))
         try:
             if reader.store is not None:
                 page = reader.store.list_rollouts(where, before=args.before, limit=args.limit)

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from . import plugins, settings
+from ._store_reader import StoreReader
 
 if TYPE_CHECKING:
-    from .records import Rollout, Span
-    from .store import SqliteStore, StoreClient
+    pass
 
 
 def _port(text: str) -> int:
@@ -232,56 +232,6 @@ def _parser() -> argparse.ArgumentParser:
         command.add_arguments(sub)
         sub.set_defaults(plugin=command)
     return parser
-
-
-class _Reader:
-    """A store to read from: a running one (URL) or a SQLite file an embedded store left behind."""
-
-    def __init__(self, target: str | None, token: str | None) -> None:
-        from pathlib import Path
-
-        from .store import SqliteStore, StoreClient, StoreError
-
-        self.store: SqliteStore | None = None
-        self.client: StoreClient | None = None
-        if target and not target.startswith(("http://", "https://")):
-            if not Path(target).is_file():
-                raise StoreError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
-            self.store, self.where = SqliteStore(target), target
-        else:
-            self.client = StoreClient(target, token=token)
-            self.where = self.client.url
-
-    def spans(self, rollout_id: str) -> list[Span]:
-        if self.store is not None:
-            return self.store.query_spans(rollout_ids=[rollout_id], limit=1_000_000)
-        assert self.client is not None
-        return self.client.all_spans([rollout_id])
-
-    def rollout(self, rollout_id: str) -> Rollout | None:
-        from .store import NotFoundError
-
-        try:
-            if self.store is not None:
-                found = self.store.get_rollouts([rollout_id])
-            else:
-                assert self.client is not None
-                found = self.client.get_rollouts([rollout_id])
-        except NotFoundError:
-            return None
-        return found[0] if found else None
-
-    def stats(self) -> dict[str, int]:
-        if self.store is not None:
-            return self.store.stats()
-        assert self.client is not None
-        return self.client.stats()
-
-    def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-        if self.client is not None:
-            self.client.close()
 
 
 def _store_serve(args: argparse.Namespace) -> int:
@@ -506,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .store import StoreError
 
         try:
-            reader = _Reader(args.store, args.token)
+            reader = StoreReader(args.store, args.token)
             try:
                 print(json.dumps(reader.stats(), indent=2))
             finally:
@@ -542,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .store import StoreError
 
         try:
-            reader = _Reader(args.store, args.token)
+            reader = StoreReader(args.store, args.token)
             try:
                 spans, rollout = reader.spans(args.rollout_id), reader.rollout(args.rollout_id)
             finally:

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Status, StatusCode
 
 from . import semconv, settings
-from ._lean_spans import LeanSpan
+from ._lean_spans import NO_PROVIDER_HOOKS, LeanSpan
 from .rewards import Reward, RewardSink, StoredReward, make_reward
 
 __all__ = [
@@ -439,6 +439,9 @@ def export_from_environment() -> TracerProvider | None:
             " agl_core.setup_tracing(URL) at start-up."
         )
     return None
+
+
+NO_PROVIDER_HOOKS.append(export_from_environment)
 
 
 def mark_span_error(span: trace.Span, error: BaseException) -> None:

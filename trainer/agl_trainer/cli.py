@@ -7,18 +7,17 @@ The command reaches ``agl`` through the ``agl.commands`` entry point ``train`` (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import signal
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import yaml
 
 from .config import ConfigError, add_override_argument, load_config
 from .cpu import passive_openmp
+from .signals import received, stop_on_signals
 
 __all__ = ["TRAIN_COMMAND", "run_train"]
 
@@ -86,26 +85,6 @@ def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwri
     return 0
 
 
-#: The signals received during the current ``run_train`` or ``agl eval`` (SIGINT, SIGTERM).
-received: list[int] = []
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` (:class:`Terminated` for SIGTERM) in the main thread
-    while inside, and are noted in :data:`received` (yielded), so a command can tell a signal from an
-    error whatever exception it surfaced as; the previous handlers come back after."""
-    received.clear()
-    previous = (
-        {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)} if _main_thread() else {}
-    )
-    try:
-        yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:
     """The closing line of a run stopped by Ctrl-C or SIGTERM, run.json marked ``interrupted``; the exit
     status (130, or 143 for SIGTERM)."""
@@ -129,21 +108,6 @@ def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:
         then = f"no checkpoint was written yet; start again with: agl train {config_path} --overwrite"
     print(f"agl train: {how}; run.json says interrupted; {then}", file=sys.stderr)
     return 143 if terminated else 130
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C is, so a terminated run ends the same clean way."""
-
-
-def _stop(signum: int, frame: object) -> None:
-    received.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 @dataclasses.dataclass(frozen=True)

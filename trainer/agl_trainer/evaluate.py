@@ -35,6 +35,7 @@ from .data import DatasetError, find_task_file, load_splits, load_tasks
 from .reporting import held_out_line, paired_difference
 from .results import EvalResult, mean_se
 from .rollouts import RolloutQueue, ScoredRollout, score_tasks
+from .signals import stop_on_signals
 
 if TYPE_CHECKING:
     from agl_core.plugins import CliCommand
@@ -499,8 +500,6 @@ class EvalCommand:
                     find_checkpoint(path)
         except (EvalError, DatasetError, ModelNotFoundError, ValueError) as exc:
             return _fail(str(exc).replace("\n", " "))
-        from .cli import stop_on_signals
-
         with stop_on_signals() as received:
             try:
                 evaluation = evaluate(

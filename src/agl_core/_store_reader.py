@@ -1,0 +1,58 @@
+"""A store the ``agl`` commands read from: a running one (its URL) or a SQLite file an embedded store left
+behind (``agl inspect``, ``agl store stats``, ``agl rollouts list``)."""
+
+from __future__ import annotations
+
+from .records import Rollout, Span
+
+__all__ = ["StoreReader"]
+
+
+class StoreReader:
+    """A store to read from: a running one (URL) or a SQLite file an embedded store left behind."""
+
+    def __init__(self, target: str | None, token: str | None) -> None:
+        from pathlib import Path
+
+        from .store import SqliteStore, StoreClient, StoreError
+
+        self.store: SqliteStore | None = None
+        self.client: StoreClient | None = None
+        if target and not target.startswith(("http://", "https://")):
+            if not Path(target).is_file():
+                raise StoreError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
+            self.store, self.where = SqliteStore(target), target
+        else:
+            self.client = StoreClient(target, token=token)
+            self.where = self.client.url
+
+    def spans(self, rollout_id: str) -> list[Span]:
+        if self.store is not None:
+            return self.store.query_spans(rollout_ids=[rollout_id], limit=1_000_000)
+        assert self.client is not None
+        return self.client.all_spans([rollout_id])
+
+    def rollout(self, rollout_id: str) -> Rollout | None:
+        from .store import NotFoundError
+
+        try:
+            if self.store is not None:
+                found = self.store.get_rollouts([rollout_id])
+            else:
+                assert self.client is not None
+                found = self.client.get_rollouts([rollout_id])
+        except NotFoundError:
+            return None
+        return found[0] if found else None
+
+    def stats(self) -> dict[str, int]:
+        if self.store is not None:
+            return self.store.stats()
+        assert self.client is not None
+        return self.client.stats()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self.client is not None:
+            self.client.close()
