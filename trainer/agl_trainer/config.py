@@ -264,7 +264,7 @@ def _utc(moment: datetime) -> datetime:
 
 
 class TracesConfig(_Strict):
-    """Train on rollouts already in a store instead of running the agent (see docs/training.md)."""
+    """Train on rollouts already in a store instead of running the agent (see docs/traces.md)."""
 
     #: The store holding the traces: a SQLite file (relative to the config file), ``postgresql://...``, or
     #: a running store's ``http(s)://`` URL.
