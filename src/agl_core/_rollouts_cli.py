@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from . import settings
+from ._store_reader import add_store_arguments
 from .records import RolloutStatus
 
 __all__ = ["add_rollouts_arguments", "run_rollouts"]
@@ -57,14 +58,7 @@ def add_rollouts_arguments(parser: argparse.ArgumentParser) -> None:
         description="List the rollouts a store holds, newest first: queued by a trainer, imported, captured"
         " by the gateway, or grouped from spans sent without a rollout.",
     )
-    listing.add_argument(
-        "--store",
-        "--url",
-        dest="store",
-        default=None,
-        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
-    )
-    listing.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
+    add_store_arguments(listing)
     listing.add_argument(
         "--status",
         action="append",

@@ -3,9 +3,24 @@ behind (``agl inspect``, ``agl store stats``, ``agl rollouts list``)."""
 
 from __future__ import annotations
 
+import argparse
+
+from . import settings
 from .records import Rollout, Span
 
-__all__ = ["StoreReader"]
+__all__ = ["StoreReader", "add_store_arguments"]
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--store`` (or ``--url``) and ``--token``: the store a reading command reads from."""
+    parser.add_argument(
+        "--store",
+        "--url",
+        dest="store",
+        default=None,
+        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+    )
+    parser.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
 
 
 class StoreReader:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from . import plugins, settings
-from ._store_reader import StoreReader
+from ._store_reader import StoreReader, add_store_arguments
 
 if TYPE_CHECKING:
     pass
@@ -151,15 +151,7 @@ def _parser() -> argparse.ArgumentParser:
         " grouped by rollout id, session or trace, once their trace has had no new span for SECONDS;"
         " 0 leaves them loose (default: %(default)s)",
     )
-    stats = store.add_parser("stats", help="print what a running store holds")
-    stats.add_argument(
-        "--store",
-        "--url",
-        dest="store",
-        default=None,
-        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
-    )
-    stats.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
+    add_store_arguments(store.add_parser("stats", help="print what a running store holds"))
 
     gateway = commands.add_parser("gateway", help="the LLM gateway").add_subparsers(
         dest="gateway_command", required=True, metavar="SUBCOMMAND"
@@ -189,12 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         " make, and why a call makes none. Rollout ids: `agl rollouts list`.",
     )
     inspect.add_argument("rollout_id", metavar="ROLLOUT_ID", help="the rollout (see `agl rollouts list`)")
-    inspect.add_argument(
-        "--store",
-        default=None,
-        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
-    )
-    inspect.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
+    add_store_arguments(inspect)
     from .importer._cli import add_import_arguments
 
     add_import_arguments(
