@@ -110,8 +110,9 @@ def memory_bandwidth(device: torch.device, repeats: int = 5) -> float:
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of a 2048 x 2048 x 2048 matmul in ``dtype`` (median of ``repeats``)."""
-    n = 2048
+    """FLOP/s of an n x n x n matmul in ``dtype`` (median of ``repeats``): n = 2048 on the CPU, 8192 on a
+    GPU (where a smaller product measures its launch, not its arithmetic)."""
+    n = 8192 if device.type == "cuda" else 2048
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     times = []
     for _ in range(repeats + 1):
@@ -196,11 +197,13 @@ def _delta(backend: Any, before: dict[str, float]) -> dict[str, float]:
 
 
 def plain_generate(
-    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, static: bool
+    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, static: bool, width: int = 0
 ) -> float:
-    """Seconds for one batched ``generate()`` of ``max_tokens`` new tokens per prompt (left-padded,
-    sampling, no early stop), transformers' static cache when ``static``."""
-    width = max(len(p) for p in prompts)
+    """Seconds for one batched ``generate()`` of ``max_tokens`` new tokens per prompt (left-padded to
+    ``width`` or the longest prompt, sampling, no early stop), transformers' static cache when ``static``.
+    One ``width`` for every call keeps the static cache's shape, so whatever transformers compiles for it
+    is compiled once."""
+    width = max(width, *(len(p) for p in prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
     ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         default=128.0,
         help="slots: MiB of oneDNN-packed weight copies on the CPU (serving.hf.packed_weights_mb; 128)",
     )
+    parser.add_argument("--json", type=Path, help="also write every repeat's figures to this JSON file")
     args = parser.parse_args(argv)
     for name in ("rows", "max_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -280,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
             direct_decode=False,
         ),
     }
+    if device.type == "cuda":  # what the fixed-shape step and its graph each add on a GPU
+        backends["slots, no CUDA graph"] = HFBackend(
+            model, tokenizer, model_name="bench", max_batch=args.rows, cuda_graphs=False
+        )
+        backends["slots, narrow steps"] = HFBackend(
+            model, tokenizer, model_name="bench", max_batch=args.rows, static_decode=False
+        )
     bandwidth = memory_bandwidth(device)
     flops = matmul_flops(device, dtype)
     print(
@@ -303,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for backend in backends.values():  # warm-up, and the first call that sees the shared prefix
         _run(backend, [request(pool[-1], 2)])
+    width = max(
+        len(backends["today"].render_prompt(request(q, 1).messages, [CALCULATOR]))
+        for q in pool[: args.rows * args.repeats]
+    )
+    warm = [backends["today"].render_prompt(request(pool[-1], 1).messages, [CALCULATOR])] * args.rows
+    plain_generate(model, tokenizer, warm, args.max_tokens, static=True, width=width)  # compiles, if it does
     results: dict[str, dict[str, list[float]]] = {name: {} for name in [*backends, "generate()"]}
 
     def record(name: str, key: str, value: float) -> None:
@@ -331,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             record(name, "steps", d["decode_steps"])
             record(name, "end_to_end", d["generated_tokens"] / wall)
         prompts = [backends["today"].render_prompt(request(q, 1).messages, [CALCULATOR]) for q in batch]
-        seconds = plain_generate(model, tokenizer, prompts, args.max_tokens, static=True)
+        seconds = plain_generate(model, tokenizer, prompts, args.max_tokens, static=True, width=width)
         record("generate()", "end_to_end", args.rows * args.max_tokens / seconds)
     for backend in backends.values():
         backend.close()
@@ -377,6 +394,25 @@ def main(argv: list[str] | None = None) -> int:
         label = "generate(), static cache" if name == "generate()" else name
         print(f"  {label:<28} {med[name]['end_to_end']:>9.1f}")
 
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": str(device),
+                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "dtype": args.dtype,
+                    "rows": args.rows,
+                    "max_tokens": args.max_tokens,
+                    "prompt_tokens": prompt_len,
+                    "bandwidth_bytes_s": bandwidth,
+                    "matmul_flop_s": flops,
+                    "decode_bound_tokens_s": bound_tps,
+                    "prefill_flop_bound_s": flop_bound_s,
+                    "repeats": results,
+                },
+                indent=1,
+            )
+        )
     prefill_ratio = med["today"]["prefill_s"] / med["slots"]["prefill_s"]
     decode_ratio = (med["slots"]["decoded"] / med["slots"]["decode_s"]) / (
         med["today"]["decoded"] / med["today"]["decode_s"]

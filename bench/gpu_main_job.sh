@@ -12,7 +12,13 @@
 #                                        # reward_curve.png and table.txt (bench/main_job_profile.py --from)
 #                                        # to $OUT (default runs/gpu)
 #
-# The run stops itself after $AGL_GPU_TIMEOUT seconds (default 540) so that what it wrote still comes back.
+#   bash bench/gpu_main_job.sh generation
+#                                        # the decoding step's CUDA graph against eager steps and generate()
+#                                        # (bench/gpu_equality.py), then bench/generation.py on the GPU in
+#                                        # bf16 (--json to $OUT/generation.json); logs to $OUT
+#
+# The run stops itself after $AGL_GPU_TIMEOUT seconds (default 540) so that what it wrote still comes back;
+# the generation check gives each of its two parts $AGL_GPU_GEN_TIMEOUT seconds (default 200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${AGL_GPU_SITE:-/tmp/agl-site}
@@ -53,8 +59,22 @@ case "${1:-}" in
     [ "$status" = 0 ] || tail -30 "$OUT/train.log"
     exit "$status"
     ;;
+  generation)
+    shift
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+    limit=${AGL_GPU_GEN_TIMEOUT:-200}
+    started=$(date +%s)
+    PYTHONUNBUFFERED=1 timeout "$limit" "$PY" bench/gpu_equality.py 2>&1 | tee "$OUT/equality.log"
+    equality=${PIPESTATUS[0]}
+    echo "gpu_equality exit $equality after $(($(date +%s) - started)) s"
+    started=$(date +%s)
+    PYTHONUNBUFFERED=1 timeout "$limit" "$PY" bench/generation.py --device cuda --dtype bfloat16 --threads 4 \
+      --json "$OUT/generation.json" "$@" 2>&1 | tee "$OUT/generation.log"
+    echo "generation exit ${PIPESTATUS[0]} after $(($(date +%s) - started)) s"
+    exit "$equality"
+    ;;
   *)
-    echo "usage: bash bench/gpu_main_job.sh stage | run [--set KEY=VALUE ...]" >&2
+    echo "usage: bash bench/gpu_main_job.sh stage | run [--set KEY=VALUE ...] | generation [ARGS]" >&2
     exit 2
     ;;
 esac
