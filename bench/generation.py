@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -231,6 +232,30 @@ def plain_generate(
     return time.perf_counter() - t0
 
 
+def profile_round(backend: Any, requests: list[ChatRequest], path: Path) -> None:
+    """One round of ``requests`` (a prefill of one token each, then decoding) under torch.profiler, every
+    thread's operators by total CPU time written to ``path``, the first lines printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if backend.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    short = [dataclasses.replace(r, max_tokens=1) for r in requests]
+    try:  # the backend generates in a thread of its own
+        from torch._C._profiler import _ExperimentalConfig
+
+        extra: dict[str, Any] = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        extra = {}
+    with profile(activities=activities, **extra) as prof:
+        _run(backend, short)
+        _run(backend, requests)
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+    path.write_text(table)
+    print("\nprofile of one slots round (prefill, then decoding), by total CPU time:")
+    print("\n".join(table.splitlines()[:24]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16, help="requests decoded together (16)")
@@ -246,6 +271,15 @@ def main(argv: list[str] | None = None) -> int:
         help="slots: MiB of oneDNN-packed weight copies on the CPU (serving.hf.packed_weights_mb; 128)",
     )
     parser.add_argument("--json", type=Path, help="also write every repeat's figures to this JSON file")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="after the repeats, profile one round of slots (prefill, then decoding) with torch.profiler and"
+        " write its operators, by total CPU time, to this file",
+    )
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="measure only these backends besides today (e.g. slots)"
+    )
     args = parser.parse_args(argv)
     for name in ("rows", "max_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -291,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         backends["slots, narrow steps"] = HFBackend(
             model, tokenizer, model_name="bench", max_batch=args.rows, static_decode=False
         )
+    if args.only:
+        unknown = sorted(set(args.only) - set(backends))
+        if unknown:
+            parser.error(f"--only: no backend {', '.join(unknown)}; choose from {', '.join(backends)}")
+        backends = {name: b for name, b in backends.items() if name == "today" or name in args.only}
     bandwidth = memory_bandwidth(device)
     flops = matmul_flops(device, dtype)
     print(
@@ -350,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [backends["today"].render_prompt(request(q, 1).messages, [CALCULATOR]) for q in batch]
         seconds = plain_generate(model, tokenizer, prompts, args.max_tokens, static=True, width=width)
         record("generate()", "end_to_end", args.rows * args.max_tokens / seconds)
+    if args.profile:
+        profile_round(
+            backends["slots"], [request(q, args.max_tokens) for q in pool[-args.rows :]], args.profile
+        )
     for backend in backends.values():
         backend.close()
 

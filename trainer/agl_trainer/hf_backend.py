@@ -185,7 +185,7 @@ class _Row:
         request = job.request
         self.job = job
         self.index = index
-        self.generator = torch.Generator(device=backend.device)
+        self.generator = torch.Generator(device=backend.sample_device)
         if job.seed is not None:
             self.generator.manual_seed((job.seed + index) % 2**63)
         else:
@@ -341,6 +341,19 @@ class HFBackend:
     @property
     def model_names(self) -> Sequence[str]:
         return self._names
+
+    @property
+    def sample_device(self) -> torch.device:
+        """Where tokens are drawn: the CPU, also for a model on a GPU, whose step's logits come over in one
+        copy (a row at a time on the GPU costs a few small kernels and a wait for each of its rows)."""
+        return torch.device("cpu")
+
+    def _synchronize(self) -> None:
+        """Wait for the GPU's queued work, so that a phase's timer holds the work it queued (a CUDA graph's
+        replay returns before its kernels run)."""
+        device = self.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     @property
     def device(self) -> torch.device:
@@ -696,16 +709,20 @@ class HFBackend:
             self._admit(state, jobs)
             while True:
                 self.peak_batch = max(self.peak_batch, len(state.rows))
-                logp = torch.log_softmax(state.logits, dim=-1)
+                logits = state.logits.float()
+                logp = torch.log_softmax(logits, dim=-1)
+                if logits.device != self.sample_device:  # one copy for every row of the step
+                    logits, logp = logits.to(self.sample_device), logp.to(self.sample_device)
                 for r, row in enumerate(state.rows):
                     if not row.job.cancelled:
-                        self._step(row, state.logits[r], logp[r], version)
+                        self._step(row, logits[r], logp[r], version)
                 state.keep([r for r, row in enumerate(state.rows) if not row.done])
                 if not state.rows:
                     return  # requests queued meanwhile start the next batch (after any waiting weight update)
                 joining = self._join(len(state.rows))
                 started = time.perf_counter()
                 state.advance()
+                self._synchronize()
                 self.decode_s += time.perf_counter() - started
                 self.decode_steps += 1
                 if joining:  # continuous batching: new requests join the rows being decoded
@@ -721,6 +738,7 @@ class HFBackend:
         started = time.perf_counter()
         prefilled, reused = state.prefilled_tokens, state.reused_tokens
         state.admit(jobs)
+        self._synchronize()
         self.prefill_s += time.perf_counter() - started
         self.prefilled_tokens += state.prefilled_tokens - prefilled
         self.reused_tokens += state.reused_tokens - reused
