@@ -577,8 +577,8 @@ def breakdown(args: argparse.Namespace) -> int:
     """Where one batch's time goes, in microseconds per span; see the module docstring."""
     import sqlite3
 
-    from agl_core.store._otlp import decode_protobuf, extract_rows
     from agl_core.store._sql import schema
+    from agl_core.store.otlp import decode_protobuf, extract_rows
     from agl_core.store.redact import parse_rules
     from agl_core.store.sqlite import PAGE_SIZE, SqliteStore
 

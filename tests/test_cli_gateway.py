@@ -143,7 +143,7 @@ def test_serve_in_front_of_vllm_sends_spans_to_the_store(tiny_policy, store_serv
 def test_gateway_modules_and_cli_stay_light():
     code = (
         "import sys, agl_core.cli, agl_core.gateway.vllm_backend, agl_core.gateway.openai_backend,"
-        " agl_core.gateway._cli\n"
+        " agl_core.gateway.cli\n"
         "print([m for m in ('torch', 'transformers', 'vllm', 'peft', 'openai') if m in sys.modules])"
     )
     out = subprocess.run(

@@ -26,8 +26,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from agl_core import semconv
 from agl_core.server import BackgroundServer
 from agl_core.store import AsyncStoreClient, StoreClient, StoreUnavailableError
-from agl_core.store._ingest import IngestPipeline, _parse_elsewhere, _with_bodies
-from agl_core.store._otlp import OtlpDecodeError, decode_protobuf, extract_rows, span_slices
+from agl_core.store.ingest import IngestPipeline, _parse_elsewhere, _with_bodies
+from agl_core.store.otlp import OtlpDecodeError, decode_protobuf, extract_rows, span_slices
 from agl_core.store.redact import MASK, parse_rules
 from agl_core.store.service import RetentionPolicy, StoreService, parse_duration
 from agl_core.tracing import rollout_scope
@@ -563,7 +563,7 @@ def test_a_parse_worker_sends_back_where_each_span_lies_and_the_store_gets_its_b
 
 
 def test_a_failure_putting_a_workers_rows_together_reaches_the_request(monkeypatch):
-    import agl_core.store._ingest as ingest
+    import agl_core.store.ingest as ingest
 
     def broken(batch, body):
         raise RuntimeError("rows could not be put together")

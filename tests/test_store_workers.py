@@ -15,7 +15,7 @@ import pytest
 
 from agl_core import semconv
 from agl_core.store import StoreClient
-from agl_core.store._ingest import IngestPipeline
+from agl_core.store.ingest import IngestPipeline
 from agl_core.store.service import StoreService
 from agl_core.store.sqlite import SqliteStore
 
@@ -240,7 +240,7 @@ def _fail(body: bytes, kind: str) -> None:
 def test_a_worker_gets_the_body_as_sent_and_its_errors_come_back():
     import hashlib
 
-    from agl_core.store._workers import WorkerPool
+    from agl_core.store.workers import WorkerPool
 
     pool = WorkerPool(2)
     try:
@@ -263,7 +263,7 @@ def test_a_worker_gets_the_body_as_sent_and_its_errors_come_back():
 def test_a_killed_worker_fails_only_its_job_and_is_replaced():
     import signal
 
-    from agl_core.store._workers import WorkerLost, WorkerPool
+    from agl_core.store.workers import WorkerLost, WorkerPool
 
     pool = WorkerPool(1)
     try:
@@ -282,7 +282,7 @@ def test_a_killed_worker_fails_only_its_job_and_is_replaced():
 
 
 def test_shutting_down_answers_the_held_job_and_refuses_the_rest():
-    from agl_core.store._workers import WorkerLost, WorkerPool
+    from agl_core.store.workers import WorkerLost, WorkerPool
 
     pool = WorkerPool(1)
     held = pool.submit(_nap, b"", 1.0)
@@ -303,7 +303,7 @@ def test_workers_start_when_a_job_needs_one():
     two jobs are held at once."""
     import psutil
 
-    from agl_core.store._workers import WorkerPool
+    from agl_core.store.workers import WorkerPool
 
     before = {p.pid for p in psutil.Process().children()}
     pool = WorkerPool(2)

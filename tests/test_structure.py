@@ -63,6 +63,56 @@ def test_adapters_and_trainer_use_only_public_agl_core_modules():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def _private_owner(module: str) -> str | None:
+    """The package a private module belongs to (``agl_core.store`` for ``agl_core.store._sql``), or
+    ``None`` for a public module."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def private_imports_across_packages(packages: tuple[str, ...]) -> dict[str, list[str]]:
+    """agl module -> the private agl modules of other packages it imports. A module whose name (or one of
+    whose packages' names) starts with ``_`` is private to the package that holds it, that package's
+    subpackages included (docs/development.md)."""
+    files = graph_tool.module_files(packages)
+    found: dict[str, list[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for module in sorted(graph_tool.imported_modules(name, path, set(files))):
+            owner = _private_owner(module)
+            if module.split(".")[0] not in packages or owner is None:
+                continue  # another project's module, or a public one
+            if package != owner and not package.startswith(owner + "."):
+                found.setdefault(name, []).append(module)
+    return found
+
+
+AGL_PACKAGES = ("agl_core", *ADAPTERS, "agl_trainer")
+
+
+def test_no_agl_package_imports_another_packages_private_module():
+    assert private_imports_across_packages(AGL_PACKAGES) == {}
+
+
+def test_the_private_import_check_finds_one(tmp_path, monkeypatch):
+    """The check above is not vacuous: a module of one package importing another's private module, as the
+    importer once did the store's, is found."""
+    root = tmp_path / "agl_fake"
+    for folder in ("store", "importer"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "store" / "_sql.py").write_text("X = 1\n")
+    (root / "store" / "base.py").write_text("from ._sql import X\n")  # inside its own package: fine
+    (root / "importer" / "run.py").write_text("from ..store._sql import X\nfrom ..store.base import X\n")
+    monkeypatch.setattr(graph_tool, "SOURCE_ROOTS", (tmp_path,))
+    found = private_imports_across_packages(("agl_fake",))
+    assert found == {"agl_fake.importer.run": ["agl_fake.store._sql"]}
+
+
 def test_no_import_cycle_among_agl_modules():
     assert graph_tool.cycles(graph_tool.graph()) == []
 
@@ -81,7 +131,7 @@ def test_the_runner_package_imports_in_one_direction():
         "agl_core.runner._procs": 4,
         "agl_core.runner._runner": 5,
         "agl_core.runner._ray": 6,
-        "agl_core.runner._cli": 7,
+        "agl_core.runner.cli": 7,
         "agl_core.runner": 8,
     }
     edges = graph_tool.graph(("agl_core",))

@@ -156,12 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     gateway = commands.add_parser("gateway", help="the LLM gateway").add_subparsers(
         dest="gateway_command", required=True, metavar="SUBCOMMAND"
     )
-    from .gateway._cli import add_serve_arguments
+    from .gateway.cli import add_serve_arguments
 
     add_serve_arguments(
         gateway.add_parser("serve", help="serve a model behind the OpenAI-compatible gateway"), _port
     )
-    from .runner._cli import add_run_arguments
+    from .runner.cli import add_run_arguments
 
     add_run_arguments(
         commands.add_parser(
@@ -182,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("rollout_id", metavar="ROLLOUT_ID", help="the rollout (see `agl rollouts list`)")
     add_store_arguments(inspect)
-    from .importer._cli import add_import_arguments
+    from .importer.cli import add_import_arguments
 
     add_import_arguments(
         commands.add_parser(
@@ -201,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
             " agl.reward span; credit reads it exactly as a reward emitted during the rollout.",
         )
     )
-    from .dashboard._cli import add_dashboard_arguments
+    from .dashboard.cli import add_dashboard_arguments
 
     add_dashboard_arguments(
         commands.add_parser(
@@ -453,17 +453,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "gateway" and args.gateway_command == "serve":
-        from .gateway._cli import run_gateway_serve
+        from .gateway.cli import run_gateway_serve
 
         return run_gateway_serve(args)
     if args.command == "run":
-        from .runner._cli import run_agents
+        from .runner.cli import run_agents
 
         return run_agents(args)
     if args.command == "reward":
         return _reward(args)
     if args.command == "dashboard":
-        from .dashboard._cli import run_dashboard
+        from .dashboard.cli import run_dashboard
 
         return run_dashboard(args)
     if args.command == "rollouts":
@@ -471,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_rollouts(args)
     if args.command == "import":
-        from .importer._cli import run_import
+        from .importer.cli import run_import
 
         return run_import(args)
     if args.command == "inspect":

@@ -30,8 +30,8 @@ from typing import Any
 
 from .. import semconv, settings
 from ..store import Store, StoreClient, StoreError, StoreUnavailableError, open_store
-from ..store._ingest import IngestPipeline, Overloaded, as_store_error
-from ..store._otlp import (
+from ..store.ingest import IngestPipeline, Overloaded, as_store_error
+from ..store.otlp import (
     MAX_SPANS_PER_REQUEST,
     OtlpDecodeError,
     ParsedBatch,

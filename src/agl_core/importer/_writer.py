@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from ..store import StoreError, StoreUnavailableError
-from ..store._ingest import as_store_error
-from ..store._otlp import SpanRow
-from ..store._workers import widen_pipe
+from ..store.ingest import as_store_error
+from ..store.otlp import SpanRow
+from ..store.workers import widen_pipe
 
 __all__ = ["WriterProcess"]
 

@@ -8,11 +8,14 @@ the runner.
 
 Workers run in one of three modes:
 
-``thread``   N threads in this process. A rollout that runs past its timeout is recorded as timed out on
-             time, but its thread cannot be stopped: it runs on detached and its late result is dropped.
-``process``  N worker processes (spawned). A rollout past its timeout is stopped for real: its worker
-             process is killed and replaced. A crashing worker (segfault, ``os._exit``) fails the attempt.
-``async``    N concurrent tasks on one event loop, for ``async def`` agents; a timeout cancels the task.
+``thread``
+    N threads in this process. A rollout that runs past its timeout is recorded as timed out on time, but
+    its thread cannot be stopped: it runs on detached and its late result is dropped.
+``process``
+    N worker processes (spawned). A rollout past its timeout is stopped for real: its worker process is
+    killed and replaced. A crashing worker (segfault, ``os._exit``) fails the attempt.
+``async``
+    N concurrent tasks on one event loop, for ``async def`` agents; a timeout cancels the task.
 
 ``auto`` picks ``async`` for ``async def`` agents and ``thread`` otherwise.
 """

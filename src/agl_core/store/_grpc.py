@@ -11,9 +11,9 @@ import hmac
 from concurrent import futures
 from typing import Any
 
-from ._ingest import IngestPipeline, Overloaded
-from ._otlp import OtlpDecodeError, encode_export_response
 from .base import StoreError
+from .ingest import IngestPipeline, Overloaded
+from .otlp import OtlpDecodeError, encode_export_response
 
 __all__ = ["start_grpc_server"]
 

@@ -16,8 +16,8 @@ from typing import Any
 from .. import semconv
 from ..records import Span
 from ..rewards import Reward, StoredReward, reward_span, reward_trace_id
-from ._otlp import row_to_span
 from .base import NotFoundError, StoreError
+from .otlp import row_to_span
 
 __all__ = ["LEDGER_COLUMNS", "RewardConflictError", "RewardPlacer", "ledger_row"]
 

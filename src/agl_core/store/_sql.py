@@ -23,14 +23,6 @@ from ..rewards import EPISODE, Reward, StoredReward
 from ..transitions import episode_rewards
 from ._loose import SOURCE as LOOSE_SOURCE
 from ._loose import LooseSpans, rollout_for_trace
-from ._otlp import (
-    SpanRow,
-    extract_rows,
-    records_to_request,
-    resource_attributes,
-    row_to_span,
-    with_rollout_id,
-)
 from ._rewards import LEDGER_COLUMNS, RewardPlacer, ledger_row
 from .base import (
     AGENT_COUNT_CAP,
@@ -43,6 +35,14 @@ from .base import (
     StoreError,
     StoreUnavailableError,
     validate_merge,
+)
+from .otlp import (
+    SpanRow,
+    extract_rows,
+    records_to_request,
+    resource_attributes,
+    row_to_span,
+    with_rollout_id,
 )
 
 __all__ = ["SqlStore"]

@@ -16,7 +16,7 @@ import httpx
 from .. import settings
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ..rewards import EPISODE, Reward, StoredReward, make_reward
-from . import _wire
+from . import wire
 from .base import NotFoundError, RolloutFilter, RolloutPage, RolloutRequest, StoreError, StoreUnavailableError
 
 __all__ = ["AsyncStoreClient", "StoreClient"]
@@ -37,7 +37,7 @@ class _Call(Generic[_T]):
 
 
 def _rollouts(data: Any) -> list[Rollout]:
-    return [_wire.rollout_from_json(r) for r in data["rollouts"]]
+    return [wire.rollout_from_json(r) for r in data["rollouts"]]
 
 
 def _marked(data: Any) -> int:
@@ -73,7 +73,7 @@ def _span_query(
         "POST",
         "/api/spans/query",
         body,
-        lambda d: ([_wire.span_from_json(s) for s in d["spans"]], bool(d.get("more"))),
+        lambda d: ([wire.span_from_json(s) for s in d["spans"]], bool(d.get("more"))),
     )
 
 
@@ -103,7 +103,7 @@ def _dequeue(worker_id: str, lease_s: float) -> _Call[tuple[Rollout, Attempt] | 
         lambda d: (
             None
             if d is None
-            else (_wire.rollout_from_json(d["rollout"]), _wire.attempt_from_json(d["attempt"]))
+            else (wire.rollout_from_json(d["rollout"]), wire.attempt_from_json(d["attempt"]))
         ),
     )
 
@@ -113,7 +113,7 @@ def _heartbeat(attempt_id: str, lease_s: float) -> _Call[Attempt]:
         "POST",
         f"/api/attempts/{attempt_id}/heartbeat",
         {"lease_s": lease_s},
-        lambda d: _wire.attempt_from_json(d["attempt"]),
+        lambda d: wire.attempt_from_json(d["attempt"]),
     )
 
 
@@ -122,7 +122,7 @@ def _complete(
 ) -> _Call[Rollout]:
     body = {"status": RolloutStatus(status).value, "reward": reward, "error": error}
     return _Call(
-        "POST", f"/api/attempts/{attempt_id}/complete", body, lambda d: _wire.rollout_from_json(d["rollout"])
+        "POST", f"/api/attempts/{attempt_id}/complete", body, lambda d: wire.rollout_from_json(d["rollout"])
     )
 
 
@@ -142,12 +142,12 @@ def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], _T])
 
 def _put_resource(name: str, value: Any) -> _Call[Resource]:
     return _Call(
-        "PUT", f"/api/resources/{name}", {"value": value}, lambda d: _wire.resource_from_json(d["resource"])
+        "PUT", f"/api/resources/{name}", {"value": value}, lambda d: wire.resource_from_json(d["resource"])
     )
 
 
 def _get_resource(name: str) -> _Call[Resource]:
-    return _Call("GET", f"/api/resources/{name}", None, lambda d: _wire.resource_from_json(d["resource"]))
+    return _Call("GET", f"/api/resources/{name}", None, lambda d: wire.resource_from_json(d["resource"]))
 
 
 def _rewards(rewards: Sequence[Reward]) -> _Call[list[StoredReward]]:
@@ -277,10 +277,10 @@ class StoreClient:
     def list_rollouts(
         self, where: RolloutFilter | None = None, *, before: int | None = None, limit: int = 50
     ) -> RolloutPage:
-        body: dict[str, Any] = {**_wire.filter_to_json(where or RolloutFilter()), "limit": limit}
+        body: dict[str, Any] = {**wire.filter_to_json(where or RolloutFilter()), "limit": limit}
         if before is not None:
             body["before"] = before
-        return self._run(_Call("POST", "/api/rollouts/list", body, _wire.page_from_json))
+        return self._run(_Call("POST", "/api/rollouts/list", body, wire.page_from_json))
 
     def wait_for_rollouts(
         self, rollout_ids: Sequence[str], *, timeout_s: float, poll_s: float = 0.2

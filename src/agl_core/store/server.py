@@ -66,10 +66,10 @@ from starlette.routing import Route
 from .. import semconv
 from ..records import RolloutStatus
 from ..rewards import EPISODE, MAX_REWARD_ID, MAX_ROLLOUT_ID, MAX_SOURCE, Reward
-from . import _wire
-from ._ingest import IngestPipeline, Overloaded
-from ._otlp import OtlpDecodeError, encode_export_response
+from . import wire
 from .base import MAX_PAGE, NotFoundError, RolloutFilter, Store, StoreError, StoreUnavailableError
+from .ingest import IngestPipeline, Overloaded
+from .otlp import OtlpDecodeError, encode_export_response
 from .redact import MASK, Redactor
 
 __all__ = ["create_store_app", "MAX_BODY_BYTES", "QUERY_PAGE_BYTES"]
@@ -408,7 +408,7 @@ def create_store_app(
             request_["input"] = redacted(request_["input"])
             request_["metadata"] = redacted(request_["metadata"])
         rollouts = await run_in_threadpool(store.add_observed_rollouts, requests)
-        return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
+        return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
     async def enqueue(request: Request) -> Response:
         body = await _json_body(request, _EnqueueIn)
@@ -417,7 +417,7 @@ def create_store_app(
             request_["input"] = redacted(request_["input"])
             request_["metadata"] = redacted(request_["metadata"])
         rollouts = await run_in_threadpool(store.enqueue_rollouts, requests)
-        return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
+        return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
     async def dequeue(request: Request) -> Response:
         body = await _json_body(request, _DequeueIn)
@@ -427,7 +427,7 @@ def create_store_app(
         rollout, attempt = claimed
         try:
             return JSONResponse(
-                {"rollout": _wire.rollout_to_json(rollout), "attempt": _wire.attempt_to_json(attempt)}
+                {"rollout": wire.rollout_to_json(rollout), "attempt": wire.attempt_to_json(attempt)}
             )
         except (TypeError, ValueError) as exc:
             # A value stored before the store refused it (NaN, say) cannot be sent: the claim is undone
@@ -441,19 +441,19 @@ def create_store_app(
     async def query_rollouts(request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
         rollouts = await run_in_threadpool(store.get_rollouts, body.rollout_ids)
-        return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
+        return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
     async def list_rollouts(request: Request) -> Response:
         body = await _json_body(request, _ListIn)
         page = await run_in_threadpool(
             lambda: store.list_rollouts(body.filter(), before=body.before, limit=body.limit)
         )
-        return JSONResponse(_wire.page_to_json(page))
+        return JSONResponse(wire.page_to_json(page))
 
     async def cancel(request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
         rollouts = await run_in_threadpool(store.cancel_rollouts, body.rollout_ids)
-        return JSONResponse({"rollouts": [_wire.rollout_to_json(r) for r in rollouts]})
+        return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
     async def consumed(request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
@@ -475,7 +475,7 @@ def create_store_app(
         attempt = await run_in_threadpool(
             lambda: store.heartbeat(request.path_params["attempt_id"], lease_s=body.lease_s)
         )
-        return JSONResponse({"attempt": _wire.attempt_to_json(attempt)})
+        return JSONResponse({"attempt": wire.attempt_to_json(attempt)})
 
     async def complete(request: Request) -> Response:
         path_id(request, "attempt_id")
@@ -488,7 +488,7 @@ def create_store_app(
                 error=redacted(body.error),
             )
         )
-        return JSONResponse({"rollout": _wire.rollout_to_json(rollout)})
+        return JSONResponse({"rollout": wire.rollout_to_json(rollout)})
 
     async def query_spans(request: Request) -> Response:
         body = await _json_body(request, _SpanQueryIn)
@@ -510,7 +510,7 @@ def create_store_app(
                 max_bytes=QUERY_PAGE_BYTES,
             )
         )
-        return JSONResponse({"spans": [_wire.span_to_json(s) for s in spans], "more": more})
+        return JSONResponse({"spans": [wire.span_to_json(s) for s in spans], "more": more})
 
     async def add_rewards(request: Request) -> Response:
         body = await _json_body(request, _RewardsIn)
@@ -540,11 +540,11 @@ def create_store_app(
         if request.method == "PUT":
             body = await _json_body(request, _ResourceIn)
             published = await run_in_threadpool(store.put_resource, name, redacted(body.value))
-            return JSONResponse({"resource": _wire.resource_to_json(published)})
+            return JSONResponse({"resource": wire.resource_to_json(published)})
         found = await run_in_threadpool(store.get_resource, name)
         if found is None:
             raise NotFoundError(f"no resource named {name!r}")
-        return JSONResponse({"resource": _wire.resource_to_json(found)})
+        return JSONResponse({"resource": wire.resource_to_json(found)})
 
     async def stats(request: Request) -> Response:
         out = await run_in_threadpool(store.stats)

@@ -10,10 +10,10 @@ from typing import Any
 
 from ..server import BackgroundServer
 from ._grpc import start_grpc_server
-from ._ingest import IngestPipeline
 from ._loose import LooseSpans
 from ._sql import SqlStore
 from .base import Store
+from .ingest import IngestPipeline
 from .redact import Redactor
 from .server import create_store_app
 from .sqlite import SqliteStore

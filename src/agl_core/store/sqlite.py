@@ -23,8 +23,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._otlp import SpanRow
 from ._sql import _SPAN_COLUMNS, SqlStore, schema
+from .otlp import SpanRow
 
 __all__ = ["SqliteStore"]
 
@@ -106,7 +106,7 @@ class SqliteStore(SqlStore[sqlite3.Connection]):
 
     def share_writes(self) -> None:
         """Take turns with writers of the same file in other processes that called this too (ingest
-        workers, :mod:`agl_core.store._ingest`): each transaction is begun holding an exclusive
+        workers, :mod:`agl_core.store.ingest`): each transaction is begun holding an exclusive
         ``flock`` on ``<file>-agl-write.lock``, so a writer waiting for another is woken the moment it
         commits, instead of SQLite's busy handler polling with sleeps of 1-100 ms. The kernel drops the
         lock of a process that dies."""

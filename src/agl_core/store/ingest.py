@@ -1,7 +1,7 @@
 """The ingest pipeline shared by the OTLP/HTTP and OTLP/gRPC receivers.
 
 Request bodies are decoded and validated in the request thread, or, with ``parse_workers``, in worker
-processes (:mod:`._workers`) so decoding runs beside the writer on another core. One writer thread commits
+processes (:mod:`.workers`) so decoding runs beside the writer on another core. One writer thread commits
 whatever has queued up since its last commit in a single transaction (group commit), then acknowledges
 every request in it. On a SQLite store the workers write too (``workers_write``): a worker commits what it
 decoded itself and the request is acknowledged after that commit, the writers of the file taking turns
@@ -21,10 +21,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from ._otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
-from ._workers import WorkerLost, WorkerPool
 from .base import StoreError, StoreUnavailableError
+from .otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
 from .redact import Redactor
+from .workers import WorkerLost, WorkerPool
 
 __all__ = ["IngestPipeline", "Ingested", "Overloaded"]
 
