@@ -368,3 +368,30 @@ def test_device_defaults_follow_the_device_unless_set():
     assert AlgorithmConfig(micro_batch_tokens=1024).micro_batch_tokens_on("cuda") == 1024
     assert UpdateConfig(recompute=False).recompute_on("cpu") is False
     assert UpdateConfig(recompute=True).recompute_on("cuda") is True
+
+
+def test_one_mapping_from_the_config_to_the_update_steps_arguments(folder):
+    """``UpdateSettings`` is the one place the algorithm and update sections become an update step's
+    arguments: every value arrives, and each key is an argument the step takes."""
+    import inspect
+
+    import torch
+
+    from agl_trainer.finetune import sft_update_step
+    from agl_trainer.update import UpdateSettings, update_step
+
+    config = load_config(
+        _write(
+            folder,
+            GOOD
+            + "algorithm: {clip_eps: 0.15, max_grad_norm: 0.7, kl_coef: 0.02, micro_batch_tokens: 1234}\n"
+            + "update: {bf16: true}\n",
+        )
+    )
+    settings = UpdateSettings.of(config.algorithm, config.update, torch.device("cpu"))
+    assert settings.clip_eps == 0.15 and settings.max_grad_norm == 0.7 and settings.kl_coef == 0.02
+    assert settings.micro_batch_tokens == 1234 and settings.bf16 is True
+    assert settings.recompute == config.update.recompute_on(torch.device("cpu"))
+    for step, arguments in ((update_step, settings.ppo()), (sft_update_step, settings.sft())):
+        assert set(arguments) <= set(inspect.signature(step).parameters), step.__name__
+    assert set(settings.sft()) == {"max_grad_norm", "micro_batch_tokens", "bf16"}

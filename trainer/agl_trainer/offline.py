@@ -223,22 +223,15 @@ def train_from_traces(
             t0 = time.monotonic()
             batch = batches[step - 1]
             version = step
+            from .update import UpdateSettings
+
+            settings = UpdateSettings.of(config.algorithm, config.update, next(model.parameters()).device)
             if sft:
                 from .finetune import sft_update_step
 
                 transitions: Sequence[Transition] = batch
                 with _serving(services, model, version):
-                    stats = sft_update_step(
-                        model,
-                        optimizer,
-                        batch,
-                        pad_id=policy.pad_id,
-                        max_grad_norm=config.algorithm.max_grad_norm,
-                        micro_batch_tokens=config.algorithm.micro_batch_tokens_on(
-                            next(model.parameters()).device
-                        ),
-                        bf16=config.update.bf16,
-                    )
+                    stats = sft_update_step(model, optimizer, batch, pad_id=policy.pad_id, **settings.sft())
                 exact = sum(exact_of[(t.rollout_id, t.call_index)] for t in batch)
             else:
                 from .update import update_step
@@ -249,16 +242,9 @@ def train_from_traces(
                         model,
                         optimizer,
                         batch,
-                        clip_eps=config.algorithm.clip_eps,
                         pad_id=policy.pad_id,
-                        max_grad_norm=config.algorithm.max_grad_norm,
-                        micro_batch_tokens=config.algorithm.micro_batch_tokens_on(
-                            next(model.parameters()).device
-                        ),
-                        kl_coef=config.algorithm.kl_coef,
                         reference=policy.reference,
-                        bf16=config.update.bf16,
-                        recompute=config.update.recompute_on(next(model.parameters()).device),
+                        **settings.ppo(),
                     )
                 exact = len(transitions)
             seconds = time.monotonic() - t0

@@ -245,22 +245,12 @@ class TorchLearner:
         return stats
 
     def _step(self, optimizer: torch.optim.Optimizer, samples: Sequence[Advantaged]) -> UpdateStats:
-        from .update import update_step
+        from .update import UpdateSettings, update_step
 
-        algorithm = self.config.algorithm
         device = next(self.model.parameters()).device
+        settings = UpdateSettings.of(self.config.algorithm, self.config.update, device)
         return update_step(
-            self.model,
-            optimizer,
-            samples,
-            clip_eps=algorithm.clip_eps,
-            pad_id=self.pad_id,
-            max_grad_norm=algorithm.max_grad_norm,
-            micro_batch_tokens=algorithm.micro_batch_tokens_on(device),
-            kl_coef=algorithm.kl_coef,
-            reference=self.reference,
-            bf16=self.config.update.bf16,
-            recompute=self.config.update.recompute_on(device),
+            self.model, optimizer, samples, pad_id=self.pad_id, reference=self.reference, **settings.ppo()
         )
 
     def _policy_steps(self, samples: Sequence[Advantaged]) -> PolicyStats:

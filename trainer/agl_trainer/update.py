@@ -15,13 +15,17 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from .algo import Advantaged
 
+if TYPE_CHECKING:
+    from .config import AlgorithmConfig, UpdateConfig
+
 __all__ = [
+    "UpdateSettings",
     "UpdateStats",
     "batch_loss",
     "kl_k3",
@@ -32,6 +36,44 @@ __all__ = [
 ]
 
 ReferenceFn = Callable[[Sequence[Advantaged]], list[torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """What an update step takes from the config (``algorithm`` and ``update``), for the device the model
+    is on: the one place that maps those sections to :func:`update_step`'s and
+    :func:`~agl_trainer.finetune.sft_update_step`'s arguments."""
+
+    clip_eps: float
+    max_grad_norm: float
+    micro_batch_tokens: int
+    kl_coef: float
+    bf16: bool
+    recompute: bool
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig, update: UpdateConfig, device: torch.device) -> UpdateSettings:
+        return cls(
+            clip_eps=algorithm.clip_eps,
+            max_grad_norm=algorithm.max_grad_norm,
+            micro_batch_tokens=algorithm.micro_batch_tokens_on(device),
+            kl_coef=algorithm.kl_coef,
+            bf16=update.bf16,
+            recompute=update.recompute_on(device),
+        )
+
+    def ppo(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`update_step`."""
+        return dataclasses.asdict(self)
+
+    def sft(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`~agl_trainer.finetune.sft_update_step` (no clipping, KL or
+        recomputation: its loss is the next-token loss alone)."""
+        return {
+            "max_grad_norm": self.max_grad_norm,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "bf16": self.bf16,
+        }
 
 
 @runtime_checkable
