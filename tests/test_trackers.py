@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from agl_trainer.config import ConfigError, TrainerConfig, config_from_dict
-from agl_trainer.loop import _RunLog
 from agl_trainer.reporting import Display
 from agl_trainer.results import EvalResult, StepMetrics
+from agl_trainer.run_context import RunLog
 from agl_trainer.trackers import (
     TensorBoardTracker,
     TrackerError,
@@ -215,7 +215,7 @@ def test_run_log_sends_the_same_scalars_to_every_tracker(tmp_path):
     lines: list[str] = []
     display = Display("plain", 2, echo=lines.append)
     with ExitStack() as stack:
-        log = _RunLog(config, display, stack, title="t")
+        log = RunLog(config, display, stack, title="t")
         log.record_eval(EvalResult(0, 0.1, 0.05, 3, 0, {"a": 0.1}), "before training")
         for step, reward in [(1, 0.2), (2, 0.4)]:
             log.record_step(_metrics(step, reward))
@@ -291,7 +291,7 @@ def test_run_log_marks_the_runs_failed_when_training_raises(tmp_path):
     out.mkdir()
     config = _config(out, tensorboard=False, trackers=["mlflow", "wandb"])
     with pytest.raises(RuntimeError, match="boom"), ExitStack() as stack:
-        log = _RunLog(config, Display("plain", 1, echo=lambda _: None), stack, title="t")
+        log = RunLog(config, Display("plain", 1, echo=lambda _: None), stack, title="t")
         log.record_step(_metrics(1, 0.5))
         raise RuntimeError("boom")
     _, run = _mlflow_run(f"sqlite:///{out / 'mlflow.db'}")

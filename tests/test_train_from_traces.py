@@ -5,6 +5,7 @@ real SQLite store; SFT, off-policy PPO-clip, the filter and the config errors.""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +250,10 @@ def test_sft_run_trains_lora_from_exact_and_retokenised_calls(trace_store, tmp_p
     assert any("4 exact token ids, 1 re-tokenised" in line for line in lines)
     assert any(line.startswith("step 2/2") and "re-tokenised=" in line for line in lines)
     assert (result.metrics).read_text().count('"kind": "train"') == 2
+    # the same run skeleton as an online job: run.json, which the dashboard lists, says what ran and how
+    run = json.loads((result.output_dir / "run.json").read_text())
+    assert run["title"] == f"traces from {Path(path).name}" and run["status"] == "finished"
+    assert run["steps"] == 2 and run["phase"] is None
 
 
 def test_off_policy_grpo_run_trains_on_the_gateway_rollouts(trace_store, tmp_path):

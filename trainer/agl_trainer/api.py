@@ -79,7 +79,7 @@ class FitResult:
     @classmethod
     def of_run(cls, config: TrainerConfig, run: RunResult) -> FitResult:
         """The result of ``run``, a finished :func:`~agl_trainer.loop.train` of ``config``."""
-        from .loop import METRICS_FILE
+        from .run_context import METRICS_FILE
 
         out = config.output_dir.absolute()
         change = change_se = None

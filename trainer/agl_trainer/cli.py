@@ -89,7 +89,7 @@ def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:
     """The closing line of a run stopped by Ctrl-C or SIGTERM, run.json marked ``interrupted``; the exit
     status (130, or 143 for SIGTERM)."""
     from .checkpoint import latest_checkpoint
-    from .loop import CHECKPOINTS_DIR
+    from .run_context import CHECKPOINTS_DIR
     from .runfile import RUN_FILE
 
     run_file = config.output_dir / RUN_FILE

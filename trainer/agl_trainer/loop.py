@@ -12,29 +12,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import shutil
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from agl_core.records import Task
 from agl_core.runner import load_agent, resolve_mode
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import TrainerConfig
-from .cpu import size_torch_threads
 from .data import TaskSampler, load_splits
-from .memory import limit_arenas, release_free_memory
+from .memory import release_free_memory
 from .pipeline import AsyncTrainStep
 from .policy import TrainablePolicy, load_trainable_policy, make_learner
-from .reporting import Display, held_out_line, plot_reward_curve, step_lines
+from .reporting import step_lines
 from .results import UNNAMED_AGENT, EvalResult, StepMetrics
-from .rollouts import PatientClient, RolloutQueue, score_tasks
-from .runfile import RUN_FILE, RunFile
+from .rollouts import PatientClient, RolloutQueue
+from .run_context import (
+    CHECKPOINTS_DIR,
+    INFLIGHT_FILE,
+    RunContext,
+    RunExistsError,
+    RunLog,
+    RunResult,
+)
+from .runfile import RunFile
 from .services import (
     AgentFn,
     Services,
@@ -45,7 +49,7 @@ from .services import (
     start_store,
 )
 from .step import TIED_GROUPS, TrainStep
-from .trackers import Trackers, masked_config, open_trackers
+from .trackers import masked_config
 
 __all__ = [
     "UNNAMED_AGENT",
@@ -61,175 +65,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "reward_curve.png"
-INFLIGHT_FILE = "inflight.json"
-CHECKPOINTS_DIR = "checkpoints"
-
 
 def agent_name(agent: AgentFn) -> str:
     """``module:qualified.name`` of an agent function, for titles and messages."""
     qualname = getattr(agent, "__qualname__", type(agent).__qualname__)
     return f"{getattr(agent, '__module__', None) or '?'}:{qualname}"
-
-
-class RunExistsError(ValueError):
-    """``output_dir`` already holds a run and neither ``--resume`` nor ``--overwrite`` was given."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-    history: list[StepMetrics]
-    before: EvalResult | None
-    after: EvalResult | None
-    plot: Path | None
-    checkpoint: Path | None
-
-    def __len__(self) -> int:  # the number of steps this call ran
-        return len(self.history)
-
-    def __getitem__(self, index: int) -> StepMetrics:
-        return self.history[index]
-
-
-class _RunLog:
-    """What a run leaves in ``output_dir`` as it goes: ``metrics.jsonl``, the reward curve, the scalars
-    in the experiment trackers (``logging.tensorboard``, ``logging.trackers``), and the lines on the
-    display. The trackers start here, before any rollout, and end when ``stack`` closes, after getting
-    the last reward curve."""
-
-    def __init__(self, config: TrainerConfig, display: Display, stack: ExitStack, *, title: str) -> None:
-        self.config = config
-        self.title = title
-        self.display = display
-        self.metrics_path = config.output_dir / METRICS_FILE
-        self.plot_path = config.output_dir / PLOT_FILE
-        self.train_curve: list[tuple[int, float]] = []
-        self.val_curve: list[tuple[int, float, float]] = []
-        #: With ``policies``: each policy's mean call reward by step.
-        self.policy_curves: dict[str, list[tuple[int, float]]] = {}
-        self.history: list[StepMetrics] = []
-        self.plot: Path | None = None
-        self.trackers: Trackers = open_trackers(config, warn=lambda text: display.line(f"warning: {text}"))
-        stack.push(self._exit)
-        for tracker in self.trackers:
-            if tracker.name != "tensorboard":  # train() prints the TensorBoard command at the end
-                display.line(tracker.hint)
-
-    def _exit(self, exc_type: type[BaseException] | None, *_: object) -> bool:
-        self.close(failed=exc_type is not None)
-        return False
-
-    def close(self, *, failed: bool = False) -> None:
-        """Give the trackers the last reward curve and end their runs (failed when ``failed``)."""
-        if self.plot is not None and self.plot.is_file():
-            self.trackers.log_artifact(self.plot)
-        self.trackers.close(failed=failed)
-
-    def record_step(self, metrics: StepMetrics) -> None:
-        self.history.append(metrics)
-        with self.metrics_path.open("a") as fh:
-            fh.write(json.dumps({"kind": "train", "time": time.time(), **dataclasses.asdict(metrics)}) + "\n")
-        self._add_point(metrics.step, metrics.mean_reward, metrics.policies)
-        self.trackers.add(
-            metrics.step,
-            {
-                "train/mean_reward": metrics.mean_reward,
-                "train/loss": metrics.loss,
-                "train/grad_norm": metrics.grad_norm,
-                "train/tokens_per_s": metrics.tokens_per_s,
-                "train/rollouts_failed": float(metrics.rollouts_failed),
-                "train/policy_version": float(metrics.policy_version),
-                # every series the dashboard plots (its run page), under the same names
-                "train/kl": metrics.kl,
-                "train/approx_kl": metrics.approx_kl,
-                "train/generation_tokens_per_s": metrics.generation_tokens_per_s,
-                "train/rollouts": float(metrics.rollouts),
-                "train/rollouts_late": float(metrics.rollouts_late),
-                "memory/peak_rss_mb": metrics.peak_rss_mb,
-                **{f"time/{phase}_s": _number(seconds) for phase, seconds in metrics.phases.items()},
-                **{
-                    f"agent/{name}/{key}": _number(row.get(key))
-                    for name, row in metrics.agents.items()
-                    for key in ("calls", "trained")
-                },
-            },
-        )
-        if metrics.pipeline is not None:
-            p = metrics.pipeline
-            self.trackers.add(
-                metrics.step,
-                {
-                    "async/dropped_groups": float(p["dropped_groups"]),
-                    "async/mean_staleness": _mean_staleness(p["staleness"]),
-                    "async/finished_during_update": float(p["finished_during_update"]),
-                    "async/wait_s": float(p["wait_s"]),
-                },
-            )
-        for name, row in (metrics.policies or {}).items():
-            self.trackers.add(
-                metrics.step,
-                {
-                    f"policy/{name}/reward": row.get("reward"),
-                    f"policy/{name}/loss": row["loss"],
-                    f"policy/{name}/grad_norm": row["grad_norm"],
-                    f"policy/{name}/trained": float(row["trained"]),
-                    f"policy/{name}/calls": float(row["calls"]),
-                },
-            )
-
-    def _add_point(
-        self, step: int, mean_reward: float | None, policies: dict[str, dict[str, Any]] | None
-    ) -> None:
-        if mean_reward is not None:
-            self.train_curve.append((step, mean_reward))
-        for name, row in (policies or {}).items():
-            if row.get("reward") is not None and row.get("calls"):
-                self.policy_curves.setdefault(name, []).append((step, float(row["reward"])))
-
-    def record_eval(self, result: EvalResult, label: str) -> None:
-        self.val_curve.append((result.step, result.mean, result.se))
-        with self.metrics_path.open("a") as fh:
-            fh.write(json.dumps({"kind": "val", "time": time.time(), **dataclasses.asdict(result)}) + "\n")
-        self.trackers.add(result.step, {"val/mean_reward": result.mean, "val/se": result.se})
-        self.display.line(f"validation ({label}, step {result.step}): {result.describe()}")
-
-    def redraw(self) -> None:
-        if self.config.logging.plot:
-            self.plot = plot_reward_curve(
-                self.plot_path,
-                self.train_curve,
-                self.val_curve,
-                title=f"{self.title} ({self.config.algorithm.name})",
-                policies=self.policy_curves,
-            )
-
-    def replay(self, step: int) -> None:
-        """Keep the metrics up to the checkpoint's ``step`` (later lines belong to steps that will run
-        again) and rebuild the curves from them."""
-        if not self.metrics_path.is_file():
-            return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by the kill
-            if row.get("step", 0) > step:
-                continue
-            kept.append(line)
-            if row.get("kind") == "val":
-                self.val_curve.append((row["step"], row["mean"], row["se"]))
-            else:
-                self._add_point(row["step"], row.get("mean_reward"), row.get("policies"))
-        tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        tmp.replace(self.metrics_path)
-
-
-def _mean_staleness(histogram: dict[str, int]) -> float | None:
-    total = sum(histogram.values())
-    return sum(int(k) * n for k, n in histogram.items()) / total if total else None
 
 
 def _save(
@@ -266,7 +106,7 @@ def _restore(
     policy: TrainablePolicy,
     services: Services,
     sampler: TaskSampler,
-    log: _RunLog,
+    log: RunLog,
 ) -> tuple[int, EvalResult | None]:
     """Load the checkpoint at ``path`` into the policy and the sampler, serve its weights under their
     version and replay the metrics up to it; returns its step and its before-training score."""
@@ -318,59 +158,8 @@ def _config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") 
     return out
 
 
-def _prepare_output(out: Path, *, resume: bool, overwrite: bool, store_file: str | None) -> Path | None:
-    """Check ``out`` against the flags; returns the checkpoint to resume from."""
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite contradict each other; pass one of them")
-    checkpoint = latest_checkpoint(out / CHECKPOINTS_DIR)
-    has_run = (out / METRICS_FILE).is_file() or checkpoint is not None
-    if resume:
-        if checkpoint is None:
-            raise CheckpointError(
-                f"nothing to resume in {out}: it holds no checkpoint"
-                + (" (the run stopped before its first one)" if has_run else "")
-                + "; start the run without --resume (add --overwrite to replace what is there)"
-            )
-        return checkpoint
-    if has_run and not overwrite:
-        raise RunExistsError(
-            f"{out} already holds a training run; pass --resume to continue it, --overwrite to start over "
-            "(deleting its checkpoints, metrics and store), or choose another output_dir"
-            " (--set output_dir=...)"
-        )
-    if overwrite:
-        for name in (METRICS_FILE, PLOT_FILE, INFLIGHT_FILE, RUN_FILE):
-            (out / name).unlink(missing_ok=True)
-        for name in (CHECKPOINTS_DIR, "tensorboard"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        if store_file:
-            for suffix in ("", "-wal", "-shm"):
-                (out / f"{store_file}{suffix}").unlink(missing_ok=True)
-    return None
-
-
-def _validate(config: TrainerConfig, queue: RolloutQueue, step: int, tasks: Sequence[Task]) -> EvalResult:
-    """The validation score at ``step`` on the first ``validation.max_tasks`` of ``tasks``."""
-    v = config.validation
-    chosen = list(tasks[: v.max_tasks] if v.max_tasks else tasks)
-    return score_tasks(
-        queue,
-        chosen,
-        step=step,
-        rollouts_per_task=v.rollouts_per_task,
-        max_attempts=config.runner.max_attempts,
-    ).result
-
-
 def _step_phase(run_file: RunFile, step: str, what: str) -> None:
     run_file.phase(f"{step}: {what}")
-
-
-def _number(value: Any) -> float | None:
-    """A metric as a tracker takes it: a float, or ``None`` for anything that is not a number."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
 
 
 class NothingTrainedError(RuntimeError):
@@ -430,47 +219,33 @@ def train(
         raise ValueError(
             "--resume is not supported with update.backend verl (its weights live in verl's workers)"
         )
-    import warnings
-
-    import torch
-
     out = config.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoint = _prepare_output(
-        out, resume=resume, overwrite=overwrite, store_file=None if config.store.url else config.store.path
-    )
-    size_torch_threads(config.train.threads)
-    limit_arenas()  # before the store, gateway and runner threads start
-    # peft asks transformers a deprecated question on every wrap; not actionable for a user.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    torch.manual_seed(config.train.seed)
-    sampler = TaskSampler(train_tasks, seed=config.train.seed)
     steps = config.train.steps
     validating = bool(val_tasks) and (
         config.validation.before or config.validation.after or config.validation.every_steps
     )
-
-    title = config.agent or agent_name(agent_fn)
-    with ExitStack() as stack, Display(config.logging.progress, steps, echo=echo) as display:
-        run_file = RunFile(
-            out,
-            title=title,
-            config=masked_config(config.model_dump(mode="json")),
-            steps=steps,
-            resumed=checkpoint is not None,
+    context = RunContext(
+        config,
+        title=config.agent or agent_name(agent_fn),
+        steps=steps,
+        echo=echo,
+        resume=resume,
+        overwrite=overwrite,
+        own_store=None if config.store.url else config.store.path,
+    )
+    with context:
+        checkpoint, stack, display, run_file, log = (
+            context.checkpoint,
+            context.stack,
+            context.display,
+            context.run_file,
+            context.log,
         )
-        stack.push(run_file)
+        sampler = TaskSampler(train_tasks, seed=config.train.seed)
 
         def held_out_pass(step: int, label: str) -> EvalResult:
-            count = min(len(val_tasks), config.validation.max_tasks or len(val_tasks))
-            run_file.phase(f"held-out pass {label}")
-            display.line(
-                f"validation ({label}): scoring {count} held-out task(s)"
-                f" x {config.validation.rollouts_per_task} rollout(s)..."
-            )
-            return _validate(config, queue, step, val_tasks)
+            return context.held_out_pass(queue, step, label, val_tasks)
 
-        log = _RunLog(config, display, stack, title=title)
         display.line(
             f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
             + (
@@ -558,14 +333,7 @@ def train(
             after = held_out_pass(steps, "after training")
             log.record_eval(after, "after training")
             log.redraw()
-        if before is not None and after is not None:
-            display.line(held_out_line(before, after))
-        if last_saved is not None:
-            display.line(f"checkpoint: {last_saved}")
-        if log.plot is not None:
-            display.line(f"reward curve: {log.plot}")
-        if "tensorboard" in log.trackers:
-            display.line(f"tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+        context.closing_lines(before, after, last_saved)
         for line in idle_policies(config, log.history):
             display.line(f"warning: {line}")
         display.line(
@@ -581,4 +349,4 @@ def train(
                 f"no step trained: {failures[0]}; no checkpoint was written. Inspect a rollout with"
                 f" 'agl inspect ROLLOUT_ID{where}' (ids in {log.metrics_path})"
             )
-        return RunResult(log.history, before, after, log.plot, last_saved)
+        return context.result(before, after, last_saved)

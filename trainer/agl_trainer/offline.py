@@ -20,7 +20,6 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +27,10 @@ from agl_core.records import Task, Transition
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainerConfig
-from .cpu import size_torch_threads
-from .loop import (
-    CHECKPOINTS_DIR,
-    INFLIGHT_FILE,
-    RunResult,
-    _prepare_output,
-    _RunLog,
-    _validate,
-    job_agent,
-    job_tasks,
-)
-from .reporting import Display, format_step, held_out_line
+from .loop import job_agent, job_tasks
+from .reporting import format_step
 from .results import EvalResult, StepMetrics
+from .run_context import CHECKPOINTS_DIR, INFLIGHT_FILE, RunContext, RunResult
 from .services import AgentFn, Services
 from .step import agent_counts
 from .traces import (
@@ -120,26 +110,26 @@ def train_from_traces(
         _, val_tasks = job_tasks(config, tasks)
         validating = bool(val_tasks) and (config.validation.before or config.validation.after)
 
-    import warnings
-
-    import torch
-
     out = config.output_dir
-    out.mkdir(parents=True, exist_ok=True)
     own_store = None if config.store.url else config.store.path
     if own_store is not None and Path(traces.store).resolve() == (out / own_store).resolve():
         own_store = None  # never delete the traces being trained on
-    checkpoint = _prepare_output(out, resume=resume, overwrite=overwrite, store_file=own_store)
-    size_torch_threads(config.train.threads)
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    torch.manual_seed(config.train.seed)
     steps = steps_for(config, units)
 
     from .policy import load_trainable_policy
     from .services import start_runners, start_services, start_store
 
-    with ExitStack() as stack, Display(config.logging.progress, steps, echo=echo) as display:
-        log = _RunLog(config, display, stack, title=f"traces from {Path(traces.store).name}")
+    context = RunContext(
+        config,
+        title=f"traces from {Path(traces.store).name}",
+        steps=steps,
+        echo=echo,
+        resume=resume,
+        overwrite=overwrite,
+        own_store=own_store,
+    )
+    with context:
+        checkpoint, stack, display, log = context.checkpoint, context.stack, context.display, context.log
         display.line(selection.describe())
         policy = load_trainable_policy(config, stack, echo=display.line)
         model, optimizer = policy.model, policy.optimizer
@@ -214,12 +204,13 @@ def train_from_traces(
             log.replay(start_step - 1)
             display.line(f"resumed from {checkpoint} at step {start_step}")
         elif queue is not None and config.validation.before:
-            before = _validate(config, queue, 0, val_tasks)
+            before = context.held_out_pass(queue, 0, "before training", val_tasks)
             log.record_eval(before, "before training")
 
         last_saved: Path | None = checkpoint
         for step in range(start_step, steps + 1):
             display.start_step(step, step - 1)
+            context.phase(f"step {step} of {steps}")
             t0 = time.monotonic()
             batch = batches[step - 1]
             version = step
@@ -300,17 +291,12 @@ def train_from_traces(
             )
         after = None
         if queue is not None and config.validation.after:
-            after = _validate(config, queue, steps, val_tasks)
+            after = context.held_out_pass(queue, steps, "after training", val_tasks)
             log.record_eval(after, "after training")
             log.redraw()
-        if before is not None and after is not None:
-            display.line(held_out_line(before, after))
-        if last_saved is not None:
-            display.line(f"checkpoint: {last_saved}")
-        if log.plot is not None:
-            display.line(f"reward curve: {log.plot}")
+        context.closing_lines(before, after, last_saved)
         display.line(f"done: metrics in {log.metrics_path}")
-        return RunResult(log.history, before, after, log.plot, last_saved)
+        return context.result(before, after, last_saved)
 
 
 @contextlib.contextmanager
