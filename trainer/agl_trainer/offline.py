@@ -17,16 +17,18 @@ score.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl_core.records import Task, Transition
+from agl_core.sft import SftResult
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainerConfig
+from .config import TracesConfig, TrainerConfig
 from .loop import job_agent, job_tasks
 from .reporting import format_step
 from .results import EvalResult, StepMetrics
@@ -35,6 +37,8 @@ from .services import AgentFn, Services
 from .step import agent_counts
 from .traces import (
     NothingSelectedError,
+    RlData,
+    Selection,
     minibatches,
     prepare_rl,
     prepare_sft,
@@ -44,11 +48,66 @@ from .traces import (
     steps_for,
 )
 
+if TYPE_CHECKING:
+    from .rollouts import RolloutQueue
+    from .update import UpdateStats
+
 __all__ = ["train_from_traces"]
 
 
 def _counted(reasons: dict[str, int]) -> str:
     return "; ".join(f"{n} x {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+
+
+@dataclasses.dataclass
+class _TraceData:
+    """What the selected traces give ``algorithm.name`` to train on, found before any model loads."""
+
+    selection: Selection
+    #: ``sft``: the fine-tuning examples; otherwise ``None``.
+    sft: SftResult | None
+    #: RL: advantaged transitions by task group; ``None`` for ``sft``.
+    rl: RlData | None
+    #: LLM calls not used -> why; rollouts refused -> why (RL).
+    problems: dict[str, int]
+    refused_rollouts: dict[str, int]
+    #: What one pass counts: LLM calls (``sft``) or task groups (RL).
+    units: int
+
+
+def _trace_data(config: TrainerConfig, traces: TracesConfig) -> _TraceData:
+    """Select the stored rollouts and prepare them for ``algorithm.name``; a selection that gives nothing
+    to train on raises :class:`NothingSelectedError` saying what matched and why it was refused."""
+    spans, records = read_store(traces.store)
+    timed_out = config.algorithm.rewards.timeout_episode_reward is not None
+    selection = select(traces, spans, records, timed_out_too=timed_out)
+    if not selection.rollouts:
+        raise NothingSelectedError(f"{selection.describe()} (in {traces.store}); nothing to train on")
+    if config.algorithm.name == "sft":
+        sft = prepare_sft(config, selection)
+        problems = sft.reasons()
+        if not sft.examples:
+            raise NothingSelectedError(
+                f"{selection.describe()}; none of their LLM calls can be fine-tuned on: {_counted(problems)}"
+            )
+        return _TraceData(selection, sft, None, problems, {}, len(sft.examples))
+    rl = prepare_rl(config, selection)
+    problems = reason_counts([p for p in rl.result.problems if p.span_id is not None])
+    refused = dict(Counter(rl.refused.values()))
+    if not rl.samples:
+        skipped = rl.report.skipped_singleton + rl.report.skipped_no_variance
+        raise NothingSelectedError(
+            f"{selection.describe()}; none can train {config.algorithm.name} off-policy:"
+            f" {_counted(refused) or 'no rollout refused'}"
+            + (
+                f"; {skipped} of {rl.report.groups} task groups skipped (a single rollout or tied"
+                " rewards: no baseline to compare with)"
+                if skipped
+                else ""
+            )
+        )
+    units = len({rl.group_of[s.transition.rollout_id] for s in rl.samples})
+    return _TraceData(selection, None, rl, problems, refused, units)
 
 
 def train_from_traces(
@@ -69,56 +128,17 @@ def train_from_traces(
     traces = config.traces
     if traces is None:
         raise ValueError("train_from_traces needs a config with a traces: section")
-    spans, records = read_store(traces.store)
-    timed_out = config.algorithm.rewards.timeout_episode_reward is not None
-    selection = select(traces, spans, records, timed_out_too=timed_out)
-    if not selection.rollouts:
-        raise NothingSelectedError(f"{selection.describe()} (in {traces.store}); nothing to train on")
-    sft = config.algorithm.name == "sft"
-    problems: dict[str, int]
-    refused_rollouts: dict[str, int] = {}
-    if sft:
-        sft_data = prepare_sft(config, selection)
-        problems = sft_data.reasons()
-        if not sft_data.examples:
-            raise NothingSelectedError(
-                f"{selection.describe()}; none of their LLM calls can be fine-tuned on: {_counted(problems)}"
-            )
-        units = len(sft_data.examples)
-    else:
-        rl = prepare_rl(config, selection)
-        problems = reason_counts([p for p in rl.result.problems if p.span_id is not None])
-        refused_rollouts = dict(Counter(rl.refused.values()))
-        if not rl.samples:
-            skipped = rl.report.skipped_singleton + rl.report.skipped_no_variance
-            raise NothingSelectedError(
-                f"{selection.describe()}; none can train {config.algorithm.name} off-policy:"
-                f" {_counted(refused_rollouts) or 'no rollout refused'}"
-                + (
-                    f"; {skipped} of {rl.report.groups} task groups skipped (a single rollout or tied"
-                    " rewards: no baseline to compare with)"
-                    if skipped
-                    else ""
-                )
-            )
-        units = len({rl.group_of[s.transition.rollout_id] for s in rl.samples})
-    validating = False
+    data = _trace_data(config, traces)
     val_tasks: list[Task] = []
     agent_fn: AgentFn | None = None
     if (agent is not None or config.agent is not None) and (tasks is not None or config.tasks is not None):
         agent_fn = job_agent(config, agent)
         _, val_tasks = job_tasks(config, tasks)
-        validating = bool(val_tasks) and (config.validation.before or config.validation.after)
-
-    out = config.output_dir
+    validating = bool(val_tasks) and (config.validation.before or config.validation.after)
     own_store = None if config.store.url else config.store.path
-    if own_store is not None and Path(traces.store).resolve() == (out / own_store).resolve():
+    if own_store is not None and Path(traces.store).resolve() == (config.output_dir / own_store).resolve():
         own_store = None  # never delete the traces being trained on
-    steps = steps_for(config, units)
-
-    from .policy import load_trainable_policy
-    from .services import start_runners, start_services, start_store
-
+    steps = steps_for(config, data.units)
     context = RunContext(
         config,
         title=f"traces from {Path(traces.store).name}",
@@ -129,174 +149,221 @@ def train_from_traces(
         own_store=own_store,
     )
     with context:
-        checkpoint, stack, display, log = context.checkpoint, context.stack, context.display, context.log
-        display.line(selection.describe())
-        policy = load_trainable_policy(config, stack, echo=display.line)
-        model, optimizer = policy.model, policy.optimizer
+        job = _TracesJob(context, traces, data, steps)
+        queue = job.start_validation(agent_fn) if validating and agent_fn is not None else None
+        before = job.resume_or_score(queue, val_tasks)
+        last_saved = context.checkpoint
+        for step in range(job.start_step, steps + 1):
+            last_saved = job.step(step, before) or last_saved
+        after = None
+        if queue is not None and config.validation.after:
+            after = context.held_out_pass(queue, steps, "after training", val_tasks)
+            context.log.record_eval(after, "after training")
+            context.log.redraw()
+        context.closing_lines(before, after, last_saved)
+        context.display.line(f"done: metrics in {context.log.metrics_path}")
+        return context.result(before, after, last_saved)
+
+
+class _TracesJob:
+    """The steps of training from traces inside a :class:`RunContext`: the policy loaded, the data made
+    into one batch per step, and, for validation, the services that serve the policy to the agent."""
+
+    def __init__(self, context: RunContext, traces: TracesConfig, data: _TraceData, steps: int) -> None:
+        from .policy import load_trainable_policy
+
+        self.context, self.config, self.traces, self.data, self.steps = (
+            context,
+            context.config,
+            traces,
+            data,
+            steps,
+        )
+        display = context.display
+        display.line(data.selection.describe())
+        self.policy = load_trainable_policy(self.config, context.stack, echo=display.line)
+        model, optimizer = self.policy.model, self.policy.optimizer
         assert model is not None and optimizer is not None  # traces: trains with the torch update
-        batches: list[list[Any]]
-        exact_of: dict[tuple[str, int], bool] = {}
-        if sft:
-            from .finetune import example_transition
+        self.model, self.optimizer = model, optimizer
+        #: (rollout id, call index) -> whether the call's token ids are the gateway's (``sft``).
+        self.exact_of: dict[tuple[str, int], bool] = {}
+        self.batches = self._sft_batches() if data.sft is not None else self._rl_batches()
+        self.rewards = {r.rollout_id: r.reward for r in data.selection.rollouts}
+        self.services: Services | None = None
+        self.start_step = 1
 
-            vocab = int(model.get_input_embeddings().num_embeddings)
-            usable: list[Transition] = []
-            for example in sft_data.examples:
-                made = example_transition(policy.tokenizer, vocab, example)
-                if isinstance(made, str):
-                    problems[made] = problems.get(made, 0) + 1
-                    continue
-                usable.append(made)
-                exact_of[(made.rollout_id, made.call_index)] = example.exact
-            if not usable:
-                raise NothingSelectedError(
-                    f"{selection.describe()}; none of their LLM calls can be fine-tuned on:"
-                    f" {_counted(problems)}"
-                )
-            n_exact = sum(exact_of.values())
-            display.line(
-                f"sft data: {len(usable)} LLM calls ({n_exact} exact token ids, {len(usable) - n_exact}"
-                " re-tokenised from recorded messages)"
-                + (f"; not used: {_counted(problems)}" if problems else "")
-            )
-            batches = minibatches(
-                usable, lambda t: (t.rollout_id, t.call_index), traces.batch_size, steps, config.train.seed
-            )
-        else:
-            display.line(
-                f"off-policy {config.algorithm.name} data: {len(rl.samples)} LLM calls in {units} task groups"
-                + (f"; rollouts refused: {_counted(refused_rollouts)}" if refused_rollouts else "")
-                + (f"; calls not used: {_counted(problems)}" if problems else "")
-            )
-            batches = minibatches(
-                list(rl.samples),
-                lambda s: rl.group_of[s.transition.rollout_id],
-                traces.batch_size,
-                steps,
-                config.train.seed,
-            )
-        rewards = {r.rollout_id: r.reward for r in selection.rollouts}
+    def _sft_batches(self) -> list[list[Any]]:
+        from .finetune import example_transition
 
-        services = None
-        queue = None
-        if validating and agent_fn is not None:
-            from .rollouts import RolloutQueue
-
-            store = start_store(config, stack, file=out / config.store.path, echo=display.line)
-            services = start_services(
-                config, stack, store, model=model, tokenizer=policy.tokenizer, echo=display.line
+        data, tokenizer = self.data, self.policy.tokenizer
+        assert data.sft is not None
+        vocab = int(self.model.get_input_embeddings().num_embeddings)
+        usable: list[Transition] = []
+        for example in data.sft.examples:
+            made = example_transition(tokenizer, vocab, example)
+            if isinstance(made, str):
+                data.problems[made] = data.problems.get(made, 0) + 1
+                continue
+            usable.append(made)
+            self.exact_of[(made.rollout_id, made.call_index)] = example.exact
+        if not usable:
+            raise NothingSelectedError(
+                f"{data.selection.describe()}; none of their LLM calls can be fine-tuned on:"
+                f" {_counted(data.problems)}"
             )
-            queue = RolloutQueue(
-                services.client,
-                display,
-                step_timeout_s=config.runner.step_timeout_s,
-                flush=services.flush,
-                inflight=out / INFLIGHT_FILE,
-            )
-            start_runners(config, services, agent_fn, stack, echo=display.line)
+        n_exact = sum(self.exact_of.values())
+        self.context.display.line(
+            f"sft data: {len(usable)} LLM calls ({n_exact} exact token ids, {len(usable) - n_exact}"
+            " re-tokenised from recorded messages)"
+            + (f"; not used: {_counted(data.problems)}" if data.problems else "")
+        )
+        key: Callable[[Transition], Any] = lambda t: (t.rollout_id, t.call_index)  # noqa: E731
+        return minibatches(usable, key, self.traces.batch_size, self.steps, self.config.train.seed)
 
-        start_step = 1
-        before: EvalResult | None = None
+    def _rl_batches(self) -> list[list[Any]]:
+        data, rl = self.data, self.data.rl
+        assert rl is not None
+        self.context.display.line(
+            f"off-policy {self.config.algorithm.name} data: {len(rl.samples)} LLM calls in {data.units} task"
+            " groups"
+            + (f"; rollouts refused: {_counted(data.refused_rollouts)}" if data.refused_rollouts else "")
+            + (f"; calls not used: {_counted(data.problems)}" if data.problems else "")
+        )
+        return minibatches(
+            list(rl.samples),
+            lambda s: rl.group_of[s.transition.rollout_id],
+            self.traces.batch_size,
+            self.steps,
+            self.config.train.seed,
+        )
+
+    def start_validation(self, agent_fn: AgentFn) -> RolloutQueue:
+        """The store, the gateway serving the policy and the runners, for held-out passes."""
+        from .rollouts import RolloutQueue
+        from .services import start_runners, start_services, start_store
+
+        config, context, display = self.config, self.context, self.context.display
+        store = start_store(config, context.stack, file=context.out / config.store.path, echo=display.line)
+        self.services = start_services(
+            config, context.stack, store, model=self.model, tokenizer=self.policy.tokenizer, echo=display.line
+        )
+        queue = RolloutQueue(
+            self.services.client,
+            display,
+            step_timeout_s=config.runner.step_timeout_s,
+            flush=self.services.flush,
+            inflight=context.out / INFLIGHT_FILE,
+        )
+        start_runners(config, self.services, agent_fn, context.stack, echo=display.line)
+        return queue
+
+    def resume_or_score(self, queue: RolloutQueue | None, val_tasks: Sequence[Task]) -> EvalResult | None:
+        """Resume from the context's checkpoint (the held-out score it kept), or score the held-out tasks
+        before training when validating; the score before training."""
+        context, checkpoint = self.context, self.context.checkpoint
         if checkpoint is not None:
-            state = load_checkpoint(checkpoint, model=model, optimizer=optimizer)
-            start_step = int(state["step"]) + 1
-            before = EvalResult(**state["before"]) if state.get("before") else None
-            log.replay(start_step - 1)
-            display.line(f"resumed from {checkpoint} at step {start_step}")
-        elif queue is not None and config.validation.before:
+            state = load_checkpoint(checkpoint, model=self.model, optimizer=self.optimizer)
+            self.start_step = int(state["step"]) + 1
+            context.log.replay(self.start_step - 1)
+            context.display.line(f"resumed from {checkpoint} at step {self.start_step}")
+            return EvalResult(**state["before"]) if state.get("before") else None
+        if queue is not None and self.config.validation.before:
             before = context.held_out_pass(queue, 0, "before training", val_tasks)
-            log.record_eval(before, "before training")
+            context.log.record_eval(before, "before training")
+            return before
+        return None
 
-        last_saved: Path | None = checkpoint
-        for step in range(start_step, steps + 1):
-            display.start_step(step, step - 1)
-            context.phase(f"step {step} of {steps}")
-            t0 = time.monotonic()
-            batch = batches[step - 1]
-            version = step
-            from .update import UpdateSettings
+    def step(self, step: int, before: EvalResult | None) -> Path | None:
+        """One optimizer step on the step's batch, recorded; the checkpoint it wrote, if it wrote one."""
+        from .update import UpdateSettings
 
-            settings = UpdateSettings.of(config.algorithm, config.update, next(model.parameters()).device)
-            if sft:
+        context, config, data = self.context, self.config, self.data
+        context.display.start_step(step, step - 1)
+        context.phase(f"step {step} of {self.steps}")
+        t0 = time.monotonic()
+        batch = self.batches[step - 1]
+        settings = UpdateSettings.of(config.algorithm, config.update, next(self.model.parameters()).device)
+        transitions: Sequence[Transition]
+        with _serving(self.services, self.model, step):
+            if data.sft is not None:
                 from .finetune import sft_update_step
 
-                transitions: Sequence[Transition] = batch
-                with _serving(services, model, version):
-                    stats = sft_update_step(model, optimizer, batch, pad_id=policy.pad_id, **settings.sft())
-                exact = sum(exact_of[(t.rollout_id, t.call_index)] for t in batch)
+                transitions = batch
+                stats = sft_update_step(
+                    self.model, self.optimizer, batch, pad_id=self.policy.pad_id, **settings.sft()
+                )
+                exact = sum(self.exact_of[(t.rollout_id, t.call_index)] for t in batch)
             else:
                 from .update import update_step
 
                 transitions = [s.transition for s in batch]
-                with _serving(services, model, version):
-                    stats = update_step(
-                        model,
-                        optimizer,
-                        batch,
-                        pad_id=policy.pad_id,
-                        reference=policy.reference,
-                        **settings.ppo(),
-                    )
-                exact = len(transitions)
-            seconds = time.monotonic() - t0
-            rollout_ids = list(dict.fromkeys(t.rollout_id for t in transitions))
-            batch_rewards = [r for r in (rewards.get(rid) for rid in rollout_ids) if r is not None]
-            metrics = StepMetrics(
-                step=step,
-                policy_version=version,
-                rollouts=len(rollout_ids),
-                rollouts_failed=0,
-                rollouts_late=0,
-                transitions=len(transitions),
-                trained_transitions=len(transitions),
-                mean_reward=sum(batch_rewards) / len(batch_rewards) if batch_rewards else None,
-                loss=stats.loss,
-                grad_norm=stats.grad_norm,
-                tokens=stats.tokens,
-                tokens_per_s=stats.tokens / seconds if seconds > 0 else 0.0,
-                groups_skipped=0 if sft else rl.report.skipped_no_variance + rl.report.skipped_singleton,
-                problems=dict(problems),
-                untrained=dict(refused_rollouts),
-                reward_events={} if sft else rl.credit.counts(),
-                agents=agent_counts(transitions, transitions),
-                tasks=list(dict.fromkeys(t.task_id or t.rollout_id for t in transitions)),
-                redrawn_tasks=0,
-                seconds=seconds,
-                rollout_ids=rollout_ids,
-                exact_transitions=exact,
-                retokenised_transitions=len(transitions) - exact,
-            )
-            display.line(
-                format_step(metrics, steps) + f"  exact={exact} re-tokenised={len(transitions) - exact}"
-            )
-            log.record_step(metrics)
-            every = config.checkpoint.every_steps
-            if step == steps or (every and step % every == 0):
-                last_saved = save_checkpoint(
-                    out / CHECKPOINTS_DIR,
-                    step,
-                    model=model,
-                    optimizer=optimizer,
-                    state={
-                        "policy_version": version,
-                        "before": None if before is None else before.__dict__,
-                        "config": config.model_dump(mode="json"),
-                        "traces": {"store": traces.store, "rollouts": len(selection.rollouts)},
-                    },
-                    keep=config.checkpoint.keep,
+                stats = update_step(
+                    self.model,
+                    self.optimizer,
+                    batch,
+                    pad_id=self.policy.pad_id,
+                    reference=self.policy.reference,
+                    **settings.ppo(),
                 )
-            log.redraw()
-            display.end_step(
-                step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s
+                exact = len(transitions)
+        metrics = self._metrics(step, transitions, stats, exact, time.monotonic() - t0)
+        context.display.line(
+            format_step(metrics, self.steps) + f"  exact={exact} re-tokenised={len(transitions) - exact}"
+        )
+        context.log.record_step(metrics)
+        saved = None
+        every = config.checkpoint.every_steps
+        if step == self.steps or (every and step % every == 0):
+            saved = save_checkpoint(
+                context.out / CHECKPOINTS_DIR,
+                step,
+                model=self.model,
+                optimizer=self.optimizer,
+                state={
+                    "policy_version": step,
+                    "before": None if before is None else before.__dict__,
+                    "config": config.model_dump(mode="json"),
+                    "traces": {"store": self.traces.store, "rollouts": len(data.selection.rollouts)},
+                },
+                keep=config.checkpoint.keep,
             )
-        after = None
-        if queue is not None and config.validation.after:
-            after = context.held_out_pass(queue, steps, "after training", val_tasks)
-            log.record_eval(after, "after training")
-            log.redraw()
-        context.closing_lines(before, after, last_saved)
-        display.line(f"done: metrics in {log.metrics_path}")
-        return context.result(before, after, last_saved)
+        context.log.redraw()
+        context.display.end_step(
+            step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s
+        )
+        return saved
+
+    def _metrics(
+        self, step: int, transitions: Sequence[Transition], stats: UpdateStats, exact: int, seconds: float
+    ) -> StepMetrics:
+        data, rl = self.data, self.data.rl
+        rollout_ids = list(dict.fromkeys(t.rollout_id for t in transitions))
+        batch_rewards = [r for r in (self.rewards.get(rid) for rid in rollout_ids) if r is not None]
+        return StepMetrics(
+            step=step,
+            policy_version=step,
+            rollouts=len(rollout_ids),
+            rollouts_failed=0,
+            rollouts_late=0,
+            transitions=len(transitions),
+            trained_transitions=len(transitions),
+            mean_reward=sum(batch_rewards) / len(batch_rewards) if batch_rewards else None,
+            loss=stats.loss,
+            grad_norm=stats.grad_norm,
+            tokens=stats.tokens,
+            tokens_per_s=stats.tokens / seconds if seconds > 0 else 0.0,
+            groups_skipped=0 if rl is None else rl.report.skipped_no_variance + rl.report.skipped_singleton,
+            problems=dict(data.problems),
+            untrained=dict(data.refused_rollouts),
+            reward_events={} if rl is None else rl.credit.counts(),
+            agents=agent_counts(transitions, transitions),
+            tasks=list(dict.fromkeys(t.task_id or t.rollout_id for t in transitions)),
+            redrawn_tasks=0,
+            seconds=seconds,
+            rollout_ids=rollout_ids,
+            exact_transitions=exact,
+            retokenised_transitions=len(transitions) - exact,
+        )
 
 
 @contextlib.contextmanager
