@@ -219,11 +219,7 @@ def train(
         raise ValueError(
             "--resume is not supported with update.backend verl (its weights live in verl's workers)"
         )
-    out = config.output_dir
     steps = config.train.steps
-    validating = bool(val_tasks) and (
-        config.validation.before or config.validation.after or config.validation.every_steps
-    )
     context = RunContext(
         config,
         title=config.agent or agent_name(agent_fn),
@@ -234,18 +230,36 @@ def train(
         own_store=None if config.store.url else config.store.path,
     )
     with context:
-        checkpoint, stack, display, run_file, log = (
-            context.checkpoint,
-            context.stack,
-            context.display,
-            context.run_file,
-            context.log,
+        job = _OnlineJob(context, agent_fn, train_tasks, val_tasks)
+        before = job.resume_or_score()
+        last_saved = context.checkpoint
+        for step in range(job.start_step, steps + 1):
+            last_saved = job.step(step, before) or last_saved
+        job.trainer_close()
+        after = None
+        if job.validating and config.validation.after:
+            after = job.held_out_pass(steps, "after training")
+            context.log.record_eval(after, "after training")
+            context.log.redraw()
+        context.closing_lines(before, after, last_saved)
+        job.finish()
+        return context.result(before, after, last_saved)
+
+
+class _OnlineJob:
+    """The steps of online training inside a :class:`RunContext`: the store, the policy, the services
+    that serve it, the runners running the agent, and each step's rollouts and update."""
+
+    def __init__(
+        self, context: RunContext, agent_fn: AgentFn, train_tasks: list[Task], val_tasks: list[Task]
+    ) -> None:
+        config, display, stack, out = context.config, context.display, context.stack, context.out
+        self.context, self.config, self.agent_fn, self.val_tasks = context, config, agent_fn, val_tasks
+        self.steps = config.train.steps
+        self.validating = bool(val_tasks) and bool(
+            config.validation.before or config.validation.after or config.validation.every_steps
         )
-        sampler = TaskSampler(train_tasks, seed=config.train.seed)
-
-        def held_out_pass(step: int, label: str) -> EvalResult:
-            return context.held_out_pass(queue, step, label, val_tasks)
-
+        self.sampler = TaskSampler(train_tasks, seed=config.train.seed)
         display.line(
             f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
             + (
@@ -257,96 +271,116 @@ def train(
         store = start_store(config, stack, file=out / config.store.path, echo=display.line)
         if config.logging.dashboard:
             display.line(f"dashboard: {start_run_dashboard(config, stack, store)}")
-        policy = load_trainable_policy(config, stack, echo=display.line)
-        services = start_services(
-            config, stack, store, model=policy.model, tokenizer=policy.tokenizer, echo=display.line
+        self.policy = load_trainable_policy(config, stack, echo=display.line)
+        self.services = start_services(
+            config, stack, store, model=self.policy.model, tokenizer=self.policy.tokenizer, echo=display.line
         )
-        queue = RolloutQueue(
-            PatientClient(services.client, warn=display.line),
+        self.queue = RolloutQueue(
+            PatientClient(self.services.client, warn=display.line),
             display,
             step_timeout_s=config.runner.step_timeout_s,
-            flush=services.flush,
+            flush=self.services.flush,
             inflight=out / INFLIGHT_FILE,
             run=out.name,
         )
-        learner = make_learner(config, policy, services)
-        trainer: TrainStep | AsyncTrainStep
+        learner = make_learner(config, self.policy, self.services)
+        self.trainer: TrainStep | AsyncTrainStep
         if config.train.mode == "async":
-            trainer = AsyncTrainStep(config, queue, learner)
-            stack.callback(trainer.close)
+            self.trainer = AsyncTrainStep(config, self.queue, learner)
+            stack.callback(self.trainer.close)
         else:
-            trainer = TrainStep(config, queue, learner)
-        start_step = 1
+            self.trainer = TrainStep(config, self.queue, learner)
+        self.start_step = 1
+        self.trained_any = context.checkpoint is not None  # a resumed run trained before
+        self.warnings_seen: list[str] = []
+        #: ``agl inspect``'s --store argument for this run's own store ("" with a store server).
+        self.where = "" if config.store.url else f" --store {out / config.store.path}"
+
+    def held_out_pass(self, step: int, label: str) -> EvalResult:
+        return self.context.held_out_pass(self.queue, step, label, self.val_tasks)
+
+    def resume_or_score(self) -> EvalResult | None:
+        """Resume from the context's checkpoint, or start the runners and score the held-out tasks before
+        training; the score before training."""
+        context, config, checkpoint = self.context, self.config, self.context.checkpoint
         before: EvalResult | None = None
         if checkpoint is not None:
-            done_step, before = _restore(checkpoint, config, policy, services, sampler, log)
-            start_step = done_step + 1
-            display.line(
-                f"resumed from {checkpoint} at step {start_step} (policy v{services.serving.policy_version})"
+            done_step, before = _restore(
+                checkpoint, config, self.policy, self.services, self.sampler, context.log
             )
-            queue.cancel_inflight()  # before any worker can pick up the killed step's rollouts
-        start_runners(config, services, agent_fn, stack, echo=display.line)
-        if checkpoint is None and validating and config.validation.before:
-            before = held_out_pass(0, "before training")
-            log.record_eval(before, "before training")
-        last_saved: Path | None = checkpoint
-        trained_any = checkpoint is not None  # a resumed run trained before
-        warnings_seen: list[str] = []
-        for step in range(start_step, steps + 1):
-            display.start_step(step, step - 1)
-            run_file.phase(f"step {step} of {steps}")
-            trainer.on_phase = functools.partial(_step_phase, run_file, f"step {step} of {steps}")
-            outcome = trainer.run(step, sampler.sample(config.train.tasks_per_step), draw=sampler.sample)
-            release_free_memory()  # the update's activations, before the next rollouts allocate caches
-            metrics = outcome.metrics
-            where = "" if config.store.url else f" --store {out / config.store.path}"
-            for line in step_lines(
-                outcome, steps, show_agents=bool(config.algorithm.agents), inspect_hint=where
-            ):
-                display.line(line)
-            if metrics.warning is not None:
-                display.line(f"  warning: step {step} trained nothing: {metrics.warning}")
-                warnings_seen.append(metrics.warning)
-            else:
-                trained_any = True
-            every = config.validation.every_steps
-            during = None
-            if validating and every and step % every == 0 and step != steps:
-                t0 = time.monotonic()
-                during = held_out_pass(step, "during training")
-                metrics.phases["validation"] = round(time.monotonic() - t0, 3)
-            log.record_step(metrics)
-            if during is not None:
-                log.record_eval(during, "during training")
-            every = config.checkpoint.every_steps
-            if trained_any and (step == steps or (every and step % every == 0)):
-                run_file.phase(f"step {step} of {steps}: writing a checkpoint")
-                last_saved = _save(config, policy, services, step, sampler, before) or last_saved
-            log.redraw()
-            display.end_step(
-                step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s
+            self.start_step = done_step + 1
+            context.display.line(
+                f"resumed from {checkpoint} at step {self.start_step}"
+                f" (policy v{self.services.serving.policy_version})"
             )
-        if isinstance(trainer, AsyncTrainStep):
-            trainer.close()  # the groups still in flight would train no step
-        after = None
-        if validating and config.validation.after:
-            after = held_out_pass(steps, "after training")
-            log.record_eval(after, "after training")
-            log.redraw()
-        context.closing_lines(before, after, last_saved)
+            self.queue.cancel_inflight()  # before any worker can pick up the killed step's rollouts
+        start_runners(config, self.services, self.agent_fn, context.stack, echo=context.display.line)
+        if checkpoint is None and self.validating and config.validation.before:
+            before = self.held_out_pass(0, "before training")
+            context.log.record_eval(before, "before training")
+        return before
+
+    def step(self, step: int, before: EvalResult | None) -> Path | None:
+        """One training step (rollouts, transitions, the update), recorded, validated when due; the
+        checkpoint it wrote, if it wrote one."""
+        context, config, display, steps = self.context, self.config, self.context.display, self.steps
+        display.start_step(step, step - 1)
+        context.phase(f"step {step} of {steps}")
+        self.trainer.on_phase = functools.partial(_step_phase, context.run_file, f"step {step} of {steps}")
+        outcome = self.trainer.run(
+            step, self.sampler.sample(config.train.tasks_per_step), draw=self.sampler.sample
+        )
+        release_free_memory()  # the update's activations, before the next rollouts allocate caches
+        metrics = outcome.metrics
+        for line in step_lines(
+            outcome, steps, show_agents=bool(config.algorithm.agents), inspect_hint=self.where
+        ):
+            display.line(line)
+        if metrics.warning is not None:
+            display.line(f"  warning: step {step} trained nothing: {metrics.warning}")
+            self.warnings_seen.append(metrics.warning)
+        else:
+            self.trained_any = True
+        every = config.validation.every_steps
+        during = None
+        if self.validating and every and step % every == 0 and step != steps:
+            t0 = time.monotonic()
+            during = self.held_out_pass(step, "during training")
+            metrics.phases["validation"] = round(time.monotonic() - t0, 3)
+        context.log.record_step(metrics)
+        if during is not None:
+            context.log.record_eval(during, "during training")
+        saved = None
+        every = config.checkpoint.every_steps
+        if self.trained_any and (step == steps or (every and step % every == 0)):
+            context.phase(f"step {step} of {steps}: writing a checkpoint")
+            saved = _save(config, self.policy, self.services, step, self.sampler, before)
+        context.log.redraw()
+        display.end_step(
+            step, reward=metrics.mean_reward, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s
+        )
+        return saved
+
+    def trainer_close(self) -> None:
+        if isinstance(self.trainer, AsyncTrainStep):
+            self.trainer.close()  # the groups still in flight would train no step
+
+    def finish(self) -> None:
+        """The closing warnings and the done line; a run in which no step trained for a reason other than
+        tied groups raises :class:`NothingTrainedError`."""
+        context, config, display, log = self.context, self.config, self.context.display, self.context.log
         for line in idle_policies(config, log.history):
             display.line(f"warning: {line}")
         display.line(
             f"done: metrics in {log.metrics_path}"
-            + ("" if config.store.url else f", spans in {out / config.store.path}")
+            + ("" if config.store.url else f", spans in {context.out / config.store.path}")
         )
-        failures = [w for w in warnings_seen if w != TIED_GROUPS]
-        if not trained_any and steps >= start_step and not failures:
+        failures = [w for w in self.warnings_seen if w != TIED_GROUPS]
+        if not self.trained_any and self.steps >= self.start_step and not failures:
             # the agent works but every group tied: no signal yet, which is not a failure of the run
             display.line(f"warning: no step trained: {TIED_GROUPS}; no checkpoint was written")
-        elif not trained_any and steps >= start_step:
+        elif not self.trained_any and self.steps >= self.start_step:
             raise NothingTrainedError(
                 f"no step trained: {failures[0]}; no checkpoint was written. Inspect a rollout with"
-                f" 'agl inspect ROLLOUT_ID{where}' (ids in {log.metrics_path})"
+                f" 'agl inspect ROLLOUT_ID{self.where}' (ids in {log.metrics_path})"
             )
-        return context.result(before, after, last_saved)
