@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows * (args.repeats + 1) > len(pool):
         parser.error(f"--rows x (--repeats + 1) must be at most {len(pool)} (the held-out questions)")
     torch.set_num_threads(args.threads)
-    from agl_trainer.hf_backend import HFBackend
-    from agl_trainer.kv_cache import cache_shape, common_prefix
+    from agl_trainer.generation.hf_backend import HFBackend
+    from agl_trainer.generation.kv_cache import cache_shape, common_prefix
     from agl_trainer.model import load_policy, torch_device
 
     try:

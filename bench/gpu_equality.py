@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--tolerance", type=float, default=1e-3, help="log-prob agreement (1e-3)")
     args = parser.parse_args(argv)
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
     from agl_trainer.model import load_policy
 
     model, tokenizer = load_policy("smollm2")

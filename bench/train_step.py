@@ -10,9 +10,9 @@ completions exist: forward and backward of the clipped policy-gradient loss over
 clipping, one AdamW step, zeroing the gradients (clip epsilon, max grad norm and learning rate: agl's config
 defaults, 0.2, 1.0 and 1e-4, on both sides).
 
-* agl: ``update_step`` (trainer/agl_trainer/update.py) on ``Advantaged`` samples from ``compute_advantages``
-  (GRPO advantages), each wrapping a ``Transition`` with the behaviour logprobs the gateway would have
-  recorded (those of the initial policy), in this process.
+* agl: ``update_step`` (trainer/agl_trainer/learning/update.py) on ``Advantaged`` samples from
+  ``compute_advantages`` (GRPO advantages), each wrapping a ``Transition`` with the behaviour logprobs the
+  gateway would have recorded (those of the initial policy), in this process.
 * TRL: ``GRPOTrainer.train()`` in its own environment (``.venv-trl``, a subprocess), with
   ``rollout_func`` (TRL's hook for a custom generation backend) returning the same fixed token ids instead
   of sampling, ``beta=0`` (no reference model; agl's ``kl_coef`` is 0 too), ``num_iterations=1`` (one update
@@ -245,11 +245,11 @@ class AglSide:
         from peft import LoraConfig, get_peft_model
 
         from agl_core.records import Transition
-        from agl_trainer.algo import compute_advantages
         from agl_trainer.config import AlgorithmConfig
         from agl_trainer.config import LoraConfig as AglLora
+        from agl_trainer.learning.algo import compute_advantages
+        from agl_trainer.learning.update import response_logprobs
         from agl_trainer.model import load_policy
-        from agl_trainer.update import response_logprobs
 
         torch.manual_seed(args.seed)
         lora = AglLora()
@@ -314,7 +314,7 @@ class AglSide:
 
     def step(self) -> tuple[float, float, int]:
         """(wall seconds, CPU seconds of this process, response tokens trained) of one update step."""
-        from agl_trainer.update import update_step
+        from agl_trainer.learning.update import update_step
 
         start, start_cpu = time.perf_counter(), time.process_time()
         stats = update_step(

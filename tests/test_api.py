@@ -18,7 +18,7 @@ import pytest
 
 from agl_trainer import FitResult, Trainer, TrainerConfig
 from agl_trainer.config import ConfigError
-from agl_trainer.data import DatasetError
+from agl_trainer.run.data import DatasetError
 
 from ._training import Turns, metrics_rows
 

@@ -1,4 +1,4 @@
-"""Asynchronous training (``train.mode: async``, :mod:`agl_trainer.pipeline`) through the real pipeline:
+"""Asynchronous training (``train.mode: async``, :mod:`agl_trainer.run.pipeline`) through the real pipeline:
 store, gateway, runner, the tiny model's update.
 
 A slow task group holds no step back: steps train on the groups that finished, while the slow one runs on

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agl_trainer.checkpoint import (
+from agl_trainer.learning.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -278,7 +278,7 @@ def test_a_signal_surfacing_wrapped_in_another_exception_still_ends_the_run_as_i
 ):
     """A signal's exception raised inside a library callback can come out wrapped (pydantic: "Error
     calling function `ser_path`: Terminated", a ValueError, seen once in CI): the signal received decides."""
-    import agl_trainer.loop
+    import agl_trainer.run.loop
     from agl_trainer import cli
 
     out = tmp_path / "wrapped"
@@ -289,7 +289,7 @@ def test_a_signal_surfacing_wrapped_in_another_exception_still_ends_the_run_as_i
         cli.received.append(signal.SIGTERM)
         raise ValueError("Error calling function `ser_path`: Terminated: ")
 
-    monkeypatch.setattr(agl_trainer.loop, "train", train)
+    monkeypatch.setattr(agl_trainer.run.loop, "train", train)
     assert cli.run_train(str(job / "config.yaml"), [f"output_dir={out}"]) == 143
     err = capsys.readouterr().err
     assert "terminated (SIGTERM); run.json says interrupted" in err and "Error calling" not in err

@@ -159,7 +159,7 @@ def test_hf_serving_flags_reach_the_backend():
     import torch
 
     from agl_core.cli import _parser
-    from agl_trainer.hf_backend import serve_with_transformers
+    from agl_trainer.generation.hf_backend import serve_with_transformers
 
     def served(*flags: str) -> object:
         args = _parser().parse_args(["gateway", "serve", "--model", "tiny", *flags])

@@ -377,8 +377,8 @@ def test_one_mapping_from_the_config_to_the_update_steps_arguments(folder):
 
     import torch
 
-    from agl_trainer.finetune import sft_update_step
-    from agl_trainer.update import UpdateSettings, update_step
+    from agl_trainer.learning.finetune import sft_update_step
+    from agl_trainer.learning.update import UpdateSettings, update_step
 
     config = load_config(
         _write(

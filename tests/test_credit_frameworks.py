@@ -66,7 +66,7 @@ RULES = [
 @pytest.fixture(scope="module")
 def policy_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterator[AglTestStack]:
     """The tiny model behind the real gateway (which parses its tool calls), steered by :data:`RULES`."""
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(

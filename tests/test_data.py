@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agl_trainer.config import TasksConfig
-from agl_trainer.data import DatasetError, TaskSampler, load_splits, load_tasks
+from agl_trainer.run.data import DatasetError, TaskSampler, load_splits, load_tasks
 
 
 def _jsonl(path: Path, rows: list) -> Path:

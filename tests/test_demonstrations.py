@@ -32,7 +32,7 @@ DEMOS = [
 
 
 def test_demonstrations_import_as_one_rollout_each_and_become_sft_examples(tmp_path):
-    from agl_trainer.traces import read_store
+    from agl_trainer.run.traces import read_store
 
     path = tmp_path / "demos.jsonl"
     assert write_demonstrations(path, DEMOS, service="unit") == 2

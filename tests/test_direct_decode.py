@@ -1,4 +1,4 @@
-"""Decoding steps through the model's modules (agl_trainer.direct_decode): the same tokens and
+"""Decoding steps through the model's modules (agl_trainer.generation.direct_decode): the same tokens and
 log-probabilities as the model's forward pass, for each architecture it recognizes, with LoRA adapters
 and mixed-adapter batches; checked against the forward pass after every weight change, and off when
 they disagree."""
@@ -83,7 +83,7 @@ def _assert_same(a: list[list[Completion]], b: list[list[Completion]]) -> None:
 
 @pytest.fixture
 def backends(tiny_policy):
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     made: list[Any] = []
 
@@ -185,7 +185,7 @@ def test_a_direct_step_that_disagrees_with_the_forward_pass_is_turned_off(backen
 
     faulty._direct.step = wrong
     requests = [_request(q) for q in QUESTIONS[:3]]
-    with caplog.at_level(logging.WARNING, logger="agl_trainer.direct_decode"):
+    with caplog.at_level(logging.WARNING, logger="agl_trainer.generation.direct_decode"):
         _assert_same(_together(faulty, requests), _together(forward, requests))
     assert calls == [1] and not faulty._direct.enabled
     assert "other logits than the model's forward pass" in caplog.text
@@ -217,7 +217,7 @@ def test_each_weight_change_has_the_next_step_checked_again(backends, tiny_polic
 def test_architectures_the_direct_step_does_not_know_go_through_the_forward_pass(backends, tiny_policy):
     import transformers
 
-    from agl_trainer.direct_decode import recognize
+    from agl_trainer.generation.direct_decode import recognize
 
     tokenizer = tiny_policy[1]
     assert recognize(_model("llama", len(tokenizer), None)) is None

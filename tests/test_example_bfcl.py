@@ -238,7 +238,7 @@ def test_gold_traces_become_one_sft_example_per_training_entry_with_its_calls(tm
     stored-traces SFT path reads one example per entry, with the tools offered and the calls made, and
     renders the calls in the Hermes format the gateway parses."""
     from agl_core.sft import spans_to_sft_examples
-    from agl_trainer.traces import read_store
+    from agl_trainer.run.traces import read_store
 
     gold_traces = _module("gold_traces")
     tasks = [_task("simple_python_1"), _task("parallel_1")]

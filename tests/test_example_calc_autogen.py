@@ -147,7 +147,7 @@ def calc_stack(tmp_path_factory: pytest.TempPathFactory, tiny_policy) -> Iterato
     import agl_autogen
     from agl_core.runner import LLM
     from agl_core.testing import AglTestStack
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     from .gateway_helpers import Script
 

@@ -108,7 +108,7 @@ def test_the_worked_solutions_become_the_agent_s_first_call_answered_as_it_shoul
     agent reads as the right answer; held-out templates are refused."""
     from agl_core.sft import spans_to_sft_examples
     from agl_core.testing import AglTestStack
-    from agl_trainer.traces import read_store
+    from agl_trainer.run.traces import read_store
 
     agent, gold = _load("gsm_agent"), _load("gsm_gold")
     tasks = _jsonl("train.jsonl")[:2]

@@ -38,7 +38,7 @@ def test_config_validates(path, tmp_path):
     if config.serving.backend == "vllm":
         assert config.model.lora is not None
     if config.update.backend == "verl" and importlib.util.find_spec("verl") is not None:
-        from agl_trainer.verl_backend import merge_verl_config, verl_defaults, verl_overrides
+        from agl_trainer.learning.verl_backend import merge_verl_config, verl_defaults, verl_overrides
 
         defaults, source = verl_defaults()
         merged = merge_verl_config(defaults, verl_overrides(config), source=source)

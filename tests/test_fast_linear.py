@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agl_trainer import fast_linear
+from agl_trainer.generation import fast_linear
 
 pytestmark = pytest.mark.skipif(
     not fast_linear.available(), reason="this PyTorch has no oneDNN packed linear"
@@ -68,7 +68,7 @@ def test_packed_copies_stay_within_their_budget_largest_first():
 
 
 def test_small_weights_are_left_alone(tiny_policy):
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny")

@@ -30,7 +30,7 @@ import yaml
 from agl_core.records import RolloutStatus
 from agl_core.testing import GatewayServer, ScriptedBackend
 from agl_trainer.config import ConfigError, TrainerConfig
-from agl_trainer.services import advertised_url
+from agl_trainer.run.services import advertised_url
 
 from ._training import cli_env, marking_agent, metrics_rows
 

@@ -23,7 +23,7 @@ QUESTION = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def gw(tiny_policy):
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def gw(tiny_policy):
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(
@@ -298,7 +298,7 @@ def test_invalid_json_unknown_model_and_stream_errors(gw, oa):
 
 
 def test_backend_down_is_503(tiny_policy):
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny")
@@ -391,7 +391,7 @@ def test_hot_swap_full_weights_then_lora_without_restart(tmp_path):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
     from agl_trainer.model import load_policy
 
     model, tokenizer = load_policy("tiny", seed=0)
@@ -451,7 +451,7 @@ UNKNOWN_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_malformed_tool_calls_are_flagged_on_the_span(tiny_policy, stream):
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     rules = [("broken", BROKEN_CALL), ("unknown", UNKNOWN_CALL), ("weather", WEATHER_CALL)]

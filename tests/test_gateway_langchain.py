@@ -17,7 +17,7 @@ pytest.importorskip("langchain_openai")
 @pytest.fixture
 def stack(tiny_policy, store):
     """``(gateway, backend, agent tracer provider, store client)`` over each store backend."""
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=12)
@@ -73,8 +73,8 @@ def test_langchain_call_through_gateway_yields_a_transition_with_exact_tokens(st
     # the recorded behaviour logprobs are the model's own: recomputing them gives the same numbers
     import torch
 
-    from agl_trainer.algo import Advantaged
-    from agl_trainer.update import response_logprobs
+    from agl_trainer.learning.algo import Advantaged
+    from agl_trainer.learning.update import response_logprobs
 
     with torch.no_grad():
         (recomputed,) = response_logprobs(backend.model, [Advantaged(transition, 0.0)], pad_id=0)

@@ -68,7 +68,7 @@ def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(
 ):
     """With ``prefill_tokens`` 1 every prompt is prefilled in a pass of its own and the passes merged
     (the same tokens and logprobs either way), whichever way the keys and values are kept."""
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(
@@ -133,7 +133,7 @@ def test_a_request_arriving_as_the_last_row_ends_starts_afresh_and_is_not_counte
     """A request sent the moment the previous one completed can be queued before the worker is done with
     the batch that has no row left. It starts the next batch, is served the same, and is not counted
     among the requests that joined a batch."""
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=16)
@@ -170,7 +170,7 @@ def test_a_request_arriving_as_the_last_row_ends_starts_afresh_and_is_not_counte
 def test_no_request_joins_while_a_weight_update_waits(tiny_policy):
     """A batch stops admitting newcomers once the trainer waits for the lock, so the update gets in after
     the rows already decoding, not after every request that keeps arriving."""
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=16)
@@ -238,7 +238,7 @@ def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_p
     from the first to the last. The cache is as wide as the rows still in it need (the columns of rows
     that left are dropped), not one column more for every step the batch has lived, and every request
     generates what it would alone."""
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     backend = HFBackend(model, tokenizer, model_name="tiny", default_max_tokens=12, kv_cache=kv_cache)
@@ -289,7 +289,7 @@ def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_p
 
 
 def test_sampling_draws_each_token_as_often_as_its_probability_and_never_an_impossible_one():
-    from agl_trainer.hf_backend import sample
+    from agl_trainer.generation.hf_backend import sample
 
     weights = torch.tensor([0.2, 0.0, 1.2, 0.6, 0.0])  # not normalised: 0.1, 0, 0.6, 0.3, 0
     generator = torch.Generator().manual_seed(7)
@@ -327,7 +327,7 @@ def test_a_seeded_backend_samples_the_same_responses_whatever_order_requests_arr
     """``HFBackend(seed=...)`` (``train.seed`` in a run): a group of rollouts asking the same prompt gets the
     same set of samples whether its requests arrive together, one by one, or in another order; another seed,
     another policy version, or no seed samples differently; a request's own seed still decides its own."""
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = tiny_policy
     group = ["two plus two", "two plus two", "two plus two", "nine minus one", "nine minus one"]

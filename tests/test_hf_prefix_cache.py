@@ -69,7 +69,7 @@ def backend_of(tiny_policy):
     made: list[Any] = []
 
     def make(model: Any = None, **kwargs: Any) -> Any:
-        from agl_trainer.hf_backend import HFBackend
+        from agl_trainer.generation.hf_backend import HFBackend
 
         base, tokenizer = tiny_policy
         kwargs.setdefault("prefix_block_tokens", 8)
@@ -224,7 +224,7 @@ def test_the_prefix_cache_evicts_to_stay_within_its_bound_and_stays_exact(backen
 
 
 def test_prefix_cache_blocks_follow_the_exact_token_chain_and_the_least_recently_used_go():
-    from agl_trainer.kv_cache import PrefixCache
+    from agl_trainer.generation.kv_cache import PrefixCache
 
     block = torch.zeros(2, 2, 1, 4, 2)  # layers, k/v, heads, tokens, dim: 128 bytes
     cache = PrefixCache(block_tokens=4, max_bytes=4 * block.numel() * 4)  # four blocks
@@ -404,7 +404,7 @@ def test_prompts_that_arrive_together_compute_their_shared_prefix_once(backend_o
     backend._new_batch = counting
     requests = [_request(q) for q in QUESTIONS[:4]]
     prompts = [backend._prepare(r, lambda e: None).prompt_ids for r in requests]
-    from agl_trainer.kv_cache import common_prefix
+    from agl_trainer.generation.kv_cache import common_prefix
 
     shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
     assert shared > 3 * 8
@@ -426,7 +426,7 @@ def test_prompts_that_arrive_together_compute_their_shared_prefix_once(backend_o
 
 
 def test_reuse_ends_inside_a_block_where_the_prompts_part():
-    from agl_trainer.kv_cache import PrefixCache, common_prefix
+    from agl_trainer.generation.kv_cache import PrefixCache, common_prefix
 
     assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
     assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
@@ -465,7 +465,7 @@ def test_rows_sharing_a_prefix_decode_reading_it_once_and_generate_the_same(
     """Rows after the same long system prompt decode with one copy of its columns for all of them (the
     attention of each row merged from the shared part and its own): the tokens of ``generate()``; rows of
     another adapter never share."""
-    from agl_trainer import attention, decoding
+    from agl_trainer.generation import attention, decoding
 
     model, _ = tiny_policy
     shared_steps: list[int] = []
@@ -488,7 +488,7 @@ def test_rows_sharing_a_prefix_decode_reading_it_once_and_generate_the_same(
 def test_the_shared_prefix_merge_equals_attention_over_all_columns():
     """The cascade split (shared columns once, each row's own, merged by log-sum-exp) against plain
     attention over every column, with both attention kernels (the CPU flash kernel and plain products)."""
-    from agl_trainer import attention
+    from agl_trainer.generation import attention
 
     torch.manual_seed(0)
     rows, kv_heads, groups, width, shared, dim = 5, 2, 3, 40, 25, 16
@@ -516,7 +516,7 @@ def test_the_trainers_publish_empties_the_prefix_cache_and_config_reaches_the_ba
     """``start_serving`` builds the backend from ``serving.hf``; the trainer's publish (under the backend's
     lock) leaves no cached prefix of the old version behind."""
     from agl_trainer.config import TrainerConfig
-    from agl_trainer.serving import start_serving
+    from agl_trainer.run.serving import start_serving
 
     model, tokenizer = tiny_policy
     raw: dict[str, Any] = {
@@ -558,7 +558,7 @@ def test_a_graph_whose_replay_disagrees_with_the_step_is_dropped(backend_of, tin
     """The first replay of each captured decoding step is checked against the same step run eagerly; a
     graph that disagrees is logged and dropped, and generation goes on eagerly with the right tokens.
     (The capture itself needs a GPU; here a fake graph stands in for a faulty one.)"""
-    from agl_trainer import decoding
+    from agl_trainer.generation import decoding
 
     model, _ = tiny_policy
     backend = backend_of(static_decode=True)

@@ -40,7 +40,7 @@ def _config(tmp_path: Path, **model: Any) -> TrainerConfig:
 
 
 def test_the_adapter_starts_from_the_saved_weights(tmp_path):
-    from agl_trainer.policy import load_trainable_policy
+    from agl_trainer.learning.policy import load_trainable_policy
 
     saved = _saved_adapter(tmp_path / "sft" / "checkpoints" / "step-3" / "adapter")
     (tmp_path / "sft" / "checkpoints" / "step-3" / "state.json").write_text(
@@ -62,7 +62,7 @@ def test_the_adapter_starts_from_the_saved_weights(tmp_path):
 
 
 def test_an_adapter_of_another_shape_or_nothing_at_all_is_refused(tmp_path):
-    from agl_trainer.policy import load_trainable_policy
+    from agl_trainer.learning.policy import load_trainable_policy
 
     _saved_adapter(tmp_path / "r4", r=4)
     (tmp_path / "empty").mkdir()

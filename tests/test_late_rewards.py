@@ -34,7 +34,7 @@ from agl_core.store.redact import parse_rules
 from agl_core.store.server import create_store_app
 from agl_core.testing import AglTestStack, Collector, tool_call
 from agl_core.transitions import episode_rewards, spans_to_transitions
-from agl_trainer.algo import compute_advantages
+from agl_trainer.learning.algo import compute_advantages
 
 from .conftest import make_span
 

@@ -26,10 +26,10 @@ def _word_tokenizer(size: int):
 def test_tiny_model_learns_to_say_even_words(algorithm):
     from agl_core.gateway import ChatRequest, Completion
     from agl_core.records import Transition
-    from agl_trainer.algo import compute_advantages
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
+    from agl_trainer.learning.algo import compute_advantages
+    from agl_trainer.learning.update import update_step
     from agl_trainer.model import tiny_model
-    from agl_trainer.update import update_step
 
     torch.manual_seed(0)
     tok = _word_tokenizer(32)

@@ -19,7 +19,7 @@ def test_import_agl_core_stays_light():
 def test_gpu_backends_stay_optional():
     """The serving, verl and requirements modules load without torch, vllm, verl or ray."""
     code = (
-        "import sys, agl_trainer.serving, agl_trainer.verl_backend, agl_trainer.requirements\n"
+        "import sys, agl_trainer.run.serving, agl_trainer.learning.verl_backend, agl_trainer.requirements\n"
         "print([m for m in ('torch', 'vllm', 'verl', 'ray', 'omegaconf', 'peft') if m in sys.modules])"
     )
     out = subprocess.run(

@@ -18,7 +18,7 @@ from agl_core.gateway.backend import ChatRequest, Completion
 from agl_core.policies import AmbiguousAgentError, PolicyRouter
 from agl_trainer import Trainer
 from agl_trainer.config import ConfigError
-from agl_trainer.loop import NothingTrainedError
+from agl_trainer.run.loop import NothingTrainedError
 
 from ._training import TINY_JOB, Turns, metrics_rows, served_by
 
@@ -137,7 +137,7 @@ def _generate(backend: Any, agents: list[str | None]) -> list[Completion]:
 
 
 def test_the_hf_backend_serves_each_agent_its_adapter_in_one_mixed_batch():
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = _two_adapter_model()
     router = PolicyRouter({"writer": ["writer"], "rewriter": ["rewriter"]})
@@ -162,7 +162,7 @@ def test_a_call_by_an_agent_two_policies_match_gets_a_400_naming_both():
     import httpx
 
     from agl_core.testing import GatewayServer
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
 
     model, tokenizer = _two_adapter_model()
     router = PolicyRouter({"writer": ["w*"], "rewriter": ["*er"]})
@@ -286,7 +286,7 @@ def test_calls_served_by_the_base_model_never_train_a_policy_and_the_run_says_wh
     assert trained_policy(router, "writer", "gone") is None  # a policy this run does not have
     assert policy_mismatch(router, "writer", "writer") is None
     config = {**BASE_CONFIG, "output_dir": str(tmp_path / "run"), "policies": TWO}
-    with caplog.at_level(logging.WARNING, logger="agl_trainer.step"), pytest.raises(NothingTrainedError):
+    with caplog.at_level(logging.WARNING, logger="agl_trainer.run.step"), pytest.raises(NothingTrainedError):
         Trainer(config, echo=lambda _: None).fit(_trace_named_agent(), TASKS[:2])
     # the gateway saw no agent name (none in the URL or headers): it served the base model
     assert served_by(tmp_path / "run" / "store.sqlite") == {(None, "base"): 4}
@@ -327,7 +327,7 @@ def test_two_agents_train_two_adapters_and_resume_restores_both(tmp_path):
 
 
 def test_a_checkpoint_holds_every_adapter_and_loads_them_into_a_fresh_model(tmp_path):
-    from agl_trainer.checkpoint import load_checkpoint, save_checkpoint
+    from agl_trainer.learning.checkpoint import load_checkpoint, save_checkpoint
 
     model, _ = _two_adapter_model()
     optimizers = {

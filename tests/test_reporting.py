@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from agl_trainer.reporting import Display, mean_se, plot_reward_curve
-from agl_trainer.trackers import Trackers, tensorboard_tracker
+from agl_trainer.reporting.display import Display, mean_se, plot_reward_curve
+from agl_trainer.reporting.trackers import Trackers, tensorboard_tracker
 
 
 def test_mean_and_standard_error_by_hand():
@@ -57,8 +57,8 @@ def test_plain_display_prints_lines_only():
 def test_the_step_time_line_splits_generation_into_prefill_and_decode():
     import dataclasses
 
-    from agl_trainer.reporting import _phases_text
-    from agl_trainer.results import StepMetrics
+    from agl_trainer.reporting.display import _phases_text
+    from agl_trainer.reporting.results import StepMetrics
 
     required = [
         f for f in dataclasses.fields(StepMetrics) if f.default is f.default_factory is dataclasses.MISSING

@@ -19,7 +19,13 @@ from agl_core.gateway import BackendError, rollout_base_url
 from agl_core.server import BackgroundServer
 from agl_core.testing import GatewayServer
 from agl_trainer.config import TrainerConfig
-from agl_trainer.serving import HFServing, VLLMServing, start_serving, vllm_launch_kwargs, vllm_max_lora_rank
+from agl_trainer.run.serving import (
+    HFServing,
+    VLLMServing,
+    start_serving,
+    vllm_launch_kwargs,
+    vllm_max_lora_rank,
+)
 
 from .fake_vllm import FakeVLLM
 

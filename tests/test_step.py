@@ -20,12 +20,12 @@ from agl_core.server import BackgroundServer
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
 from agl_core.transitions import NO_LLM_CALL
-from agl_trainer.algo import Advantaged
 from agl_trainer.config import TrainerConfig
-from agl_trainer.reporting import step_lines
-from agl_trainer.results import UNNAMED_AGENT
-from agl_trainer.rollouts import RolloutQueue, score_tasks
-from agl_trainer.step import TrainStep
+from agl_trainer.learning.algo import Advantaged
+from agl_trainer.reporting.display import step_lines
+from agl_trainer.reporting.results import UNNAMED_AGENT
+from agl_trainer.run.rollouts import RolloutQueue, score_tasks
+from agl_trainer.run.step import TrainStep
 
 from .conftest import make_span
 
@@ -298,7 +298,8 @@ def test_held_out_score_counts_failed_rollouts_as_zero(tmp_path, stack):
 def test_the_step_machinery_imports_no_torch():
     code = (
         "import sys\n"
-        "import agl_trainer.step, agl_trainer.rollouts, agl_trainer.reporting, agl_trainer.results\n"
+        "import agl_trainer.run.step, agl_trainer.run.rollouts\n"
+        "import agl_trainer.reporting.display, agl_trainer.reporting.results\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')\n"
     )

@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 
 from agl_trainer.config import ConfigError, TrainerConfig, config_from_dict
-from agl_trainer.reporting import Display
-from agl_trainer.results import EvalResult, StepMetrics
-from agl_trainer.run_context import RunLog
-from agl_trainer.trackers import (
+from agl_trainer.reporting.display import Display
+from agl_trainer.reporting.results import EvalResult, StepMetrics
+from agl_trainer.reporting.trackers import (
     TensorBoardTracker,
     TrackerError,
     Trackers,
@@ -30,6 +29,7 @@ from agl_trainer.trackers import (
     masked_config,
     open_trackers,
 )
+from agl_trainer.run.run_context import RunLog
 
 # find_spec, not importorskip: importing mlflow here, before the fixture below disables its telemetry,
 # would start it
@@ -318,7 +318,7 @@ def test_offline_trackers_need_no_network(tmp_path):
         f"""
         import os
         from agl_trainer.config import config_from_dict
-        from agl_trainer.trackers import open_trackers
+        from agl_trainer.reporting.trackers import open_trackers
         logging = {{"tensorboard": False, "trackers": ["mlflow", "wandb"]}}
         config = config_from_dict({{"output_dir": {str(out)!r}, "logging": logging}}, required=())
         trackers = open_trackers(config, warn=print)
@@ -488,7 +488,7 @@ def test_mlflow_losing_its_store_mid_run_is_turned_off(tmp_path):
 
 def test_tracker_packages_are_imported_only_when_a_tracker_starts():
     code = (
-        "import sys, agl_trainer.loop, agl_trainer.trackers; "
+        "import sys, agl_trainer.run.loop, agl_trainer.reporting.trackers; "
         "print(sorted({'mlflow', 'wandb', 'tensorboard', 'sqlalchemy'} & set(sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,7 +24,14 @@ from agl_core.tracing import emit_reward, rollout_scope
 from agl_core.transitions import NO_LLM_CALL
 from agl_trainer.api import Trainer
 from agl_trainer.config import ConfigError, config_from_dict
-from agl_trainer.traces import OTHER_MODEL, NothingSelectedError, prepare_rl, prepare_sft, read_store, select
+from agl_trainer.run.traces import (
+    OTHER_MODEL,
+    NothingSelectedError,
+    prepare_rl,
+    prepare_sft,
+    read_store,
+    select,
+)
 
 from .test_import import _record, json_line
 
@@ -176,7 +183,7 @@ def test_off_policy_rl_refuses_the_trace_without_token_ids_and_keeps_recorded_lo
 ):
     import torch
 
-    from agl_trainer.update import batch_loss, response_logprobs
+    from agl_trainer.learning.update import batch_loss, response_logprobs
 
     path, imported = trace_store
     # the gateway served these calls as "scripted": not this policy ("agl-policy", "tiny") unless named

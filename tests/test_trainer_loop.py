@@ -164,7 +164,7 @@ train: {steps: 2, tasks_per_step: 2, rollouts_per_task: 2}
 
 def test_step_metrics_count_calls_and_trained_transitions_per_agent():
     from agl_core.records import Transition
-    from agl_trainer.step import agent_counts
+    from agl_trainer.run.step import agent_counts
 
     def t(agent, i):
         return Transition("r", None, None, i, (1,), (2,), None, 0.0, agent_name=agent)
@@ -179,7 +179,7 @@ def test_step_metrics_count_calls_and_trained_transitions_per_agent():
 
 def test_tied_groups_are_redrawn_until_the_step_has_its_groups(tmp_path):
     from agl_core.records import Task
-    from agl_trainer.data import TaskSampler
+    from agl_trainer.run.data import TaskSampler
 
     # even tasks always score 1.0 (their groups tie, no gradient); odd ones score at random (always differ)
     tasks = [{"id": f"t{i}", "q": f"say {i}", "tie": i % 2 == 0} for i in range(8)]

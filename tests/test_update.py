@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from agl_core.records import Transition  # noqa: E402
-from agl_trainer.algo import Advantaged, group_advantages  # noqa: E402
-from agl_trainer.update import batch_loss, ppo_clip_token_loss, response_logprobs, update_step  # noqa: E402
+from agl_trainer.learning.algo import Advantaged, group_advantages  # noqa: E402
+from agl_trainer.learning.update import batch_loss, ppo_clip_token_loss, response_logprobs, update_step  # noqa: E402
 
 
 def test_ppo_clip_loss_and_gradient_by_hand():
@@ -138,7 +138,7 @@ def test_one_lora_update_changes_the_adapter_and_lowers_the_loss():
 
 
 def test_kl_k3_by_hand_and_zero_at_the_reference():
-    from agl_trainer.update import kl_k3
+    from agl_trainer.learning.update import kl_k3
 
     new = torch.tensor([math.log(0.5), math.log(0.25)], requires_grad=True)
     ref = torch.tensor([math.log(0.25), math.log(0.25)])
@@ -151,7 +151,7 @@ def test_kl_k3_by_hand_and_zero_at_the_reference():
 
 
 def test_advantage_estimators():
-    from agl_trainer.algo import compute_advantages
+    from agl_trainer.learning.algo import compute_advantages
 
     ts = [_t("a", 0, 1.0), _t("b", 0, 0.0), _t("c", 0, 3.0), _t("d", 0, 1.0)]
     groups = {"a": "g1", "b": "g1", "c": "g2", "d": "g2"}
@@ -171,8 +171,8 @@ def test_advantage_estimators():
 def test_kl_penalty_uses_the_adapter_free_model_as_reference():
     from peft import LoraConfig, get_peft_model
 
+    from agl_trainer.learning.update import reference_logprobs_fn
     from agl_trainer.model import tiny_model
-    from agl_trainer.update import reference_logprobs_fn
 
     model = get_peft_model(
         tiny_model(128, seed=2),
@@ -198,7 +198,7 @@ def test_a_prompt_shared_by_a_group_runs_once_with_the_same_loss_and_gradients(m
     and values. Loss and gradients must equal running every sequence whole."""
     from peft import LoraConfig, get_peft_model
 
-    from agl_trainer import update
+    from agl_trainer.learning import update
     from agl_trainer.model import tiny_model
 
     torch.manual_seed(0)
@@ -246,7 +246,7 @@ def test_a_recomputed_shared_prompt_keeps_less_for_backward_with_the_same_loss_a
     are themselves again afterwards."""
     from peft import LoraConfig, get_peft_model
 
-    from agl_trainer import update
+    from agl_trainer.learning import update
     from agl_trainer.model import tiny_model
 
     torch.manual_seed(0)

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from agl_core.records import Transition
-from agl_trainer.algo import Advantaged, compute_advantages
 from agl_trainer.config import ConfigError, TrainerConfig, load_config
+from agl_trainer.learning.algo import Advantaged, compute_advantages
+from agl_trainer.learning.verl_backend import merge_verl_config, pad_batch, to_verl_batch, verl_overrides
 from agl_trainer.requirements import check_requirements
-from agl_trainer.verl_backend import merge_verl_config, pad_batch, to_verl_batch, verl_overrides
 
 torch = pytest.importorskip("torch")
 HAS_VERL = importlib.util.find_spec("verl") is not None
@@ -136,7 +136,7 @@ def test_padding_rows_are_silent_copies():
 def test_layout_gives_the_same_logprobs_as_agls_own_forward_pass(tiny_policy):
     """Left-padded prompts with verl's position ids: the logits at ``[-R-1:-1]`` must score the responses
     exactly as agl's right-padded forward pass does."""
-    from agl_trainer.update import response_logprobs
+    from agl_trainer.learning.update import response_logprobs
 
     model = tiny_policy[0]
     samples = _toy()
@@ -330,7 +330,7 @@ def test_launching_vllm_without_vllm_fails_with_the_install_command():
 def _lora_samples(model, *, seed: int) -> list[Advantaged]:
     """Samples from two groups of rollouts, some with two calls, behaviour logprobs off the current policy
     (so ratios differ from 1 and some clip)."""
-    from agl_trainer.update import response_logprobs
+    from agl_trainer.learning.update import response_logprobs
 
     g = torch.Generator().manual_seed(seed)
 
@@ -398,9 +398,9 @@ def test_verls_ppo_loss_on_the_batch_equals_agls_loss(tiny_policy):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    from agl_trainer.learning.update import batch_loss, response_logprobs
+    from agl_trainer.learning.verl_backend import verl_config
     from agl_trainer.model import tiny_model
-    from agl_trainer.update import batch_loss, response_logprobs
-    from agl_trainer.verl_backend import verl_config
 
     model = get_peft_model(
         tiny_model(128, seed=5),
@@ -463,7 +463,7 @@ def test_verls_group_baseline_matches_agls_on_the_batch():
 def test_verl_config_builds_verls_own_config_objects(tmp_path):
     from verl.utils.config import omega_conf_to_dataclass
 
-    from agl_trainer.verl_backend import verl_config
+    from agl_trainer.learning.verl_backend import verl_config
 
     config = _config(
         verl={
@@ -537,9 +537,9 @@ def test_updater_sends_verl_the_padded_batch_with_recomputed_and_reference_logpr
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
+    from agl_trainer.learning.update import response_logprobs
+    from agl_trainer.learning.verl_backend import VerlUpdater
     from agl_trainer.model import tiny_model
-    from agl_trainer.update import response_logprobs
-    from agl_trainer.verl_backend import VerlUpdater
 
     model = get_peft_model(
         tiny_model(128, seed=5),
@@ -603,7 +603,7 @@ def test_updater_sends_verl_the_padded_batch_with_recomputed_and_reference_logpr
 
 @needs_verl
 def test_export_explains_a_failed_merge(tmp_path):
-    from agl_trainer.verl_backend import VerlUpdater
+    from agl_trainer.learning.verl_backend import VerlUpdater
 
     class Group:
         def save_checkpoint(self, local_path, global_step, max_ckpt_to_keep):

@@ -90,7 +90,7 @@ def collect(
     from agl_core.gateway.capture import Capture
     from agl_core.otlp_file import OtlpJsonLinesExporter
     from agl_core.testing import Collector, GatewayServer
-    from agl_trainer.hf_backend import HFBackend
+    from agl_trainer.generation.hf_backend import HFBackend
     from agl_trainer.model import load_policy
 
     trace_file = out / "traces.jsonl"

@@ -36,7 +36,7 @@ class StepAudit:
 
     @property
     def matches_metrics(self) -> bool:
-        from agl_trainer.loop import UNNAMED_AGENT
+        from agl_trainer.run.loop import UNNAMED_AGENT
 
         per_agent = {
             name or UNNAMED_AGENT: {"calls": self.calls[name], "trained": self.trained[name]}
@@ -56,8 +56,8 @@ def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[Step
     from agl_core.records import RolloutStatus
     from agl_core.store import SqliteStore
     from agl_core.transitions import spans_to_transitions
-    from agl_trainer.algo import compute_advantages
     from agl_trainer.config import load_config
+    from agl_trainer.learning.algo import compute_advantages
 
     config = load_config(config_path, overrides)
     out = config.output_dir

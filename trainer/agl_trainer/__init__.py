@@ -2,7 +2,7 @@
 
 from .api import FitResult, Trainer
 from .config import ConfigError, TrainerConfig, load_config
-from .results import DevResult, DevRollout
+from .reporting.results import DevResult, DevRollout
 
 __all__ = [
     "ConfigError",
@@ -17,7 +17,7 @@ __all__ = [
 
 
 def train(config: TrainerConfig, **kwargs):  # type: ignore[no-untyped-def]
-    """Run a training job (see :func:`agl_trainer.loop.train`); imports torch on first use."""
-    from .loop import train as _train
+    """Run a training job (see :func:`agl_trainer.run.loop.train`); imports torch on first use."""
+    from .run.loop import train as _train
 
     return _train(config, **kwargs)

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from agl_core.records import Task
 
 from .config import TrainerConfig, config_from_dict, load_config
-from .data import load_tasks, split_tasks, tasks_from_records
 from .dev import DEFAULT_ROLLOUTS
-from .reporting import dev_lines, held_out_line, paired_difference
-from .results import DevResult, EvalResult, StepMetrics
+from .reporting.display import dev_lines, held_out_line, paired_difference
+from .reporting.results import DevResult, EvalResult, StepMetrics
+from .run.data import load_tasks, split_tasks, tasks_from_records
 
 if TYPE_CHECKING:
-    from .loop import RunResult
-    from .services import AgentFn
+    from .run.loop import RunResult
+    from .run.services import AgentFn
 
 __all__ = ["ConfigSource", "FitResult", "TaskSource", "Trainer"]
 
@@ -78,8 +78,8 @@ class FitResult:
 
     @classmethod
     def of_run(cls, config: TrainerConfig, run: RunResult) -> FitResult:
-        """The result of ``run``, a finished :func:`~agl_trainer.loop.train` of ``config``."""
-        from .run_context import METRICS_FILE
+        """The result of ``run``, a finished :func:`~agl_trainer.run.loop.train` of ``config``."""
+        from .run.run_context import METRICS_FILE
 
         out = config.output_dir.absolute()
         change = change_se = None
@@ -178,12 +178,12 @@ class Trainer:
         no ``val`` is. ``resume`` continues the run in ``output_dir`` from its newest checkpoint (give the
         same tasks); ``overwrite`` starts it over. Bad input raises before anything starts: ``TypeError``
         (an agent that is not a function of two arguments, tasks neither a list nor a path),
-        :class:`~agl_trainer.data.DatasetError` (bad tasks), ``ValueError`` (a runner mode that cannot
+        :class:`~agl_trainer.run.data.DatasetError` (bad tasks), ``ValueError`` (a runner mode that cannot
         run the agent, an existing run in ``output_dir``). A run in which no step trained raises
-        :class:`~agl_trainer.loop.NothingTrainedError`, as ``agl train`` exits 1.
+        :class:`~agl_trainer.run.loop.NothingTrainedError`, as ``agl train`` exits 1.
         """
-        from .loop import train as run_training
-        from .offline import train_from_traces
+        from .run.loop import train as run_training
+        from .run.offline import train_from_traces
 
         agent_fn = _checked_agent(agent)
         config = self._config_for(agent_fn)

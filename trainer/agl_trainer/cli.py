@@ -17,7 +17,7 @@ import yaml
 
 from .config import ConfigError, add_override_argument, load_config
 from .cpu import passive_openmp
-from .signals import received, stop_on_signals
+from .run.signals import received, stop_on_signals
 
 __all__ = ["TRAIN_COMMAND", "run_train"]
 
@@ -61,10 +61,10 @@ def run_train(
 
 
 def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwrite: bool) -> int:
-    from .checkpoint import CheckpointError
-    from .loop import NothingTrainedError, train
+    from .learning.checkpoint import CheckpointError
     from .model import ModelNotFoundError
-    from .offline import train_from_traces
+    from .run.loop import NothingTrainedError, train
+    from .run.offline import train_from_traces
 
     try:
         (train if config.traces is None else train_from_traces)(
@@ -88,9 +88,9 @@ def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwri
 def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:
     """The closing line of a run stopped by Ctrl-C or SIGTERM, run.json marked ``interrupted``; the exit
     status (130, or 143 for SIGTERM)."""
-    from .checkpoint import latest_checkpoint
-    from .run_context import CHECKPOINTS_DIR
-    from .runfile import RUN_FILE
+    from .learning.checkpoint import latest_checkpoint
+    from .run.run_context import CHECKPOINTS_DIR
+    from .run.runfile import RUN_FILE
 
     run_file = config.output_dir / RUN_FILE
     try:  # the signal may have come where the run file's own handler saw another exception

@@ -434,7 +434,7 @@ class TrainConfig(_Strict):
     resample_rounds: int = pydantic.Field(0, ge=0, le=16)
     #: ``sync``: each step rolls out its groups, then updates while no rollout runs. ``async``: rollouts
     #: keep running during the update; a step trains on the first ``tasks_per_step`` groups to finish whose
-    #: calls are at most ``max_staleness`` policy versions old (``agl_trainer.pipeline``).
+    #: calls are at most ``max_staleness`` policy versions old (``agl_trainer.run.pipeline``).
     mode: Literal["sync", "async"] = "sync"
     #: With ``mode: async``: how many policy versions a trained call may be behind the policy being
     #: updated; groups with an older call are dropped (counted in the metrics) and replaced. The pipeline

@@ -3,7 +3,7 @@
 The rollouts run as a training step's do: the store (a temporary SQLite file, ``--store FILE``, or
 ``store.url``), the policy served through the gateway by the configured backend, the runner's workers
 running the agent with ``llm.split == "train"``, then spans -> transitions -> credit. Nothing is trained
-and no checkpoint is read or written. The report (:func:`~agl_trainer.reporting.dev_lines`) gives per
+and no checkpoint is read or written. The report (:func:`~agl_trainer.reporting.display.dev_lines`) gives per
 rollout its id, status, reward, LLM calls and transitions, and every reason it, or one of its calls,
 would not train: the reasons ``agl train`` prints and ``agl inspect`` shows.
 
@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 
 from .config import REQUIRED_KEYS, ConfigError, TrainerConfig, add_override_argument, load_config
-from .data import DatasetError, find_task_file, load_tasks
-from .reporting import dev_lines
-from .results import DevResult, DevRollout
-from .rollouts import RolloutRound, error_line, rollout_rewards
-from .step import Batch, trainable_transitions
+from .reporting.display import dev_lines
+from .reporting.results import DevResult, DevRollout
+from .run.data import DatasetError, find_task_file, load_tasks
+from .run.rollouts import RolloutRound, error_line, rollout_rewards
+from .run.step import Batch, trainable_transitions
 
 if TYPE_CHECKING:
     from agl_core.plugins import CliCommand
 
-    from .services import AgentFn
+    from .run.services import AgentFn
 
 __all__ = ["DEFAULT_ROLLOUTS", "DEV_COMMAND", "run_dev"]
 
@@ -60,14 +60,14 @@ def run_dev(
 
     ``store`` keeps the rollouts and their spans in that SQLite file (for ``agl inspect``) instead of a
     temporary one. ``echo`` gets progress lines (services started, failed rollouts); the report is
-    :func:`~agl_trainer.reporting.dev_lines` of the answer. Raises ``ValueError`` (a
-    :class:`~agl_trainer.data.DatasetError` for tasks) before anything starts when the input cannot run.
+    :func:`~agl_trainer.reporting.display.dev_lines` of the answer. Raises ``ValueError`` (a
+    :class:`~agl_trainer.run.data.DatasetError` for tasks) before anything starts when the input cannot run.
     """
-    from .loop import job_agent, job_tasks
-    from .reporting import Display
-    from .rollouts import RolloutQueue
-    from .services import load_served_model, start_runners, start_services, start_store
-    from .step import build_batch, episodes
+    from .reporting.display import Display
+    from .run.loop import job_agent, job_tasks
+    from .run.rollouts import RolloutQueue
+    from .run.services import load_served_model, start_runners, start_services, start_store
+    from .run.step import build_batch, episodes
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n is the number of rollouts to run, a whole number of at least 1; got {n!r}")

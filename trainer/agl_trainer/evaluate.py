@@ -9,7 +9,7 @@ The policy is served through the gateway as in training (the config's ``serving`
 ``runner`` sections), the agent runs on every task ``--samples`` times (default
 ``validation.rollouts_per_task``) with ``llm.split == "val"`` so agents that follow ``llm.evaluating``
 decode greedily, and each task's score is the mean reward of its rollouts (a failed one scores 0):
-:func:`~agl_trainer.rollouts.score_tasks`, the scorer of the trainer's validation. The rollouts go to a
+:func:`~agl_trainer.run.rollouts.score_tasks`, the scorer of the trainer's validation. The rollouts go to a
 store in a temporary directory (or to ``store.url``).
 """
 
@@ -31,16 +31,16 @@ from agl_core.records import Span, Task
 
 from .config import ConfigError, TrainerConfig, add_override_argument, load_config
 from .cpu import passive_openmp
-from .data import DatasetError, find_task_file, load_splits, load_tasks
-from .reporting import held_out_line, paired_difference
-from .results import EvalResult, mean_se
-from .rollouts import RolloutQueue, ScoredRollout, score_tasks
-from .signals import stop_on_signals
+from .reporting.display import held_out_line, paired_difference
+from .reporting.results import EvalResult, mean_se
+from .run.data import DatasetError, find_task_file, load_splits, load_tasks
+from .run.rollouts import RolloutQueue, ScoredRollout, score_tasks
+from .run.signals import stop_on_signals
 
 if TYPE_CHECKING:
     from agl_core.plugins import CliCommand
 
-    from .services import Services
+    from .run.services import Services
 
 __all__ = [
     "EVAL_COMMAND",
@@ -151,7 +151,7 @@ class Evaluation:
 
 
 class _Progress:
-    """Rollout progress for :class:`~agl_trainer.rollouts.RolloutQueue`: lines only."""
+    """Rollout progress for :class:`~agl_trainer.run.rollouts.RolloutQueue`: lines only."""
 
     def __init__(self, echo: Callable[[str], None]) -> None:
         self.line = echo
@@ -215,7 +215,7 @@ def _serve_checkpoint(services: Services, checkpoint: Checkpoint) -> None:
     """Serve ``checkpoint`` from the next request on, under its policy version (or the next one)."""
     from agl_core.gateway.backend import PolicyUpdate
 
-    from .serving import HFServing
+    from .run.serving import HFServing
 
     serving = services.serving
     version = max(checkpoint.policy_version or 0, serving.policy_version + 1)
@@ -257,11 +257,11 @@ def evaluate(
     ``keep_spans`` keeps every rollout's spans in the answer; ``store`` keeps the rollouts and their
     spans in that SQLite file (for ``agl inspect``) instead of a temporary one. ``echo`` gets progress
     lines (services started, failed rollouts). Raises :class:`EvalError` (or
-    :class:`~agl_trainer.data.DatasetError`) for bad input before anything starts.
+    :class:`~agl_trainer.run.data.DatasetError`) for bad input before anything starts.
     """
     from agl_core.runner import load_agent, resolve_mode
 
-    from .services import load_served_model, start_runners, start_services, start_store
+    from .run.services import load_served_model, start_runners, start_services, start_store
 
     if samples is not None and samples < 1:
         raise EvalError(f"samples must be at least 1, got {samples}")

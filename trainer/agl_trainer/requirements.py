@@ -13,12 +13,12 @@ def check_requirements(config: TrainerConfig) -> None:
     """Raise ``ValueError`` naming what is missing and the command that installs it.
 
     * ``update.backend: verl``: verl and ray importable, and the ``verl:`` section made of keys verl's
-      defaults know (see :func:`~agl_trainer.verl_backend.merge_verl_config`);
+      defaults know (see :func:`~agl_trainer.learning.verl_backend.merge_verl_config`);
     * ``serving.backend: vllm`` launching its server: the launch command (``vllm``) on ``PATH``;
     * ``update.device: cuda...``: a GPU that torch sees.
     """
     if config.update.backend == "verl":
-        from .verl_backend import merge_verl_config, verl_defaults, verl_overrides
+        from .learning.verl_backend import merge_verl_config, verl_defaults, verl_overrides
 
         defaults, source = verl_defaults()
         merge_verl_config(defaults, verl_overrides(config), source=source)

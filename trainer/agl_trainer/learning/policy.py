@@ -1,5 +1,5 @@
 """The policy a training job trains: the model (with its LoRA adapter), tokenizer, optimizer and KL
-reference, or verl's actor, and the :class:`~agl_trainer.step.Learner` that updates and republishes it.
+reference, or verl's actor, and the :class:`~agl_trainer.run.step.Learner` that updates and republishes it.
 
 torch, peft and verl are imported inside the functions that need them.
 """
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from agl_core.policies import trained_policy
 
+from ..config import LoraConfig, TrainerConfig
+from ..run.services import Services
+from ..run.step import Meter
 from .algo import Advantaged
-from .config import LoraConfig, TrainerConfig
-from .services import Services
-from .step import Meter
 
 if TYPE_CHECKING:
     import torch
 
     from agl_core.policies import PolicyRouter
 
-    from .step import UpdateStats as StepStats
+    from ..run.step import UpdateStats as StepStats
     from .update import ReferenceFn, UpdateStats
     from .verl_backend import VerlUpdater
 
@@ -55,7 +55,8 @@ class TrainablePolicy:
     @property
     def checkpointed_optimizers(self) -> torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]:
         """What a checkpoint saves and restores of the optimizers: the one optimizer, or with
-        ``policies`` each policy's (the form :func:`~agl_trainer.checkpoint.save_checkpoint` takes)."""
+        ``policies`` each policy's (the form
+        :func:`~agl_trainer.learning.checkpoint.save_checkpoint` takes)."""
         return self.optimizer if self.optimizer is not None else self.optimizers
 
     @property
@@ -69,7 +70,7 @@ def load_trainable_policy(
 ) -> TrainablePolicy:
     """Load ``model.source`` on ``update.device`` with the ``model.lora`` adapter, its optimizer and KL
     reference, or (``update.backend: verl``) the tokenizer and verl's actor (shut down by ``stack``)."""
-    from .model import load_policy, load_tokenizer, torch_device
+    from ..model import load_policy, load_tokenizer, torch_device
 
     t0 = time.monotonic()
     model: Any = None
@@ -140,8 +141,8 @@ def load_trainable_policy(
 def _load_init_adapter(model: Any, path: str) -> str:
     """Load ``model.init_adapter`` (:func:`~agl_trainer.evaluate.find_checkpoint` resolves it) into the
     PEFT ``model``'s adapter; what was loaded. ``ValueError`` when it is no LoRA adapter of this shape."""
-    from .evaluate import EvalError, find_checkpoint
-    from .model import load_adapter_weights
+    from ..evaluate import EvalError, find_checkpoint
+    from ..model import load_adapter_weights
 
     try:
         checkpoint = find_checkpoint(path)
@@ -203,7 +204,8 @@ def _add_policy_adapters(model: Any, config: TrainerConfig) -> tuple[Any, dict[s
 
 
 class TorchLearner:
-    """PPO-clip updates in this process (:func:`~agl_trainer.update.update_step`), served in place."""
+    """PPO-clip updates in this process (:func:`~agl_trainer.learning.update.update_step`), served in
+    place."""
 
     def __init__(self, config: TrainerConfig, policy: TrainablePolicy, services: Services) -> None:
         if not policy.trains_in_process:

@@ -1,5 +1,5 @@
 """The dashboard's view of a rollout as this trainer trains on it (entry point
-``agl.rollout_explainers``: ``trainer``): the group's batch built by :func:`agl_trainer.step.build_batch`
+``agl.rollout_explainers``: ``trainer``): the group's batch built by :func:`agl_trainer.run.step.build_batch`
 with the run's config, and the run's tokenizer when it is on this machine."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from agl_core.records import Rollout, RolloutStatus, Span, Transition
 
-from .config import TrainerConfig
-from .step import build_batch
+from ..config import TrainerConfig
+from ..run.step import build_batch
 
 __all__ = ["ROLLOUT_EXPLAINER", "TrainerExplainer"]
 
@@ -31,7 +31,7 @@ def _config(config: Mapping[str, Any] | None) -> TrainerConfig:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(source: str) -> Any:
-    from .model import load_tokenizer
+    from ..model import load_tokenizer
 
     return load_tokenizer(source)
 

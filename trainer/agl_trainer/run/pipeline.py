@@ -11,7 +11,8 @@ flight through the store at all times:
   ``agl.policy.version`` the gateway recorded on each call) is dropped, counted, and replaced by a new
   group of a fresh task;
 * the loss weighs each token by the importance ratio against the gateway's recorded behaviour logprobs,
-  clipped (PPO-clip, :func:`agl_trainer.update.batch_loss`), so calls of an older version train correctly;
+  clipped (PPO-clip, :func:`agl_trainer.learning.update.batch_loss`), so calls of an older version train
+  correctly;
 * the groups queued while the update runs, and those queued after it, fill the pipeline again.
 
 With ``max_staleness: 0`` this is sync training that does not wait for the slowest group of a step. The
@@ -30,8 +31,8 @@ from typing import Any
 from agl_core import semconv
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 
-from .algo import Advantaged
-from .config import TrainerConfig
+from ..config import TrainerConfig
+from ..learning.algo import Advantaged
 from .rollouts import RolloutQueue, RolloutRound
 from .step import Learner, Meter, StepOutcome, TrainStep, UpdateStats, build_batch, episodes
 
@@ -67,12 +68,13 @@ class _WatchedLearner:
 
     @property
     def updates(self) -> Mapping[str, int] | None:
-        """Each policy's update count, with ``policies`` (see :class:`~agl_trainer.policy.TorchLearner`)."""
+        """Each policy's update count, with ``policies`` (see
+        :class:`~agl_trainer.learning.policy.TorchLearner`)."""
         return getattr(self._learner, "updates", None)
 
     @property
     def meter(self) -> Meter | None:
-        """The learner's publish and generation counters (see :class:`~agl_trainer.step.Meter`)."""
+        """The learner's publish and generation counters (see :class:`~agl_trainer.run.step.Meter`)."""
         return getattr(self._learner, "meter", None)
 
     def update(self, samples: Sequence[Advantaged], group_of: Mapping[str, str]) -> UpdateStats:
@@ -85,7 +87,7 @@ class _WatchedLearner:
 
 class AsyncTrainStep:
     """Training steps over a pipeline of task groups in flight (see the module docstring); the same
-    ``run(step, tasks, draw)`` as :class:`~agl_trainer.step.TrainStep`."""
+    ``run(step, tasks, draw)`` as :class:`~agl_trainer.run.step.TrainStep`."""
 
     def __init__(self, config: TrainerConfig, queue: RolloutQueue, learner: Learner) -> None:
         self.config = config

@@ -1,6 +1,6 @@
 """What a training run shows and leaves behind: the live display, the per-step lines, the held-out
 before/after summary, the reward curve; and the report of a dev run (the trackers' scalars:
-:mod:`agl_trainer.trackers`)."""
+:mod:`agl_trainer.reporting.trackers`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 from agl_core.policies import BASE
 
+from ..run.step import StepOutcome
 from .results import DevResult, EvalResult, StepMetrics, mean_se
-from .step import StepOutcome
 
 __all__ = [
     "Display",

@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from .config import TrainerConfig
+from ..config import TrainerConfig
 
 __all__ = [
     "VERL_LAYOUT_VERSION",
@@ -107,7 +107,7 @@ def to_verl_batch(
     rollout_weights: bool = True,
     temperature: float = 1.0,
 ) -> VerlBatch:
-    """agl's advantaged transitions (:class:`~agl_trainer.algo.Advantaged`) as a verl batch.
+    """agl's advantaged transitions (:class:`~agl_trainer.learning.algo.Advantaged`) as a verl batch.
 
     Shapes (``B`` sequences, ``P`` = ``prompt_length`` or the longest prompt, ``R`` = ``response_length``
     or the longest response):
@@ -433,8 +433,9 @@ class VerlUpdater:
         return no_padding_2_padding(tu.get(out, "log_probs"), td).float()
 
     def update(self, samples: Sequence[Any], *, group_of: Mapping[str, str] | None = None) -> Any:
-        """One optimizer step of verl's actor on ``samples``; returns :class:`~agl_trainer.update.UpdateStats`
-        (``loss`` is verl's policy loss, ``approx_kl`` its ``ppo_kl``)."""
+        """One optimizer step of verl's actor on ``samples``; returns
+        :class:`~agl_trainer.learning.update.UpdateStats` (``loss`` is verl's policy loss, ``approx_kl``
+        its ``ppo_kl``)."""
         from verl.utils import tensordict_utils as tu
         from verl.utils.metric import reduce_metrics
 

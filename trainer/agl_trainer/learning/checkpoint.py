@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .model import load_adapter_weights
-from .trackers import masked_config
+from ..model import load_adapter_weights
+from ..reporting.trackers import masked_config
 
 __all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 

@@ -48,11 +48,11 @@ from agl_core.gateway.tools import ToolFormat, forced_prefix
 from agl_core.plugins import ServedBackend
 from agl_core.policies import BASE
 
+from ..memory import release_free_memory
 from . import fast_linear
 from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode
 from .direct_decode import DirectDecode, recognize
 from .kv_cache import PrefixCache, SlotCache, cache_shape
-from .memory import release_free_memory
 
 __all__ = ["KV_CACHES", "HFBackend", "LogitsProcessor", "serve_with_transformers"]
 
@@ -586,7 +586,7 @@ class HFBackend:
         if not isinstance(self.model, PeftModel):
             self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=policy)
         elif policy in self.model.peft_config:
-            from .model import load_adapter_weights
+            from ..model import load_adapter_weights
 
             weights = path / "adapter_model.safetensors"
             if not weights.is_file():
@@ -841,7 +841,7 @@ def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
     check: the backend renders prompts with the model's own tokenizer, so the check would compare it with
     itself.
     """
-    from .model import load_policy
+    from ..model import load_policy
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,12 +5,13 @@ batching), goes on by :meth:`advance` (one token for every row) and sheds finish
 After each call, ``logits[i]`` holds the raw next-token logits of ``rows[i]``. Two kinds:
 
 :class:`SlotBatch` (``kv_cache: slots``, the default)
-    Each row owns a slot of a preallocated :class:`~agl_trainer.kv_cache.SlotCache`, written in place.
-    A prompt starts from the longest prefix the :class:`~agl_trainer.kv_cache.PrefixCache` holds for the
-    same policy version, and only the rest of it is prefilled; its whole blocks (and, when the row ends,
+    Each row owns a slot of a preallocated :class:`~agl_trainer.generation.kv_cache.SlotCache`, written in
+    place. A prompt starts from the longest prefix the
+    :class:`~agl_trainer.generation.kv_cache.PrefixCache` holds for the same policy version, and only the
+    rest of it is prefilled; its whole blocks (and, when the row ends,
     those of its response) go back into the prefix cache. Its decoding steps run the model's modules
-    directly (:class:`~agl_trainer.direct_decode.DirectDecode`) where the model is one that recognizes,
-    otherwise the model's forward pass with agl's attention.
+    directly (:class:`~agl_trainer.generation.direct_decode.DirectDecode`) where the model is one that
+    recognizes, otherwise the model's forward pass with agl's attention.
 
 :class:`DynamicBatch` (``kv_cache: dynamic``)
     transformers' ``DynamicCache``, left-padded to one width: every prompt is prefilled whole, and each
@@ -30,10 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
+from ..model import cache_key, padded_groups
 from .attention import Packed, Segment, SharedPrefix, attention_for
 from .direct_decode import DirectDecode
 from .kv_cache import PassCache, PrefixCache, SlotCache, common_prefix
-from .model import cache_key, padded_groups
 
 __all__ = ["Batch", "DynamicBatch", "SlotBatch", "StaticDecode"]
 
@@ -322,8 +323,8 @@ class SlotBatch:
         jobs: Sequence[Any],
         state: SharedPrefix | None = None,
     ) -> torch.Tensor:
-        """A batched pass over slots ``first ..`` (:class:`~agl_trainer.kv_cache.PassCache`); the logits of
-        each row's last position."""
+        """A batched pass over slots ``first ..`` (:class:`~agl_trainer.generation.kv_cache.PassCache`);
+        the logits of each row's last position."""
         cache = self.slots.pass_cache(first, ids.shape[0], columns, mask.shape[-1])
         if self.slots.shape.attention == "eager":  # eager attention adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.slots.shape.dtype, device=mask.device).masked_fill(

@@ -1,8 +1,8 @@
 """The training loop: rollouts through the store and the gateway, transitions, LightningRL updates.
 
 :func:`train` runs a whole job: it starts (or connects to) the store, serves the policy through the
-gateway, starts the runner's workers (:mod:`agl_trainer.services`) and then, step by step, samples tasks
-and runs a training step (:mod:`agl_trainer.step`: rollouts, transitions, credit, group advantages, the
+gateway, starts the runner's workers (:mod:`agl_trainer.run.services`) and then, step by step, samples tasks
+and runs a training step (:mod:`agl_trainer.run.step`: rollouts, transitions, credit, group advantages, the
 update, publishing the new policy). It evaluates on the validation split before, during and after
 training, saves checkpoints it can resume from after a crash, and keeps ``metrics.jsonl``, a reward-curve
 PNG and (when installed) TensorBoard scalars in ``output_dir``.
@@ -21,14 +21,15 @@ from typing import Any
 from agl_core.records import Task
 from agl_core.runner import load_agent, resolve_mode
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import TrainerConfig
+from ..config import TrainerConfig
+from ..learning.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..learning.policy import TrainablePolicy, load_trainable_policy, make_learner
+from ..memory import release_free_memory
+from ..reporting.display import step_lines
+from ..reporting.results import UNNAMED_AGENT, EvalResult, StepMetrics
+from ..reporting.trackers import masked_config
 from .data import TaskSampler, load_splits
-from .memory import release_free_memory
 from .pipeline import AsyncTrainStep
-from .policy import TrainablePolicy, load_trainable_policy, make_learner
-from .reporting import step_lines
-from .results import UNNAMED_AGENT, EvalResult, StepMetrics
 from .rollouts import PatientClient, RolloutQueue
 from .run_context import (
     CHECKPOINTS_DIR,
@@ -49,7 +50,6 @@ from .services import (
     start_store,
 )
 from .step import TIED_GROUPS, TrainStep
-from .trackers import masked_config
 
 __all__ = [
     "UNNAMED_AGENT",
@@ -209,10 +209,10 @@ def train(
     ``agent`` (a function, run by the runner in this process) and ``tasks`` (training and validation
     tasks) replace the config's ``agent`` and ``tasks``. A bad agent, mode or task file is reported before
     anything starts; everything started is stopped on return, also on error. A config with a ``traces``
-    section trains on stored rollouts instead: :func:`agl_trainer.offline.train_from_traces`.
+    section trains on stored rollouts instead: :func:`agl_trainer.run.offline.train_from_traces`.
     """
     if config.traces is not None:
-        raise ValueError("a config with traces: trains with agl_trainer.offline.train_from_traces")
+        raise ValueError("a config with traces: trains with agl_trainer.run.offline.train_from_traces")
     agent_fn = job_agent(config, agent)
     train_tasks, val_tasks = job_tasks(config, tasks)
     if resume and config.update.backend == "verl":

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 from agl_core.transitions import episode_rewards
 
-from .results import EvalResult, mean_se
+from ..reporting.results import EvalResult, mean_se
 
 __all__ = [
     "PatientClient",
@@ -119,7 +119,7 @@ class PatientClient:
 
 
 class Progress(Protocol):
-    """Where a job shows what it does (:class:`~agl_trainer.reporting.Display` is one)."""
+    """Where a job shows what it does (:class:`~agl_trainer.reporting.display.Display` is one)."""
 
     def line(self, text: str) -> None: ...
 

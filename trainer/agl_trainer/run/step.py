@@ -2,7 +2,7 @@
 policy update -> the step's metrics.
 
 The update is injected (:class:`Learner`), so a step runs, and tests, without torch: the trainer passes
-the torch or verl update (:mod:`agl_trainer.policy`), a test a recording fake.
+the torch or verl update (:mod:`agl_trainer.learning.policy`), a test a recording fake.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from agl_core.policies import BASE, policy_mismatch, trained_policy
 from agl_core.records import Rollout, RolloutStatus, Span, Task, Transition
 from agl_core.transitions import TransitionResult, explain_untrained, spans_to_transitions
 
-from .algo import Advantaged, GroupReport, compute_advantages
-from .config import TrainerConfig
-from .results import UNNAMED_AGENT, StepMetrics
+from ..config import TrainerConfig
+from ..learning.algo import Advantaged, GroupReport, compute_advantages
+from ..reporting.results import UNNAMED_AGENT, StepMetrics
 from .rollouts import RolloutQueue, RolloutRound, error_line, rollout_rewards
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
 
 
 class UpdateStats(Protocol):
-    """What a step reports of an update (:class:`agl_trainer.update.UpdateStats` has it)."""
+    """What a step reports of an update (:class:`agl_trainer.learning.update.UpdateStats` has it)."""
 
     @property
     def loss(self) -> float: ...

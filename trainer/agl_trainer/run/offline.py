@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 from agl_core.records import Task, Transition
 from agl_core.sft import SftResult
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TracesConfig, TrainerConfig
+from ..config import TracesConfig, TrainerConfig
+from ..learning.checkpoint import load_checkpoint, save_checkpoint
+from ..reporting.display import format_step
+from ..reporting.results import EvalResult, StepMetrics
 from .loop import job_agent, job_tasks
-from .reporting import format_step
-from .results import EvalResult, StepMetrics
 from .run_context import CHECKPOINTS_DIR, INFLIGHT_FILE, RunContext, RunResult
 from .services import AgentFn, Services
 from .step import agent_counts
@@ -49,8 +49,8 @@ from .traces import (
 )
 
 if TYPE_CHECKING:
+    from ..learning.update import UpdateStats
     from .rollouts import RolloutQueue
-    from .update import UpdateStats
 
 __all__ = ["train_from_traces"]
 
@@ -121,7 +121,7 @@ def train_from_traces(
 ) -> RunResult:
     """Train on the stored rollouts ``config.traces`` selects (see the module docstring).
 
-    Raises :class:`~agl_trainer.traces.NothingSelectedError` (a ``ValueError``) before any model loads
+    Raises :class:`~agl_trainer.run.traces.NothingSelectedError` (a ``ValueError``) before any model loads
     when the filter matches nothing, or nothing it matched can be trained on by ``algorithm.name``; the
     message says what matched how many and why the rest was refused.
     """
@@ -170,7 +170,7 @@ class _TracesJob:
     into one batch per step, and, for validation, the services that serve the policy to the agent."""
 
     def __init__(self, context: RunContext, traces: TracesConfig, data: _TraceData, steps: int) -> None:
-        from .policy import load_trainable_policy
+        from ..learning.policy import load_trainable_policy
 
         self.context, self.config, self.traces, self.data, self.steps = (
             context,
@@ -193,7 +193,7 @@ class _TracesJob:
         self.start_step = 1
 
     def _sft_batches(self) -> list[list[Any]]:
-        from .finetune import example_transition
+        from ..learning.finetune import example_transition
 
         data, tokenizer = self.data, self.policy.tokenizer
         assert data.sft is not None
@@ -275,7 +275,7 @@ class _TracesJob:
 
     def step(self, step: int, before: EvalResult | None) -> Path | None:
         """One optimizer step on the step's batch, recorded; the checkpoint it wrote, if it wrote one."""
-        from .update import UpdateSettings
+        from ..learning.update import UpdateSettings
 
         context, config, data = self.context, self.config, self.data
         context.display.start_step(step, step - 1)
@@ -286,7 +286,7 @@ class _TracesJob:
         transitions: Sequence[Transition]
         with _serving(self.services, self.model, step):
             if data.sft is not None:
-                from .finetune import sft_update_step
+                from ..learning.finetune import sft_update_step
 
                 transitions = batch
                 stats = sft_update_step(
@@ -294,7 +294,7 @@ class _TracesJob:
                 )
                 exact = sum(self.exact_of[(t.rollout_id, t.call_index)] for t in batch)
             else:
-                from .update import update_step
+                from ..learning.update import update_step
 
                 transitions = [s.transition for s in batch]
                 stats = update_step(

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .config import LoggingConfig, TrainerConfig
+    from ..config import LoggingConfig, TrainerConfig
 
 __all__ = [
     "MLflowTracker",

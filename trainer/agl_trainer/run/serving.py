@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from agl_core.gateway.backend import PolicyUpdate
 
-from .config import TrainerConfig
+from ..config import TrainerConfig
 from .step import GenerationCounters
 
 __all__ = ["HFServing", "VLLMServing", "start_serving", "vllm_launch_kwargs", "vllm_max_lora_rank"]
@@ -278,7 +278,7 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
     until the server answers (``serving.vllm.launch.startup_timeout_s``).
     """
     if config.serving.backend == "hf":
-        from .hf_backend import HFBackend
+        from ..generation.hf_backend import HFBackend
 
         router = config.router()
         hf = config.serving.hf

@@ -4,7 +4,7 @@ file (``run.json``, what the dashboard shows of a running job) and the run log (
 reward curve, the trackers), runs the held-out passes and prints the closing lines. What it starts closes
 with it, in reverse order, also on error.
 
-:func:`agl_trainer.loop.train` (online rollouts) and :func:`agl_trainer.offline.train_from_traces`
+:func:`agl_trainer.run.loop.train` (online rollouts) and :func:`agl_trainer.run.offline.train_from_traces`
 (stored traces) are the two step sources plugged into it.
 """
 
@@ -22,15 +22,15 @@ from typing import Any
 
 from agl_core.records import Task
 
-from .checkpoint import CheckpointError, latest_checkpoint
-from .config import TrainerConfig
-from .cpu import size_torch_threads
-from .memory import limit_arenas
-from .reporting import Display, held_out_line, plot_reward_curve
-from .results import EvalResult, StepMetrics
+from ..config import TrainerConfig
+from ..cpu import size_torch_threads
+from ..learning.checkpoint import CheckpointError, latest_checkpoint
+from ..memory import limit_arenas
+from ..reporting.display import Display, held_out_line, plot_reward_curve
+from ..reporting.results import EvalResult, StepMetrics
+from ..reporting.trackers import Trackers, masked_config, open_trackers
 from .rollouts import RolloutQueue, score_tasks
 from .runfile import RUN_FILE, RunFile
-from .trackers import Trackers, masked_config, open_trackers
 
 __all__ = [
     "CHECKPOINTS_DIR",

@@ -27,8 +27,8 @@ from agl_core.spantree import GATEWAY, LLM, SpanTree, kind_of
 from agl_core.store import NotFoundError, StoreClient, open_store
 from agl_core.transitions import TransitionResult, episode_rewards, explain_untrained, spans_to_transitions
 
-from .algo import Advantaged, GroupReport, compute_advantages
-from .config import TracesConfig, TrainerConfig
+from ..config import TracesConfig, TrainerConfig
+from ..learning.algo import Advantaged, GroupReport, compute_advantages
 
 __all__ = [
     "NO_LOGPROBS",

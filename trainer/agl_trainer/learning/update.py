@@ -22,7 +22,7 @@ import torch
 from .algo import Advantaged
 
 if TYPE_CHECKING:
-    from .config import AlgorithmConfig, UpdateConfig
+    from ..config import AlgorithmConfig, UpdateConfig
 
 __all__ = [
     "UpdateSettings",
@@ -42,7 +42,7 @@ ReferenceFn = Callable[[Sequence[Advantaged]], list[torch.Tensor]]
 class UpdateSettings:
     """What an update step takes from the config (``algorithm`` and ``update``), for the device the model
     is on: the one place that maps those sections to :func:`update_step`'s and
-    :func:`~agl_trainer.finetune.sft_update_step`'s arguments."""
+    :func:`~agl_trainer.learning.finetune.sft_update_step`'s arguments."""
 
     clip_eps: float
     max_grad_norm: float
@@ -67,7 +67,7 @@ class UpdateSettings:
         return dataclasses.asdict(self)
 
     def sft(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`~agl_trainer.finetune.sft_update_step` (no clipping, KL or
+        """Keyword arguments of :func:`~agl_trainer.learning.finetune.sft_update_step` (no clipping, KL or
         recomputation: its loss is the next-token loss alone)."""
         return {
             "max_grad_norm": self.max_grad_norm,
@@ -301,7 +301,7 @@ def _shared_prompt_logprobs(
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    from .model import cache_key
+    from ..model import cache_key
 
     device = _device(model)
     prompt = list(samples[0].transition.prompt_ids)
@@ -404,7 +404,7 @@ def reference_logprobs_fn(
 
 def _micro_batches(samples: Sequence[Advantaged], max_tokens: int) -> list[list[Advantaged]]:
     """Group samples (longest first) so that each padded micro-batch stays within ``max_tokens``."""
-    from .model import padded_groups
+    from ..model import padded_groups
 
     def length(s: Advantaged) -> int:
         return len(s.transition.prompt_ids) + len(s.transition.response_ids)

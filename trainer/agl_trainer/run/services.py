@@ -24,11 +24,11 @@ from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.service import StoreService
 from agl_core.tracing import make_otlp_exporter, setup_tracing
 
-from .config import TrainerConfig
-from .cpu import size_torch_threads
+from ..config import TrainerConfig
+from ..cpu import size_torch_threads
+from ..reporting.trackers import masked_config
 from .rollouts import wait_for_store
 from .serving import HFServing, VLLMServing, start_serving
-from .trackers import masked_config
 
 __all__ = [
     "AgentFn",
@@ -150,7 +150,7 @@ def start_services(
     tokenizer: Any,
     echo: Callable[[str], None],
 ) -> Services:
-    """Start the serving backend for ``model`` (see :func:`~agl_trainer.serving.start_serving`) and the
+    """Start the serving backend for ``model`` (see :func:`~agl_trainer.run.serving.start_serving`) and the
     gateway in front of it, exporting its spans to ``store``; each is stopped by ``stack``. ``echo`` gets a
     line saying where the gateway listens."""
     serving = start_serving(config, model, tokenizer)
@@ -189,7 +189,7 @@ def advertised_url(advertise: str | None, bound: str) -> str:
 def load_served_model(config: TrainerConfig, *, echo: Callable[[str], None]) -> tuple[Any, Any]:
     """The base model to serve without training it (``None`` when vLLM serves it) and its tokenizer;
     ``echo`` gets a line saying where the model was put. Imports torch when serving with ``hf``."""
-    from .model import load_policy, load_tokenizer, torch_device
+    from ..model import load_policy, load_tokenizer, torch_device
 
     if config.serving.backend != "hf":
         return None, load_tokenizer(config.model.source)

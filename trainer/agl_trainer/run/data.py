@@ -11,7 +11,7 @@ from typing import Any
 
 from agl_core.records import Task
 
-from .config import TasksConfig
+from ..config import TasksConfig
 
 __all__ = [
     "DatasetError",
