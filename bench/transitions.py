@@ -15,8 +15,8 @@ import sys
 import time
 
 from agl_core import semconv as S
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.records import Span
-from agl_core.transitions import spans_to_transitions
 
 REFERENCE_MS_PER_TRACE = 1.07
 

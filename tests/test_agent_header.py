@@ -1,4 +1,5 @@
-"""The calling agent's name on each model request (``x-agl-agent-name``, :mod:`agl_core.agent_header`).
+"""The calling agent's name on each model request (``x-agl-agent-name``,
+:mod:`agl_core.capture.agent_header`).
 
 Real frameworks (LangGraph, the Agents SDK, AutoGen) talk HTTP to a real local gateway in front of a
 scripted policy; the gateway's spans say which agent each call named (``gen_ai.agent.name``, read from the
@@ -22,7 +23,8 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from agl_core import agent_header, semconv
+from agl_core import semconv
+from agl_core.capture import agent_header
 from agl_core.records import Attempt, Resource, Rollout, RolloutStatus
 from agl_core.testing import ByteTokenizer, GatewayServer, ScriptedBackend
 

@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 
 from agl_core import semconv
-from agl_core.credit import TOOL_ERROR, TOOL_SUCCESS, RewardWeights, assign_rewards
+from agl_core.pipeline.credit import TOOL_ERROR, TOOL_SUCCESS, RewardWeights, assign_rewards
+from agl_core.pipeline.spantree import TOOL, kind_of, source_of
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.records import RolloutStatus, Span
 from agl_core.runner import LLM, LLM_RESOURCE
 from agl_core.runner import Runner as AglRunner
-from agl_core.spantree import TOOL, kind_of, source_of
 from agl_core.testing import AglTestStack, tool_call
 from agl_core.tracing import rollout_scope
-from agl_core.transitions import spans_to_transitions
 
 from ._agents import FINAL_ANSWER, SOLVER_PROMPT, TRIAGE_PROMPT, add, divide, scenario_script
 

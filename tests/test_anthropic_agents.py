@@ -14,12 +14,12 @@ import pytest
 
 import agl_core
 from agl_core import LLM, semconv
-from agl_core.credit import TOOL_ERROR, TOOL_SUCCESS, RewardWeights, assign_rewards
+from agl_core.pipeline.credit import TOOL_ERROR, TOOL_SUCCESS, RewardWeights, assign_rewards
+from agl_core.pipeline.spantree import TOOL, SpanTree, kind_of
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.records import Span
 from agl_core.runner import LLM_RESOURCE, Runner
-from agl_core.spantree import TOOL, SpanTree, kind_of
 from agl_core.testing import AglTestStack, tool_call
-from agl_core.transitions import spans_to_transitions
 
 from ._agents import AUTOGEN_MODEL_INFO, FINAL_ANSWER, SOLVER_PROMPT, add, divide, scenario_script
 

@@ -62,7 +62,7 @@ def test_every_exported_name_of_the_public_packages_is_documented(site):
         "agl_openai_agents.instrument",
         "agl_autogen.instrument",
         "agl_core.gateway.backend.Backend",
-        "agl_core.transitions.spans_to_transitions",
+        "agl_core.pipeline.transitions.spans_to_transitions",
         "agl_trainer.config.TrainerConfig",
     ):
         assert needed in anchors, needed

@@ -26,10 +26,10 @@ sys.path.insert(0, sys.argv[2])
 
 import agl_autogen
 from agl_core import setup_tracing
-from agl_core.spantree import source_of
+from agl_core.pipeline.spantree import source_of
 from agl_core.testing import AglTestStack
 from agl_core.tracing import emit_reward, rollout_scope
-from agl_core.transitions import spans_to_transitions
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_trainer.model import load_tokenizer
 from tests import _agents
 

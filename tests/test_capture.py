@@ -32,10 +32,10 @@ from agl_core.gateway._door import SessionHint
 from agl_core.gateway._schema import RequestError
 from agl_core.gateway.capture import SESSION_ID_MAX_LENGTH, Capture, captured_session
 from agl_core.importer import import_traces, session_rollout_id, trace_rollout_id
+from agl_core.pipeline.transitions import NOT_TRAINABLE, spans_to_transitions
 from agl_core.records import RolloutStatus
 from agl_core.store import NotFoundError
 from agl_core.testing import Collector, GatewayServer, ScriptedBackend
-from agl_core.transitions import NOT_TRAINABLE, spans_to_transitions
 
 TOKEN = "capture-test-token"
 HEADER = semconv.HEADER_SESSION_ID

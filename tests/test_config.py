@@ -226,7 +226,7 @@ def test_bad_run_settings_are_named(folder, extra, message):
 
 
 def test_rewards_section_becomes_reward_weights(folder):
-    from agl_core.credit import RewardWeights
+    from agl_core.pipeline.credit import RewardWeights
 
     assert load_config(_write(folder, GOOD)).algorithm.reward_weights() == RewardWeights()
     config = load_config(

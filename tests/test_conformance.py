@@ -24,12 +24,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from agl_core import semconv
-from agl_core.credit import select_agents
+from agl_core.pipeline.credit import select_agents
+from agl_core.pipeline.spantree import LLM, TOOL, SpanTree, kind_of, source_of
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.records import Span, Transition
-from agl_core.spantree import LLM, TOOL, SpanTree, kind_of, source_of
 from agl_core.testing import AglTestStack, otlp_tracer_provider, tool_call
 from agl_core.tracing import emit_reward, rollout_scope
-from agl_core.transitions import spans_to_transitions
 
 from . import _agents
 from ._agents import FINAL_ANSWER, ROUTE_TEXT, scenario_script

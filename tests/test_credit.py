@@ -9,7 +9,7 @@ import json
 import pytest
 
 from agl_core import semconv
-from agl_core.credit import (
+from agl_core.pipeline.credit import (
     EXPLICIT,
     MALFORMED_TOOL_CALL,
     TIMEOUT,
@@ -20,8 +20,8 @@ from agl_core.credit import (
     assign_rewards,
     reward_events,
 )
+from agl_core.pipeline.transitions import NO_REWARD, spans_to_transitions
 from agl_core.records import Span
-from agl_core.transitions import NO_REWARD, spans_to_transitions
 
 from .conftest import make_span
 
@@ -501,7 +501,7 @@ def test_selecting_after_assignment_differs_for_last():
     weights = RewardWeights(explicit=False)
     selected_first = assign_rewards(result, spans, strategy="last", weights=weights, agents=["checker"])
     assert [t.reward for t in selected_first.transitions] == [0.0, 1.0]
-    from agl_core.credit import select_agents
+    from agl_core.pipeline.credit import select_agents
 
     selected_after = select_agents(assign_credit(result.transitions, "last"), ["checker"])
     assert [t.reward for t in selected_after] == [0.0, 0.0]

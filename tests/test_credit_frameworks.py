@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import pytest
 
 from agl_core import semconv
-from agl_core.credit import MALFORMED_TOOL_CALL, TOOL_ERROR, RewardWeights, assign_rewards
-from agl_core.report import format_rollout
-from agl_core.spantree import TOOL, kind_of
+from agl_core.pipeline.credit import MALFORMED_TOOL_CALL, TOOL_ERROR, RewardWeights, assign_rewards
+from agl_core.pipeline.report import format_rollout
+from agl_core.pipeline.spantree import TOOL, kind_of
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.testing import AglTestStack
-from agl_core.transitions import spans_to_transitions
 
 from .gateway_helpers import Script
 from .test_conformance import FRAMEWORKS, fixture_stack, instrumented, run_rollout  # noqa: F401 (fixture "stack")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from agl_core.importer import Demonstration, import_traces, write_demonstrations
-from agl_core.sft import spans_to_sft_examples
+from agl_core.pipeline.sft import spans_to_sft_examples
 
 TOOL = {
     "type": "function",

@@ -13,8 +13,8 @@ from typing import Any
 
 import openai
 
+from agl_core.pipeline.transitions import NO_LLM_CALL
 from agl_core.records import RolloutStatus
-from agl_core.transitions import NO_LLM_CALL
 from agl_trainer import DevResult, Trainer
 
 CONFIG: dict[str, Any] = {

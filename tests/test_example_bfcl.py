@@ -237,7 +237,7 @@ def test_gold_traces_become_one_sft_example_per_training_entry_with_its_calls(tm
     """gold_traces.py writes each entry's call answered with its ground truth and imports it; the
     stored-traces SFT path reads one example per entry, with the tools offered and the calls made, and
     renders the calls in the Hermes format the gateway parses."""
-    from agl_core.sft import spans_to_sft_examples
+    from agl_core.pipeline.sft import spans_to_sft_examples
     from agl_trainer.run.traces import read_store
 
     gold_traces = _module("gold_traces")

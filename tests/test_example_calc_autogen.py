@@ -192,8 +192,8 @@ def _rollout(calc_stack: Any, case: str, split: str | None = None) -> tuple[floa
 def test_each_kind_of_reply_gets_its_reward_and_intermediate_rewards(calc_stack):
     """The rewards of ``config.yaml`` on five replies: the right call, a wrong operation, an expression the
     calculator refuses, an unknown tool, and an answer in text."""
-    from agl_core.credit import assign_rewards
-    from agl_core.transitions import spans_to_transitions
+    from agl_core.pipeline.credit import assign_rewards
+    from agl_core.pipeline.transitions import spans_to_transitions
     from agl_trainer.config import load_config
 
     weights = load_config(EXAMPLE / "config.yaml").algorithm.reward_weights()

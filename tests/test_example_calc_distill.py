@@ -15,9 +15,9 @@ import pytest
 
 from agl_core.cli import main as agl
 from agl_core.importer import session_rollout_id
-from agl_core.spantree import kind_of
+from agl_core.pipeline.spantree import kind_of
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.store import SqliteStore
-from agl_core.transitions import spans_to_transitions
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "calc_autogen"
 

@@ -106,7 +106,7 @@ def test_the_worked_solutions_become_the_agent_s_first_call_answered_as_it_shoul
     """gsm_gold.py: the same system prompt, question and calculator tool (JSON-identical) the AutoGen
     agent sends, answered with the worked solution whose last line is the answer in tags, which the
     agent reads as the right answer; held-out templates are refused."""
-    from agl_core.sft import spans_to_sft_examples
+    from agl_core.pipeline.sft import spans_to_sft_examples
     from agl_core.testing import AglTestStack
     from agl_trainer.run.traces import read_store
 

@@ -13,9 +13,9 @@ import pytest
 
 from agl_core import semconv
 from agl_core.importer import session_rollout_id
-from agl_core.spantree import LLM, kind_of, source_of
+from agl_core.pipeline.spantree import LLM, kind_of, source_of
+from agl_core.pipeline.transitions import COUNT_MISMATCH, NO_LLM_CALL, NO_REWARD, episode_rewards
 from agl_core.store import SqliteStore
-from agl_core.transitions import COUNT_MISMATCH, NO_LLM_CALL, NO_REWARD, episode_rewards
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "import_openinference" / "run.py"
 

@@ -277,7 +277,7 @@ def test_solve_searches_in_code_and_the_model_answers_from_the_passage(scripted)
     (tool,) = _by_op(spans, semconv.OP_EXECUTE_TOOL)
     assert tool.attributes[semconv.GEN_AI_TOOL_NAME] == "search"
     (chat,) = [s for s in spans if s.attributes.get(semconv.SOURCE) == semconv.SOURCE_GATEWAY]
-    from agl_core.transitions import spans_to_transitions
+    from agl_core.pipeline.transitions import spans_to_transitions
 
     result = spans_to_transitions(spans)
     assert result.problems == ()
@@ -293,7 +293,7 @@ def test_solve_agentic_lets_the_model_search_each_hop(scripted):
     tools = _by_op(spans, semconv.OP_EXECUTE_TOOL)
     assert [t.attributes[semconv.GEN_AI_TOOL_NAME] for t in tools] == ["search", "search"]
     assert all(t.attributes.get(semconv.GEN_AI_TOOL_CALL_ID) for t in tools)  # joined to the calls that asked
-    from agl_core.transitions import spans_to_transitions
+    from agl_core.pipeline.transitions import spans_to_transitions
 
     result = spans_to_transitions(spans)
     assert result.problems == ()
@@ -332,8 +332,8 @@ def test_train_rag_example_end_to_end_on_cpu(tmp_path):
     assert [r["step"] for r in train] == [1, 2]
     assert all(r["rollouts"] == 4 and r["transitions"] == 4 for r in train), train
 
+    from agl_core.pipeline.transitions import episode_rewards
     from agl_core.store import SqliteStore
-    from agl_core.transitions import episode_rewards
 
     store = SqliteStore(out / "store.sqlite")
     try:

@@ -283,7 +283,7 @@ def test_the_agent_reads_sql_out_of_replies_and_shows_the_schema(spider_cache, m
 def test_gold_traces_become_one_sft_example_per_training_question(spider_cache, monkeypatch, tmp_path):
     """gold_traces.py writes the writer's call answered with the gold SQL as OTLP JSON lines and imports
     them; the stored-traces SFT path reads one example per question, in the agent's own prompt."""
-    from agl_core.sft import spans_to_sft_examples
+    from agl_core.pipeline.sft import spans_to_sft_examples
     from agl_trainer.run.traces import read_store
 
     gold_traces = _import_with_data(spider_cache[0], monkeypatch, "gold_traces")

@@ -21,11 +21,11 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import agl_core
 from agl_core import LLM, rollout_scope, semconv
-from agl_core.credit import TOOL_ERROR, TOOL_SUCCESS, RewardWeights, assign_rewards, select_agents
+from agl_core.pipeline.credit import TOOL_ERROR, TOOL_SUCCESS, RewardWeights, assign_rewards, select_agents
+from agl_core.pipeline.spantree import TOOL, SpanTree, kind_of
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.runner import LLM_RESOURCE, Runner
-from agl_core.spantree import TOOL, SpanTree, kind_of
 from agl_core.testing import AglTestStack, tool_call
-from agl_core.transitions import spans_to_transitions
 
 from ._training import metrics_rows, train_cli
 

@@ -7,9 +7,9 @@ import pytest
 
 from agl_core import semconv
 from agl_core.gateway import rollout_base_url
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.testing import AglTestStack
 from agl_core.tracing import emit_reward, rollout_scope
-from agl_core.transitions import spans_to_transitions
 
 pytest.importorskip("langchain_openai")
 

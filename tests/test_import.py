@@ -33,12 +33,12 @@ from agl_core import semconv
 from agl_core.cli import main
 from agl_core.importer import _run, import_traces, session_rollout_id
 from agl_core.importer._files import MAX_RECORD_BYTES
+from agl_core.pipeline.transitions import COUNT_MISMATCH, NO_LLM_CALL
 from agl_core.records import RolloutStatus
 from agl_core.store import NotFoundError, SqliteStore, StoreError
 from agl_core.store.redact import parse_rules
 from agl_core.testing import Collector
 from agl_core.tracing import emit_reward, rollout_scope
-from agl_core.transitions import COUNT_MISMATCH, NO_LLM_CALL
 from tests._servers import wait_healthy
 
 

@@ -23,17 +23,24 @@ from hypothesis import strategies as st
 
 import agl_core
 from agl_core import emit_reward, rollout_scope, semconv
-from agl_core.credit import EXPLICIT, assign_rewards
+from agl_core.pipeline.credit import EXPLICIT, assign_rewards
+from agl_core.pipeline.rewards import (
+    Reward,
+    StoredReward,
+    format_time,
+    parse_time,
+    reward_span_id,
+    reward_trace_id,
+)
+from agl_core.pipeline.spantree import TOOL, is_gateway_llm, kind_of
+from agl_core.pipeline.transitions import episode_rewards, spans_to_transitions
 from agl_core.records import Span, Transition
-from agl_core.rewards import Reward, StoredReward, format_time, parse_time, reward_span_id, reward_trace_id
 from agl_core.runner import LLM_RESOURCE, Runner
 from agl_core.server import BackgroundServer
-from agl_core.spantree import TOOL, is_gateway_llm, kind_of
 from agl_core.store import AsyncStoreClient, NotFoundError, SqliteStore, StoreClient, StoreError
 from agl_core.store.redact import parse_rules
 from agl_core.store.server import create_store_app
 from agl_core.testing import AglTestStack, Collector, tool_call
-from agl_core.transitions import episode_rewards, spans_to_transitions
 from agl_trainer.learning.algo import compute_advantages
 
 from .conftest import make_span

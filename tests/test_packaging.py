@@ -4,8 +4,9 @@ import sys
 
 def test_import_agl_core_stays_light():
     code = (
-        "import sys, agl_core, agl_core.store, agl_core.gateway, agl_core.transitions, agl_core.credit, "
-        "agl_core.runner, agl_core.spantree, agl_langchain, agl_openai_agents, agl_autogen, agl_trainer\n"
+        "import sys, agl_core, agl_core.store, agl_core.gateway, agl_core.pipeline.transitions\n"
+        "import agl_core.pipeline.credit, agl_core.runner, agl_core.pipeline.spantree\n"
+        "import agl_langchain, agl_openai_agents, agl_autogen, agl_trainer\n"
         "heavy = [m for m in ('torch', 'transformers', 'peft', 'langchain_openai', 'agents', 'autogen_core',"
         " 'autogen_agentchat', 'langgraph') if m in sys.modules]\n"
         "print(heavy)"

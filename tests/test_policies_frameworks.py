@@ -132,7 +132,7 @@ def framework(request: pytest.FixtureRequest) -> Iterator[str]:
         if adapter is not None:
             adapter.uninstrument()
         else:
-            from agl_core import agent_header
+            from agl_core.capture import agent_header
 
             agent_header.uninstall_httpx_hook("langchain")  # installed by the handler's first call
 

@@ -12,13 +12,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from agl_core import RolloutTimeout, semconv
+from agl_core.pipeline.transitions import episode_rewards
 from agl_core.records import RolloutStatus
 from agl_core.runner import LLM_RESOURCE, Runner, load_agent, resolve_mode, run_command
 from agl_core.server import BackgroundServer
 from agl_core.store import StoreClient
 from agl_core.store.server import create_store_app
 from agl_core.tracing import current_rollout, make_otlp_exporter
-from agl_core.transitions import episode_rewards
 from tests import _runner_agents
 
 

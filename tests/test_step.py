@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from agl_core import semconv
+from agl_core.pipeline.transitions import NO_LLM_CALL
 from agl_core.records import RolloutStatus, Task
 from agl_core.server import BackgroundServer
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.server import create_store_app
-from agl_core.transitions import NO_LLM_CALL
 from agl_trainer.config import TrainerConfig
 from agl_trainer.learning.algo import Advantaged
 from agl_trainer.reporting.display import step_lines

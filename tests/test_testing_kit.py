@@ -12,6 +12,7 @@ import pytest
 from opentelemetry import propagate, trace
 
 from agl_core import semconv
+from agl_core.pipeline.transitions import spans_to_transitions
 from agl_core.testing import (
     AglTestStack,
     ByteTokenizer,
@@ -21,7 +22,6 @@ from agl_core.testing import (
     tool_call,
 )
 from agl_core.tracing import emit_reward, rollout_scope
-from agl_core.transitions import spans_to_transitions
 
 
 def ask_weather(client: openai.OpenAI, tracer: trace.Tracer) -> str:

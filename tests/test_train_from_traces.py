@@ -17,11 +17,11 @@ import yaml
 
 from agl_core import semconv
 from agl_core.importer import import_traces
+from agl_core.pipeline.sft import spans_to_sft_examples
+from agl_core.pipeline.transitions import NO_LLM_CALL
 from agl_core.records import Span
-from agl_core.sft import spans_to_sft_examples
 from agl_core.testing import AglTestStack, ScriptedBackend
 from agl_core.tracing import emit_reward, rollout_scope
-from agl_core.transitions import NO_LLM_CALL
 from agl_trainer.api import Trainer
 from agl_trainer.config import ConfigError, config_from_dict
 from agl_trainer.run.traces import (

@@ -1,6 +1,6 @@
 from agl_core import semconv
-from agl_core.credit import assign_credit, select_agents
-from agl_core.transitions import (
+from agl_core.pipeline.credit import assign_credit, select_agents
+from agl_core.pipeline.transitions import (
     COUNT_MISMATCH,
     FILTERED_AGENT,
     NO_LLM_CALL,

@@ -52,10 +52,10 @@ class StepAudit:
 def audit(config_path: str | Path, overrides: tuple[str, ...] = ()) -> list[StepAudit]:
     """One :class:`StepAudit` per training step of the run that ``config_path`` (with ``overrides``)
     describes."""
-    from agl_core.credit import assign_rewards
+    from agl_core.pipeline.credit import assign_rewards
+    from agl_core.pipeline.transitions import spans_to_transitions
     from agl_core.records import RolloutStatus
     from agl_core.store import SqliteStore
-    from agl_core.transitions import spans_to_transitions
     from agl_trainer.config import load_config
     from agl_trainer.learning.algo import compute_advantages
 

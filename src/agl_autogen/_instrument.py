@@ -13,10 +13,11 @@ of the Anthropic one).
 
 The model clients do not expose the completion id, and AgentChat has no per-call option to add a header
 to their requests, so their LLM spans are joined to gateway spans by order within the rollout, checked
-against the token counts the client reports (see :mod:`agl_core.transitions`).
+against the token counts the client reports (see :mod:`agl_core.pipeline.transitions`).
 
 Each model-client call runs with the agent whose turn it is (the team's, for a selector's own calls) as
-the calling agent of :mod:`agl_core.agent_header`: the client's HTTP requests to an agl gateway carry it in
+the calling agent of :mod:`agl_core.capture.agent_header`: the client's HTTP requests to an agl gateway carry
+it in
 ``x-agl-agent-name``. The client sends them from this task (or from tasks it starts here, which copy its
 context), so the name is in effect where each request is sent.
 """
@@ -37,7 +38,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from agl_core import agent_header, semconv
+from agl_core import semconv
+from agl_core.capture import agent_header
 from agl_core.instrumentation import HookErrors, Instrumentor, Patches, adapter_tracer, start_span
 from agl_core.tracing import context_rollout_attributes, mark_span_error
 
@@ -306,7 +308,7 @@ def _helper_call_sites(helper: Any) -> list[tuple[Any, str]]:
     return sites
 
 
-#: Who holds :mod:`agl_core.agent_header`'s httpx hook while AutoGen is instrumented.
+#: Who holds :mod:`agl_core.capture.agent_header`'s httpx hook while AutoGen is instrumented.
 _HOOK_USER = "autogen"
 
 #: The model clients whose ``create`` / ``create_stream`` are traced: ``(module, class)``, each where its
@@ -390,7 +392,7 @@ def instrument(*, tracer_provider: trace.TracerProvider | None = None, capture_c
     ``capture_content=True``, the messages. Calling it again while instrumented changes nothing.
 
     The model clients' requests to an agl gateway (the runner's, or one in ``AGL_GATEWAY_URLS``) carry
-    the name of the agent whose turn it is in ``x-agl-agent-name`` (see :mod:`agl_core.agent_header`).
+    the name of the agent whose turn it is in ``x-agl-agent-name`` (see :mod:`agl_core.capture.agent_header`).
     """
     _instrumentor.instrument(lambda: _install(tracer_provider, capture_content))
 

@@ -3,7 +3,7 @@
 ``import agl_core`` stays light: it never imports torch or an agent framework.
 """
 
-from ._user_spans import Tool, ToolCall, agent_span, current_tool_call, tool, tool_call
+from .capture.user_spans import Tool, ToolCall, agent_span, current_tool_call, tool, tool_call
 from .records import Attempt, Resource, Rollout, RolloutStatus, Span, Task, Transition
 from .rollout_ids import session_rollout_id, trace_rollout_id
 from .runner import LLM, RolloutTimeout

@@ -357,7 +357,7 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reward(args: argparse.Namespace) -> int:
-    from .rewards import Reward, format_time, new_reward_id, parse_time
+    from .pipeline.rewards import Reward, format_time, new_reward_id, parse_time
     from .rewards_file import add_reward_file, open_reward_store
     from .store import StoreError
 
@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_import(args)
     if args.command == "inspect":
-        from .report import format_rollout
+        from .pipeline.report import format_rollout
         from .store import StoreError
 
         try:

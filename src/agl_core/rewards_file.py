@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._bounded import bounded_lines
-from .rewards import Reward, parse_time
+from .pipeline.rewards import Reward, parse_time
 
 __all__ = ["add_reward_file", "open_reward_store", "read_reward_lines"]
 

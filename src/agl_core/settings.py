@@ -13,7 +13,7 @@ Precedence everywhere: an explicit argument, then the environment, then the defa
 ``AGL_CACHE_DIR``           Where converted models are cached (default ``~/.cache/agl``).
 ``AGL_GATEWAY_URLS``        Comma-separated base URLs of agl gateways (``agl gateway serve``) that framework
                             adapters may send the calling agent's name to (``x-agl-agent-name``), besides
-                            the gateway of the runner's rollouts (see :mod:`agl_core.agent_header`).
+                            the gateway of the runner's rollouts (see :mod:`agl_core.capture.agent_header`).
 ``OTEL_EXPORTER_OTLP_*``    Standard OTLP exporter settings; when set they win over ``AGL_STORE_URL`` for
                             where spans are sent.
 =========================== ==========================================================================

@@ -25,8 +25,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Status, StatusCode
 
 from . import semconv, settings
-from ._lean_spans import NO_PROVIDER_HOOKS, LeanSpan
-from .rewards import Reward, RewardSink, StoredReward, make_reward
+from .capture.lean_spans import NO_PROVIDER_HOOKS, LeanSpan
+from .pipeline.rewards import Reward, RewardSink, StoredReward, make_reward
 
 __all__ = [
     "RolloutContext",
@@ -103,7 +103,7 @@ class RolloutSpanProcessor(SpanProcessor):
     your own tracer provider when you export spans some other way.
     """
 
-    #: Tells adapters' lean spans (agl_core._lean_spans) what on_start and on_end below do.
+    #: Tells adapters' lean spans (agl_core.capture.lean_spans) what on_start and on_end below do.
     lean_spans_rollout_hook = True
 
     def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
@@ -223,7 +223,7 @@ def emit_reward(
 
     The last ``episode`` reward of a rollout (by time) is its episode reward. A reward with any other
     ``name`` (``emit_reward(0.3, name="step")``) is an intermediate reward of one LLM call, added to that
-    call's reward after credit assignment (:mod:`agl_core.credit`; trainer config
+    call's reward after credit assignment (:mod:`agl_core.pipeline.credit`; trainer config
     ``algorithm.rewards.explicit``). The call is the one the reward was emitted during, else, of the calls
     that ended before it, the one that ended last within the nearest enclosing step (agent turn, graph
     node, tool) that ran any of them, else the last one of the rollout; a reward emitted before any call
@@ -232,7 +232,7 @@ def emit_reward(
 
     With a target (``rollout_id``, ``trace_id``, or ``span_id`` with the span's ``trace_id`` or
     ``rollout_id``), the reward is sent to the store instead, at any time and from any process
-    (:mod:`agl_core.rewards`): ``store`` is a store URL (default ``AGL_STORE_URL``, with ``token`` or
+    (:mod:`agl_core.pipeline.rewards`): ``store`` is a store URL (default ``AGL_STORE_URL``, with ``token`` or
     ``AGL_STORE_TOKEN``), a ``StoreClient`` or a store backend. ``reward_id`` makes retrying safe (the
     same reward under the same id is stored once; default: a new id), ``source`` says who gave it and
     ``time`` when (an aware ``datetime`` or Unix seconds; default: when stored). Returns what was stored.
@@ -309,7 +309,7 @@ def make_otlp_exporter(
 
     ``endpoint`` is a store base URL or a full ``.../v1/traces`` URL. Without one, the standard
     ``OTEL_EXPORTER_OTLP_*`` variables decide when set (the OpenTelemetry SDK's exporter then sends), and
-    ``AGL_STORE_URL`` otherwise. agl's exporter (:class:`~agl_core.spool.SpoolingSpanExporter`) keeps
+    ``AGL_STORE_URL`` otherwise. agl's exporter (:class:`~agl_core.capture.spool.SpoolingSpanExporter`) keeps
     spans the store has not acknowledged in a bounded spool and retries them, in memory or, with
     ``spool_dir``, on disk; ``max_spool_bytes`` bounds it (default 256 MiB).
     """
@@ -324,7 +324,7 @@ def make_otlp_exporter(
         return OTLPSpanExporter(headers=headers, timeout=timeout_s)  # it reads OTEL_EXPORTER_OTLP_* itself
     else:
         url = settings.store_url() + "/v1/traces"
-    from .spool import DEFAULT_MAX_SPOOL_BYTES, SpoolingSpanExporter
+    from .capture.spool import DEFAULT_MAX_SPOOL_BYTES, SpoolingSpanExporter
 
     return SpoolingSpanExporter(
         url,

@@ -14,7 +14,8 @@ from langchain_core.callbacks import BaseCallbackHandler
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from agl_core import agent_header, semconv
+from agl_core import semconv
+from agl_core.capture import agent_header
 from agl_core.instrumentation import (
     HookErrors,
     Instrumentor,
@@ -23,7 +24,7 @@ from agl_core.instrumentation import (
     mark_span_failed,
     start_span,
 )
-from agl_core.spantree import langgraph_role
+from agl_core.pipeline.spantree import langgraph_role
 from agl_core.tracing import mark_span_error, rollout_identity
 
 from . import _convert
@@ -47,11 +48,13 @@ class _Run(OpenSpan):
 #: adds) is recorded once, and each finds the other's runs as parents.
 _RUNS: dict[int, _Run] = {}
 
-#: The calling agent each open LLM run set (:mod:`agl_core.agent_header`), by run id (number): put back
+#: The calling agent each open LLM run set (:mod:`agl_core.capture.agent_header`), by run id (number): put
+#: back
 #: when the run ends. Only the handler recording a run sets it, so each is put back once.
 _AGENT_TOKENS: dict[int, Token[str | None]] = {}
 
-#: Who holds :mod:`agl_core.agent_header`'s httpx hook: :func:`instrument`, or a handler in ``callbacks``.
+#: Who holds :mod:`agl_core.capture.agent_header`'s httpx hook: :func:`instrument`, or a handler in
+#: ``callbacks``.
 _HOOK_USER = "langchain"
 
 
@@ -70,7 +73,7 @@ class AglCallbackHandler(BaseCallbackHandler):
     The nodes of a subgraph run by a node belong to that node's agent.
 
     The model's requests to an agl gateway (the runner's, or one in ``AGL_GATEWAY_URLS``) carry the
-    agent's name in ``x-agl-agent-name`` (:mod:`agl_core.agent_header`): ``on_chat_model_start`` /
+    agent's name in ``x-agl-agent-name`` (:mod:`agl_core.capture.agent_header`): ``on_chat_model_start`` /
     ``on_llm_start`` make it the calling agent, ``on_llm_end`` / ``on_llm_error`` put the previous one
     back. That reaches the request because the handler runs inline (below): LangChain calls it in the
     thread or task that then runs the model, before the model starts the request.

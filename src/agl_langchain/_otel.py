@@ -1,10 +1,10 @@
 """``LangChainInstrumentor``: this adapter as an OpenTelemetry instrumentor, found by
 ``opentelemetry-instrument`` through its ``opentelemetry_instrumentor`` entry point
-(:mod:`agl_core.otel_instrumentor`)."""
+(:mod:`agl_core.capture.otel_instrumentor`)."""
 
 from __future__ import annotations
 
-from agl_core.otel_instrumentor import AdapterInstrumentor
+from agl_core.capture.otel_instrumentor import AdapterInstrumentor
 
 __all__ = ["LangChainInstrumentor"]
 

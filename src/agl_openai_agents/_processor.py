@@ -12,7 +12,8 @@ from agents.tracing import TracingProcessor
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, get_current_span
 
-from agl_core import agent_header, semconv
+from agl_core import semconv
+from agl_core.capture import agent_header
 from agl_core.instrumentation import (
     HookErrors,
     Instrumentor,
@@ -84,7 +85,7 @@ class AglTracingProcessor(TracingProcessor):
     the agent name.
 
     The model's requests to an agl gateway (the runner's, or one in ``AGL_GATEWAY_URLS``) carry the
-    calling agent's name in ``x-agl-agent-name`` (:mod:`agl_core.agent_header`): the SDK starts a
+    calling agent's name in ``x-agl-agent-name`` (:mod:`agl_core.capture.agent_header`): the SDK starts a
     generation / response span in the task that then sends the model request, inside the span's ``with``
     block, so the name set when the span starts is in effect for that request, and is put back when the
     span ends. With the SDK's tracing disabled (``set_tracing_disabled(True)``, ``RunConfig(
@@ -226,7 +227,7 @@ class AglTracingProcessor(TracingProcessor):
 
 
 # --- instrument / uninstrument -----------------------------------------------------------------------
-#: Who holds :mod:`agl_core.agent_header`'s httpx hook while the SDK is instrumented.
+#: Who holds :mod:`agl_core.capture.agent_header`'s httpx hook while the SDK is instrumented.
 _HOOK_USER = "openai_agents"
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 import yaml
 
-from agl_core.credit import RewardWeights
+from agl_core.pipeline.credit import RewardWeights
 from agl_core.policies import BASE, PolicyRouter, check_policy_name
 
 __all__ = [
@@ -224,7 +224,7 @@ class AlgorithmConfig(_Strict):
         return self
 
     def reward_weights(self) -> RewardWeights:
-        """The ``rewards`` section as :class:`agl_core.credit.RewardWeights`."""
+        """The ``rewards`` section as :class:`agl_core.pipeline.credit.RewardWeights`."""
         r = self.rewards
         return RewardWeights(r.explicit, r.tool_error, r.malformed_tool_call, r.timeout, r.tool_success)
 

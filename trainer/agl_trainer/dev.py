@@ -134,7 +134,7 @@ def _describe(
     config: TrainerConfig,
 ) -> DevRollout:
     """What training would make of ``rollout``: counts from ``batch`` and the reasons behind them."""
-    from agl_core.report import count_llm_calls
+    from agl_core.pipeline.report import count_llm_calls
 
     rid = rollout.rollout_id
     last = rollout.attempts[-1] if rollout.attempts else None

@@ -11,13 +11,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import semconv
-from ..credit import assign_rewards
+from ..pipeline.credit import assign_rewards
+from ..pipeline.report import span_outcomes
+from ..pipeline.spantree import GATEWAY, SpanTree, kind_of, tool_name
+from ..pipeline.transitions import explain_untrained, spans_to_transitions
 from ..plugins import RolloutExplainer, load_rollout_explainer
 from ..records import Rollout, RolloutStatus, Span, Transition
-from ..report import span_outcomes
-from ..spantree import GATEWAY, SpanTree, kind_of, tool_name
 from ..store.base import RolloutFilter, Store
-from ..transitions import explain_untrained, spans_to_transitions
 
 __all__ = ["CoreExplainer", "installed_explainer", "rollout_detail", "rollout_row"]
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from ..agent_header import register_gateway
+from ..capture.agent_header import register_gateway
 from ..gateway.urls import rollout_base_url
 from ..records import Attempt, Resource, Rollout, RolloutStatus
 from ..store.base import StoreError, StoreUnavailableError

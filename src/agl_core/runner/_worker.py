@@ -11,7 +11,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from ..agent_header import register_gateway
+from ..capture.agent_header import register_gateway
 from ..tracing import join_rollout, setup_tracing
 from ._outcome import call_agent, interpret
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import semconv
+from ..pipeline.rewards import Reward, StoredReward, reward_span, reward_trace_id
 from ..records import Span
-from ..rewards import Reward, StoredReward, reward_span, reward_trace_id
 from .base import NotFoundError, StoreError
 from .otlp import row_to_span
 
@@ -68,7 +68,7 @@ def _conflict(reward: Reward, stored: StoredReward) -> RewardConflictError:
 
 
 class RewardPlacer:
-    """Where each reward of one request goes; see :mod:`agl_core.rewards` for the rules."""
+    """Where each reward of one request goes; see :mod:`agl_core.pipeline.rewards` for the rules."""
 
     def __init__(self, read: Read, now_ns: int) -> None:
         self._read = read

@@ -18,9 +18,9 @@ from typing import Any, Generic, Protocol, TypeVar
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from .. import semconv
+from ..pipeline.rewards import EPISODE, Reward, StoredReward
+from ..pipeline.transitions import episode_rewards
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
-from ..rewards import EPISODE, Reward, StoredReward
-from ..transitions import episode_rewards
 from ._loose import SOURCE as LOOSE_SOURCE
 from ._loose import LooseSpans, rollout_for_trace
 from ._rewards import LEDGER_COLUMNS, RewardPlacer, ledger_row
@@ -812,7 +812,8 @@ class SqlStore(Generic[_C]):
 
     # --- late rewards --------------------------------------------------------------------------------
     def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
-        """Attach rewards to rollouts, traces or spans after the fact (:mod:`agl_core.rewards`), in one
+        """Attach rewards to rollouts, traces or spans after the fact (:mod:`agl_core.pipeline.rewards`), in
+        one
         transaction: all are stored, or none. A reward id stored before with the same reward is answered
         as stored (``created=False``); with a different one, :class:`StoreError` (409) names the id. An
         unknown target raises :class:`NotFoundError`. A rollout's recorded reward becomes its latest

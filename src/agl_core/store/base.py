@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from ..pipeline.rewards import Reward, StoredReward
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
-from ..rewards import Reward, StoredReward
 
 __all__ = [
     "NotFoundError",
@@ -171,7 +171,8 @@ class Store(Protocol):
 
     def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
         """Attach rewards to rollouts, traces or spans after the fact, as ``agl.reward`` spans
-        (:mod:`agl_core.rewards`); all or none. Idempotent by reward id: the same reward again changes
+        (:mod:`agl_core.pipeline.rewards`); all or none. Idempotent by reward id: the same reward again
+        changes
         nothing (``created=False``), a different one under a stored id raises :class:`StoreError`; an
         unknown rollout, trace or span raises :class:`NotFoundError`."""
 

@@ -14,8 +14,8 @@ from typing import Any, Generic, TypeVar, cast
 import httpx
 
 from .. import settings
+from ..pipeline.rewards import EPISODE, Reward, StoredReward, make_reward
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
-from ..rewards import EPISODE, Reward, StoredReward, make_reward
 from . import wire
 from .base import NotFoundError, RolloutFilter, RolloutPage, RolloutRequest, StoreError, StoreUnavailableError
 
@@ -319,7 +319,8 @@ class StoreClient:
         reward_id: str | None = None,
         time: datetime | float | None = None,
     ) -> StoredReward:
-        """Attach one reward to a rollout, trace or span (:func:`agl_core.rewards.make_reward`). Pass a
+        """Attach one reward to a rollout, trace or span (:func:`agl_core.pipeline.rewards.make_reward`).
+        Pass a
         ``reward_id`` to make retrying safe: the same reward under the same id is stored once."""
         reward = make_reward(
             value,

@@ -64,8 +64,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import semconv
+from ..pipeline.rewards import EPISODE, MAX_REWARD_ID, MAX_ROLLOUT_ID, MAX_SOURCE, Reward
 from ..records import RolloutStatus
-from ..rewards import EPISODE, MAX_REWARD_ID, MAX_ROLLOUT_ID, MAX_SOURCE, Reward
 from . import wire
 from .base import MAX_PAGE, NotFoundError, RolloutFilter, Store, StoreError, StoreUnavailableError
 from .ingest import IngestPipeline, Overloaded
@@ -191,7 +191,7 @@ class _ResourceIn(_Strict):
 
 
 class _RewardIn(_Strict):
-    """Types and sizes only; :class:`~agl_core.rewards.Reward` checks the rest, naming the field."""
+    """Types and sizes only; :class:`~agl_core.pipeline.rewards.Reward` checks the rest, naming the field."""
 
     reward_id: str = pydantic.Field(max_length=MAX_REWARD_ID)
     value: Any

@@ -47,7 +47,7 @@ def group_advantages(
     """GRPO-style advantages: ``(r_t - mean_g) / std_g`` for each call ``t`` of a rollout in group ``g``.
 
     The group's mean and (population) standard deviation are taken over its rollouts' scores: ``scores``
-    where given (``agl_core.credit.CreditResult.scores``, which count intermediate rewards), else the
+    where given (``agl_core.pipeline.credit.CreditResult.scores``, which count intermediate rewards), else the
     reward of the rollout's last call (the episode reward under the episode / last / discounted
     strategies). ``group_of`` maps rollout id to group id; rollouts missing from it form a group of their own.
     """

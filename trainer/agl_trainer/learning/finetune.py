@@ -14,8 +14,8 @@ import torch
 
 from agl_core.gateway.render import TemplateRenderer
 from agl_core.gateway.tools import prepare_messages
+from agl_core.pipeline.sft import SftExample
 from agl_core.records import Transition
-from agl_core.sft import SftExample
 
 from .algo import Advantaged
 from .update import UpdateStats, _micro_batches, apply_gradients, response_logprobs

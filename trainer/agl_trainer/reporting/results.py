@@ -49,7 +49,7 @@ class StepMetrics:
     problems: dict[str, int]
     #: Rollouts that finished but gave no trained transition, counted by reason.
     untrained: dict[str, int]
-    #: Intermediate rewards applied, by kind (``agl_core.credit.REWARD_KINDS``).
+    #: Intermediate rewards applied, by kind (``agl_core.pipeline.credit.REWARD_KINDS``).
     reward_events: dict[str, int]
     #: Per agent name (:data:`UNNAMED_AGENT` for calls no agent claimed): its LLM calls in the step's rollouts
     #: and how many went into the update, ``{"writer": {"calls": 12, "trained": 8}}``.

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agl_core.pipeline.sft import SftResult
 from agl_core.records import Task, Transition
-from agl_core.sft import SftResult
 
 from ..config import TracesConfig, TrainerConfig
 from ..learning.checkpoint import load_checkpoint, save_checkpoint

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from agl_core.pipeline.transitions import episode_rewards
 from agl_core.records import Rollout, RolloutStatus, Span, Task
-from agl_core.transitions import episode_rewards
 
 from ..reporting.results import EvalResult, mean_se
 

@@ -15,10 +15,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from agl_core.credit import CreditResult, assign_rewards
+from agl_core.pipeline.credit import CreditResult, assign_rewards
+from agl_core.pipeline.transitions import TransitionResult, explain_untrained, spans_to_transitions
 from agl_core.policies import BASE, policy_mismatch, trained_policy
 from agl_core.records import Rollout, RolloutStatus, Span, Task, Transition
-from agl_core.transitions import TransitionResult, explain_untrained, spans_to_transitions
 
 from ..config import TrainerConfig
 from ..learning.algo import Advantaged, GroupReport, compute_advantages

@@ -3,7 +3,8 @@ preparation of what each algorithm trains on (no torch).
 
 A rollout is a set of spans, however it arrived (the trainer's runner, ``agl import``, a production
 gateway): its time is the start of its earliest span, its reward the episode reward among its spans
-(:func:`agl_core.transitions.episode_rewards`), its source the ``source`` in its record's metadata, its
+(:func:`agl_core.pipeline.transitions.episode_rewards`), its source the ``source`` in its record's metadata,
+its
 task the record's task id (else ``agl.task.id`` on its spans, else its rollout id). Rollouts of the
 store's queue that did not succeed are not selected; only the spans of a retried rollout's last attempt
 are.
@@ -20,12 +21,17 @@ from datetime import datetime, timezone
 from typing import Any
 
 from agl_core import semconv, settings
-from agl_core.credit import CreditResult, assign_rewards
+from agl_core.pipeline.credit import CreditResult, assign_rewards
+from agl_core.pipeline.sft import SftResult, spans_to_sft_examples
+from agl_core.pipeline.spantree import GATEWAY, LLM, SpanTree, kind_of
+from agl_core.pipeline.transitions import (
+    TransitionResult,
+    episode_rewards,
+    explain_untrained,
+    spans_to_transitions,
+)
 from agl_core.records import Rollout, RolloutStatus, Span, Transition
-from agl_core.sft import SftResult, spans_to_sft_examples
-from agl_core.spantree import GATEWAY, LLM, SpanTree, kind_of
 from agl_core.store import NotFoundError, StoreClient, open_store
-from agl_core.transitions import TransitionResult, episode_rewards, explain_untrained, spans_to_transitions
 
 from ..config import TracesConfig, TrainerConfig
 from ..learning.algo import Advantaged, GroupReport, compute_advantages
@@ -218,7 +224,7 @@ def select(
 
 # --- what each algorithm trains on ----------------------------------------------------------------------
 def prepare_sft(config: TrainerConfig, selection: Selection) -> SftResult:
-    """The selection's fine-tuning examples (:func:`agl_core.sft.spans_to_sft_examples`)."""
+    """The selection's fine-tuning examples (:func:`agl_core.pipeline.sft.spans_to_sft_examples`)."""
     agents = (config.traces.filter.agents if config.traces else []) or config.algorithm.agents
     return spans_to_sft_examples(selection.spans, agents=agents)
 
@@ -243,7 +249,8 @@ def prepare_rl(config: TrainerConfig, selection: Selection) -> RlData:
     A rollout trains only when every call it made has the gateway's token ids *and* logprobs: one with a
     call recorded without logprobs is refused whole (:data:`NO_LOGPROBS`), so credit rules such as
     ``last`` see the same calls the agent made; rollouts without any transition are refused with the
-    reason :func:`~agl_core.transitions.explain_untrained` gives (no reward, no gateway token ids, ...).
+    reason :func:`~agl_core.pipeline.transitions.explain_untrained` gives (no reward, no gateway token ids,
+    ...).
     Calls without token ids are never re-tokenised here. Groups are the rollouts of one task id; a group
     of one rollout, or of tied scores, carries no signal and is skipped (``GroupReport``).
     """

@@ -19,8 +19,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from . import semconv
-from .records import Span
+from .. import semconv
+from ..records import Span
 
 __all__ = [
     "AGENT",

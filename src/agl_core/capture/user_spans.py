@@ -5,7 +5,7 @@ record, written by the agent's own code.
   ``execute_tool`` span: ``gen_ai.tool.name``, ``gen_ai.tool.call.id`` (the id of the model's tool call,
   which is how credit finds the LLM call that requested it), ``agl.source = "user"``, the rollout's
   identity, and ERROR status with ``error.type`` when it failed. These are the spans the ``tool_error`` /
-  ``tool_success`` rewards count (:mod:`agl_core.credit`).
+  ``tool_success`` rewards count (:mod:`agl_core.pipeline.credit`).
 * :func:`agent_span` records an agent's turn as an ``invoke_agent`` span naming the agent; spans started
   inside it (tool calls, rewards) belong to that agent.
 
@@ -30,9 +30,9 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from . import semconv
-from .instrumentation import HookErrors, mark_span_failed, span_attributes
-from .tracing import context_rollout_attributes, get_tracer, mark_span_error
+from .. import semconv
+from ..instrumentation import HookErrors, mark_span_failed, span_attributes
+from ..tracing import context_rollout_attributes, get_tracer, mark_span_error
 
 __all__ = ["Tool", "ToolCall", "agent_span", "current_tool_call", "tool", "tool_call"]
 

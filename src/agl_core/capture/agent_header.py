@@ -22,7 +22,8 @@ Three pieces, used by ``agl_langchain``, ``agl_openai_agents`` and ``agl_autogen
   gateway reads them as Latin-1). A name the gateway cannot take is not sent; name such an agent with
   ``llm.for_agent(name)``, whose URL percent-encodes it.
 
-``import agl_core.agent_header`` does not import httpx; installing the hook does. The hook sees the request
+``import agl_core.capture.agent_header`` does not import httpx; installing the hook does. The hook sees the
+request
 ``send`` is given; a redirect the gateway answered with would carry the header on (agl's gateway never
 redirects).
 """
@@ -41,8 +42,8 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 from typing import Any, Protocol
 
-from . import semconv, settings
-from .instrumentation import HookErrors, Instrumentor, Patches
+from .. import semconv, settings
+from ..instrumentation import HookErrors, Instrumentor, Patches
 
 __all__ = [
     "HEADER",
@@ -208,7 +209,7 @@ def is_gateway_url(url: str | _URL) -> bool:
 def _sendable(name: str) -> bool:
     """Whether the gateway takes ``name`` in the header: a valid agent name, in ASCII."""
     # here, not at import: process-mode workers import this module and start without the gateway package
-    from .gateway.urls import check_agent_name
+    from ..gateway.urls import check_agent_name
 
     try:
         check_agent_name(name)

@@ -31,7 +31,7 @@ Which call a span is attached to (:func:`reward_events`):
   graph node, under which any such call ran); else the last call of the rollout that ended before it;
   else (the span came before any call ended) the rollout's first call. A reward span is placed in time no
   later than the end of its parent span: a reward attached to a span after the fact
-  (:mod:`agl_core.rewards`) counts as given when that span ended;
+  (:mod:`agl_core.pipeline.rewards`) counts as given when that span ended;
 * a timeout goes to the last call of the attempt it was recorded in (the last call of the rollout when
   that attempt made none).
 
@@ -49,8 +49,8 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import semconv
-from .records import Span, Transition
+from .. import semconv
+from ..records import Span, Transition
 from .spantree import TOOL, SpanTree, is_timeout_error, kind_of, source_of, tool_name
 from .transitions import TransitionResult
 
@@ -93,7 +93,8 @@ def assign_credit(
 ) -> list[Transition]:
     """Rewrite each transition's ``reward`` from its episode reward according to ``strategy``.
 
-    Expects transitions as made by :func:`~agl_core.transitions.spans_to_transitions` (``reward`` holds
+    Expects transitions as made by :func:`~agl_core.pipeline.transitions.spans_to_transitions` (``reward``
+    holds
     the episode reward, ``call_index`` counts calls within the rollout). ``last`` and ``discounted``
     count from the last of the given transitions of each rollout.
     """
@@ -310,7 +311,8 @@ def _explicit_value(span: Span) -> float | None:
 def reward_events(spans: Iterable[Span], result: TransitionResult) -> list[RewardEvent]:
     """Every intermediate reward in ``spans``, attached to one of ``result``'s transitions.
 
-    ``result`` is what :func:`~agl_core.transitions.spans_to_transitions` made of the same spans; rollouts
+    ``result`` is what :func:`~agl_core.pipeline.transitions.spans_to_transitions` made of the same spans;
+    rollouts
     without transitions have no events. Events come per rollout, in span order; weights are not applied.
     """
     by_rollout: dict[str, list[Span]] = defaultdict(list)

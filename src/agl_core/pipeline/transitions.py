@@ -26,8 +26,8 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import semconv
-from .records import Span, Transition
+from .. import semconv
+from ..records import Span, Transition
 from .spantree import LLM, SpanTree, is_gateway_llm, is_timeout_error, kind_of, source_of, usage
 
 __all__ = ["Problem", "TransitionResult", "episode_rewards", "explain_untrained", "spans_to_transitions"]
@@ -135,10 +135,11 @@ def spans_to_transitions(spans: Iterable[Span], *, timeout_reward: float | None 
 
     Transitions of a rollout are ordered by the start time of their LLM call; ``call_index`` counts from
     0 within the rollout. Credit assignment other than "episode reward to every call" is applied
-    afterwards (:mod:`agl_core.credit`).
+    afterwards (:mod:`agl_core.pipeline.credit`).
 
     A rollout without an episode reward yields no transitions (:data:`NO_REWARD`), except that one which
-    timed out (it holds a timeout ``agl.error`` span, :func:`~agl_core.spantree.is_timeout_error`) gets
+    timed out (it holds a timeout ``agl.error`` span, :func:`~agl_core.pipeline.spantree.is_timeout_error`)
+    gets
     ``timeout_reward`` as its episode reward when that is given; such rollouts are listed in
     ``timeout_rewarded``.
     """

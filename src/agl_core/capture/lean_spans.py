@@ -51,7 +51,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.util import types
 from opentelemetry.util._decorator import _agnosticcontextmanager
 
-from .semconv import ROLLOUT_ID as _ROLLOUT_ID
+from ..semconv import ROLLOUT_ID as _ROLLOUT_ID
 
 __all__ = ["LeanSpan", "LeanTracer", "lean_tracer"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import semconv
-from .records import Rollout, Span, Transition
+from .. import semconv
+from ..records import Rollout, Span, Transition
 from .spantree import AGENT, GATEWAY, LLM, TOOL, SpanTree, kind_of, own_agent_name, source_of, tool_name
 from .transitions import TransitionResult, spans_to_transitions
 

@@ -8,7 +8,7 @@ trainer renders them with the policy's chat template and counts the example as r
 Which record of a call is used, per rollout:
 
 1. Every successful gateway call with token ids from a trainable backend is an *exact* example (the
-   transition :func:`~agl_core.transitions.spans_to_transitions` makes of it).
+   transition :func:`~agl_core.pipeline.transitions.spans_to_transitions` makes of it).
 2. A gateway call without usable token ids (an API model behind the gateway, a production gateway that
    records messages only) is an example from the messages the gateway recorded.
 3. When a rollout has no gateway call at all (an imported trace of an API model), its framework LLM spans
@@ -33,8 +33,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import semconv
-from .records import Span, Transition
+from .. import semconv
+from ..records import Span, Transition
 from .spantree import GATEWAY, LLM, SpanTree, is_gateway_llm, kind_of, source_of
 from .transitions import (
     CALL_FAILED,
