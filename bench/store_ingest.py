@@ -578,7 +578,7 @@ def breakdown(args: argparse.Namespace) -> int:
     import sqlite3
 
     from agl_core.store._sql import schema
-    from agl_core.store.otlp import decode_protobuf, extract_rows
+    from agl_core.store.formats.otlp import decode_protobuf, extract_rows
     from agl_core.store.redact import parse_rules
     from agl_core.store.sqlite import PAGE_SIZE, SqliteStore
 

@@ -1,4 +1,5 @@
-"""The Anthropic Messages API of the gateway (``agl_core.gateway.anthropic``): the real ``anthropic`` SDK,
+"""The Anthropic Messages API of the gateway (``agl_core.gateway.protocols.anthropic``): the real
+``anthropic`` SDK,
 sync and async, streamed and not, against the real gateway in front of a scripted policy; the exact token
 ids, logprobs and policy version on each call's span; Anthropic-shaped errors for every malformed request."""
 
@@ -18,7 +19,7 @@ import pytest
 from agl_core import LLM, semconv
 from agl_core.gateway import BackendError, ChatRequest, ChoiceDelta, Completion, Event
 from agl_core.gateway._schema import RequestError
-from agl_core.gateway.anthropic import INVALID_ARGUMENTS_KEY, parse_messages, stop_reason
+from agl_core.gateway.protocols.anthropic import INVALID_ARGUMENTS_KEY, parse_messages, stop_reason
 from agl_core.testing import GatewayServer, ScriptedBackend, tool_call
 
 R = semconv

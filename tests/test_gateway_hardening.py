@@ -250,7 +250,7 @@ def test_health_answers_while_a_heavy_body_is_parsed(monkeypatch):
 
 
 def test_the_response_log_is_bounded_by_bytes():
-    from agl_core.gateway.responses import ResponseLog
+    from agl_core.gateway.protocols.responses import ResponseLog
 
     log = ResponseLog(capacity=4096, max_bytes=100_000)
     big = [{"role": "user", "content": "y" * 30_000}]

@@ -18,7 +18,7 @@ from openai import BadRequestError, OpenAI
 from agl_core import semconv
 from agl_core.gateway import BackendError, ChatRequest, ChoiceDelta, Completion, Event
 from agl_core.gateway._door import logprob_entries
-from agl_core.gateway.responses import ResponseLog
+from agl_core.gateway.protocols.responses import ResponseLog
 from agl_core.pipeline.transitions import NO_LLM_CALL, spans_to_transitions
 from agl_core.testing import AglTestStack, GatewayServer, ScriptedBackend, tool_call
 from agl_core.tracing import emit_reward, rollout_scope

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agl_core.store._otlp_json import build_request
-from agl_core.store.otlp import decode_json
+from agl_core.store.formats._otlp_json import build_request
+from agl_core.store.formats.otlp import decode_json
 
 _odd = st.one_of(st.none(), st.booleans(), st.integers(-(2**65), 2**65), st.floats(), st.text(max_size=4))
 _int = st.one_of(st.integers(0, 2**64), st.integers(0, 2**64).map(str), _odd)

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from agl_core import semconv
 from agl_core.records import RolloutStatus
 from agl_core.store import NotFoundError, StoreError
-from agl_core.store.otlp import extract_rows
+from agl_core.store.formats.otlp import extract_rows
 from agl_core.store.sqlite import PAGE_SIZE, SqliteStore
 from agl_core.tracing import emit_reward, rollout_scope
 

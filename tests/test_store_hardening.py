@@ -18,8 +18,8 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from agl_core.store import StoreClient
+from agl_core.store.formats.otlp import MAX_SPANS_PER_REQUEST
 from agl_core.store.ingest import IngestPipeline, Overloaded
-from agl_core.store.otlp import MAX_SPANS_PER_REQUEST
 from agl_core.store.service import StoreService
 from tests._servers import wait_healthy
 
@@ -300,7 +300,7 @@ def test_a_legacy_non_finite_value_fails_its_rollout_instead_of_looping(tmp_path
 
 
 def test_sqlite_checkpoints_beside_the_writer_and_stops_on_close(sqlite_store):
-    from agl_core.store.otlp import decode_protobuf, extract_rows
+    from agl_core.store.formats.otlp import decode_protobuf, extract_rows
 
     for n in range(6):  # ~3 MB of spans: past SQLite's own checkpoint threshold (1000 pages)
         body = make_request(f"ro-ckpt-{n}", 500, first=1 + 500 * n, attrs=20).SerializeToString()

@@ -26,8 +26,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from agl_core import semconv
 from agl_core.server import BackgroundServer
 from agl_core.store import AsyncStoreClient, StoreClient, StoreUnavailableError
+from agl_core.store.formats.otlp import OtlpDecodeError, decode_protobuf, extract_rows, span_slices
 from agl_core.store.ingest import IngestPipeline, _parse_elsewhere, _with_bodies
-from agl_core.store.otlp import OtlpDecodeError, decode_protobuf, extract_rows, span_slices
 from agl_core.store.redact import MASK, parse_rules
 from agl_core.store.service import RetentionPolicy, StoreService, parse_duration
 from agl_core.tracing import rollout_scope

@@ -119,7 +119,7 @@ def _when(created_at: float) -> str:
 def run_rollouts(args: argparse.Namespace) -> int:
     from ._store_reader import StoreReader
     from .store import RolloutFilter, StoreError
-    from .store.wire import page_to_json
+    from .store.formats.wire import page_to_json
 
     def fail(message: str) -> int:
         print(f"agl rollouts list: {message}", file=sys.stderr)

@@ -41,7 +41,6 @@ from .. import semconv
 from ..tracing import RolloutContext, get_tracer, rollout_attributes
 from ._door import ChatDoor, CompletionDoor, DoorError, FrontDoor, openai_error, whole_delta
 from ._schema import RequestError
-from .anthropic import CountTokensDoor, MessagesDoor
 from .backend import (
     Backend,
     BackendError,
@@ -54,8 +53,9 @@ from .backend import (
     UpstreamError,
 )
 from .metrics import GatewayMetrics
+from .protocols.anthropic import CountTokensDoor, MessagesDoor
+from .protocols.responses import ResponseLog, ResponsesDoor
 from .render import TemplateRenderer
-from .responses import ResponseLog, ResponsesDoor
 from .tools import malformed_tool_calls
 from .urls import API_PREFIXES, agent_name_of, rollout_base_url
 

@@ -27,7 +27,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from .. import semconv
 from ..rollout_ids import session_rollout_id, trace_rollout_id
-from ..store.otlp import SpanRow
+from ..store.formats.otlp import SpanRow
 from ._files import Record
 
 __all__ = ["SESSION_KEYS", "Grouping", "session_rollout_id", "trace_rollout_id"]

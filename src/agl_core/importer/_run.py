@@ -30,8 +30,7 @@ from typing import Any
 
 from .. import semconv, settings
 from ..store import Store, StoreClient, StoreError, StoreUnavailableError, open_store
-from ..store.ingest import IngestPipeline, Overloaded, as_store_error
-from ..store.otlp import (
+from ..store.formats.otlp import (
     MAX_SPANS_PER_REQUEST,
     OtlpDecodeError,
     ParsedBatch,
@@ -39,6 +38,7 @@ from ..store.otlp import (
     decode_json,
     decode_protobuf,
 )
+from ..store.ingest import IngestPipeline, Overloaded, as_store_error
 from ..store.redact import Redactor
 from ..store.sqlite import SqliteStore
 from ._files import BadRecord, Record, TraceFile, split_request

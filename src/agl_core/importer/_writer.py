@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..store import StoreError, StoreUnavailableError
+from ..store.formats.otlp import SpanRow
 from ..store.ingest import as_store_error
-from ..store.otlp import SpanRow
 from ..store.workers import widen_pipe
 
 __all__ = ["WriterProcess"]

@@ -12,8 +12,8 @@ from concurrent import futures
 from typing import Any
 
 from .base import StoreError
+from .formats.otlp import OtlpDecodeError, encode_export_response
 from .ingest import IngestPipeline, Overloaded
-from .otlp import OtlpDecodeError, encode_export_response
 
 __all__ = ["start_grpc_server"]
 

@@ -17,7 +17,7 @@ from .. import semconv
 from ..pipeline.rewards import Reward, StoredReward, reward_span, reward_trace_id
 from ..records import Span
 from .base import NotFoundError, StoreError
-from .otlp import row_to_span
+from .formats.otlp import row_to_span
 
 __all__ = ["LEDGER_COLUMNS", "RewardConflictError", "RewardPlacer", "ledger_row"]
 

@@ -36,7 +36,7 @@ from .base import (
     StoreUnavailableError,
     validate_merge,
 )
-from .otlp import (
+from .formats.otlp import (
     SpanRow,
     extract_rows,
     records_to_request,

@@ -16,8 +16,8 @@ import httpx
 from .. import settings
 from ..pipeline.rewards import EPISODE, Reward, StoredReward, make_reward
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
-from . import wire
 from .base import NotFoundError, RolloutFilter, RolloutPage, RolloutRequest, StoreError, StoreUnavailableError
+from .formats import wire
 
 __all__ = ["AsyncStoreClient", "StoreClient"]
 

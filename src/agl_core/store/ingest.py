@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .base import StoreError, StoreUnavailableError
-from .otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
+from .formats.otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
 from .redact import Redactor
 from .workers import WorkerLost, WorkerPool
 

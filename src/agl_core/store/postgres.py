@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._sql import _SPAN_COLUMNS, SqlStore, schema
-from .otlp import SpanRow
+from .formats.otlp import SpanRow
 
 if TYPE_CHECKING:  # psycopg is an optional dependency, imported where a store is opened
     import psycopg

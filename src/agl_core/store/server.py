@@ -66,10 +66,10 @@ from starlette.routing import Route
 from .. import semconv
 from ..pipeline.rewards import EPISODE, MAX_REWARD_ID, MAX_ROLLOUT_ID, MAX_SOURCE, Reward
 from ..records import RolloutStatus
-from . import wire
 from .base import MAX_PAGE, NotFoundError, RolloutFilter, Store, StoreError, StoreUnavailableError
+from .formats import wire
+from .formats.otlp import OtlpDecodeError, encode_export_response
 from .ingest import IngestPipeline, Overloaded
-from .otlp import OtlpDecodeError, encode_export_response
 from .redact import MASK, Redactor
 
 __all__ = ["create_store_app", "MAX_BODY_BYTES", "QUERY_PAGE_BYTES"]

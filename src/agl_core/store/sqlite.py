@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._sql import _SPAN_COLUMNS, SqlStore, schema
-from .otlp import SpanRow
+from .formats.otlp import SpanRow
 
 __all__ = ["SqliteStore"]
 

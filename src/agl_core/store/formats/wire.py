@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
-from .base import RolloutFilter, RolloutPage
+from ...records import Attempt, Resource, Rollout, RolloutStatus, Span
+from ..base import RolloutFilter, RolloutPage
 
 
 def span_to_json(span: Span) -> dict[str, Any]:

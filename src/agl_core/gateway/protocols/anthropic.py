@@ -38,9 +38,9 @@ from typing import Any, Literal
 import pydantic
 from starlette.responses import JSONResponse, Response
 
-from ._door import CallView, DoorError, FrontDoor, session_hint, sse, token_usage
-from ._schema import RequestError, _Function, check_tool_count, check_tools
-from .backend import ChatRequest, ChoiceDelta, Completion, ToolChoice
+from .._door import CallView, DoorError, FrontDoor, session_hint, sse, token_usage
+from .._schema import RequestError, _Function, check_tool_count, check_tools
+from ..backend import ChatRequest, ChoiceDelta, Completion, ToolChoice
 
 __all__ = [
     "INVALID_ARGUMENTS_KEY",

@@ -1,6 +1,7 @@
 """The OpenAI Responses API, ``POST /v1/responses``, as a front door of the gateway.
 
-The request side is :mod:`agl_core.gateway._responses_in`. The answer is a ``response`` object, or its
+The request side is :mod:`agl_core.gateway.protocols._responses_in`. The answer is a ``response`` object, or
+its
 stream of server-sent events (``response.created``, ``response.in_progress``, the output items with their
 deltas, then ``response.completed``, ``response.incomplete`` when the policy hit ``max_output_tokens``,
 or ``response.failed`` when the backend failed). Its output is a ``message`` item when the policy wrote
@@ -21,10 +22,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..tracing import RolloutContext
-from ._door import CallView, FrontDoor, logprob_entries, session_hint, sse, token_usage, trim_top
+from ...tracing import RolloutContext
+from .._door import CallView, FrontDoor, logprob_entries, session_hint, sse, token_usage, trim_top
+from ..backend import ChatRequest, ChoiceDelta, Completion
 from ._responses_in import Messages, ResponsesIn, ResponsesRequest, parse_responses
-from .backend import ChatRequest, ChoiceDelta, Completion
 
 __all__ = ["ResponseLog", "ResponsesDoor"]
 

@@ -26,8 +26,8 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
-from .. import semconv
-from ..records import Span
+from ... import semconv
+from ...records import Span
 from ._otlp_json import build_request
 
 __all__ = [

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 import pydantic
 
-from ._schema import RequestError, _Function, check_tool_count, check_tools
-from .backend import ChatRequest
+from .._schema import RequestError, _Function, check_tool_count, check_tools
+from ..backend import ChatRequest
 
 __all__ = ["Messages", "ResponsesIn", "ResponsesRequest", "parse_responses"]
 
