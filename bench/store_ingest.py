@@ -577,7 +577,7 @@ def breakdown(args: argparse.Namespace) -> int:
     """Where one batch's time goes, in microseconds per span; see the module docstring."""
     import sqlite3
 
-    from agl_core.store._sql import schema
+    from agl_core.store._schema import schema
     from agl_core.store.formats.otlp import decode_protobuf, extract_rows
     from agl_core.store.redact import parse_rules
     from agl_core.store.sqlite import PAGE_SIZE, SqliteStore

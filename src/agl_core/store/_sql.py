@@ -13,9 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Generic, Protocol, TypeVar
-
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from typing import Any, Generic
 
 from .. import semconv
 from ..pipeline.rewards import EPISODE, Reward, StoredReward
@@ -24,6 +22,17 @@ from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ._loose import SOURCE as LOOSE_SOURCE
 from ._loose import LooseSpans, rollout_for_trace
 from ._rewards import LEDGER_COLUMNS, RewardPlacer, ledger_row
+from ._schema import (
+    _C,
+    AGENT_NAME_KEYS,
+    ATTEMPT_COLUMNS,
+    ROLLOUT_COLUMNS,
+    Cursor,
+    _json,
+    agent_attribute_bytes,
+    attempt_from_row,
+    rollout_from_row,
+)
 from .base import (
     AGENT_COUNT_CAP,
     COUNT_CAP,
@@ -52,132 +61,6 @@ _MERGE_CHUNK = 500
 #: A grouping pass of loose spans reads new spans' ids in pages of this many, at most this many pages.
 _LOOSE_PAGE, _LOOSE_PAGES = 20_000, 10
 _Q, _R = RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value
-#: Attributes that name the agent a span belongs to, as :meth:`SqlStore.list_rollouts` looks for them.
-AGENT_NAME_KEYS = (semconv.GEN_AI_AGENT_NAME, semconv.OI_AGENT_NAME)
-
-
-def agent_attribute_bytes(key: str, name: str) -> bytes:
-    """The bytes of attribute ``key = name`` (a string) inside an encoded span."""
-    return KeyValue(key=key, value=AnyValue(string_value=name)).SerializeToString()
-
-
-_SPAN_COLUMNS = (
-    "trace_id, span_id, parent_span_id, name, start_ns, end_ns, status_code, rollout_id, attempt_id,"
-    " scope_key, body"
-)
-
-
-#: The tables of every SQL backend; each fills in its column types (``schema(**types)``).
-_SCHEMA_TEMPLATE = """
-CREATE TABLE IF NOT EXISTS spans (
-    seq {serial},
-    trace_id {blob} NOT NULL,
-    span_id {blob} NOT NULL,
-    parent_span_id {blob},
-    name TEXT NOT NULL,
-    start_ns {bigint} NOT NULL,
-    end_ns {bigint} NOT NULL,
-    status_code INTEGER NOT NULL,
-    rollout_id TEXT,
-    attempt_id TEXT,
-    scope_key {blob} NOT NULL,
-    body {blob} NOT NULL,
-    UNIQUE (trace_id, span_id)
-);
-CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, seq);
-CREATE INDEX IF NOT EXISTS spans_by_attempt ON spans (attempt_id) WHERE attempt_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS spans_by_start ON spans (start_ns);
-CREATE TABLE IF NOT EXISTS span_scopes (
-    scope_key {blob} PRIMARY KEY,
-    resource {blob} NOT NULL,
-    scope {blob} NOT NULL
-);
-CREATE TABLE IF NOT EXISTS rollouts (
-    seq {serial},
-    rollout_id TEXT NOT NULL UNIQUE,
-    task_id TEXT NOT NULL,
-    input TEXT NOT NULL,
-    group_id TEXT,
-    status TEXT NOT NULL,
-    created_at {real} NOT NULL,
-    reward {real},
-    metadata TEXT NOT NULL,
-    max_attempts INTEGER NOT NULL,
-    consumed INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts (status, seq);
-CREATE TABLE IF NOT EXISTS attempts (
-    attempt_id TEXT PRIMARY KEY,
-    rollout_id TEXT NOT NULL,
-    number INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    worker_id TEXT,
-    started_at {real},
-    heartbeat_at {real},
-    lease_expires_at {real},
-    ended_at {real},
-    error TEXT
-);
-CREATE INDEX IF NOT EXISTS attempts_by_rollout ON attempts (rollout_id, number);
-CREATE INDEX IF NOT EXISTS attempts_by_status ON attempts (status, lease_expires_at);
-CREATE TABLE IF NOT EXISTS resources (
-    name TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    value TEXT NOT NULL,
-    created_at {real} NOT NULL,
-    PRIMARY KEY (name, version)
-);
-CREATE TABLE IF NOT EXISTS reward_ids (
-    reward_id TEXT PRIMARY KEY,
-    request TEXT NOT NULL,
-    rollout_id TEXT,
-    trace_id {blob} NOT NULL,
-    span_id {blob} NOT NULL,
-    parent_span_id {blob},
-    time_ns {bigint} NOT NULL,
-    created_at {real} NOT NULL
-);
-"""
-
-
-class Cursor(Protocol):
-    """The part of a DB-API cursor the store uses (``sqlite3.Cursor`` and ``psycopg.Cursor`` both fit).
-    Rows are the driver's own row objects (tuples), hence ``Any``."""
-
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-
-class Connection(Protocol):
-    """The part of a connection the store uses: sqlite3's ``execute`` / ``executemany`` with ``?``
-    placeholders (the PostgreSQL backend wraps psycopg to this shape)."""
-
-    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Cursor: ...
-
-    def executemany(self, sql: str, seq_of_parameters: Iterable[Sequence[Any]], /) -> object: ...
-
-    def close(self) -> None: ...
-
-
-_C = TypeVar("_C", bound=Connection)
-
-
-def schema(*, serial: str, blob: str, real: str, bigint: str) -> str:
-    """The DDL for a backend whose auto-increment key, byte, float and 64-bit integer types are given."""
-    return _SCHEMA_TEMPLATE.format(serial=serial, blob=blob, real=real, bigint=bigint)
-
-
-def _json(value: Any) -> str:
-    try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        raise ValueError(
-            "NaN and Infinity cannot be stored (JSON has no such numbers); send finite numbers or null"
-        ) from None
 
 
 class SqlStore(Generic[_C]):
@@ -763,11 +646,10 @@ class SqlStore(Generic[_C]):
     def _load_attempt(self, conn: _C, attempt_id: str) -> Attempt:
         a = self._exec(
             conn,
-            "SELECT attempt_id, rollout_id, number, status, worker_id, started_at, ended_at, error"
-            " FROM attempts WHERE attempt_id = ?",
+            f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE attempt_id = ?",
             [attempt_id],
         ).fetchone()
-        return Attempt(a[0], a[1], a[2], RolloutStatus(a[3]), a[4], a[5], a[6], a[7])
+        return attempt_from_row(a)
 
     def _load_rollouts(self, conn: _C, rollout_ids: list[str]) -> list[Rollout]:
         if not rollout_ids:
@@ -777,37 +659,14 @@ class SqlStore(Generic[_C]):
         # commits, and an attempt ends in the same commit as its rollout, so a rollout read as ended
         # comes with its ended attempt (read the other way round, an ended rollout could come with its
         # attempt still running and no error yet).
-        rows = self._exec(
-            conn,
-            "SELECT rollout_id, task_id, input, group_id, status, created_at, reward, metadata"
-            f" FROM rollouts WHERE {clause}",
-            values,
-        ).fetchall()
+        rows = self._exec(conn, f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE {clause}", values).fetchall()
         attempts: dict[str, list[Attempt]] = {}
         for a in self._exec(
-            conn,
-            "SELECT attempt_id, rollout_id, number, status, worker_id, started_at, ended_at, error"
-            f" FROM attempts WHERE {clause} ORDER BY number",
-            values,
+            conn, f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE {clause} ORDER BY number", values
         ).fetchall():
-            attempts.setdefault(a[1], []).append(
-                Attempt(a[0], a[1], a[2], RolloutStatus(a[3]), a[4], a[5], a[6], a[7])
-            )
+            attempts.setdefault(a[1], []).append(attempt_from_row(a))
         order = {rid: i for i, rid in enumerate(rollout_ids)}
-        rollouts = [
-            Rollout(
-                rollout_id=r[0],
-                task_id=r[1],
-                input=json.loads(r[2]),
-                group_id=r[3],
-                status=RolloutStatus(r[4]),
-                created_at=r[5],
-                reward=r[6],
-                metadata=json.loads(r[7]),
-                attempts=tuple(attempts.get(r[0], ())),
-            )
-            for r in rows
-        ]
+        rollouts = [rollout_from_row(r, attempts.get(r[0], ())) for r in rows]
         return sorted(rollouts, key=lambda r: order[r.rollout_id])
 
     # --- late rewards --------------------------------------------------------------------------------

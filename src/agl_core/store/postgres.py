@@ -11,7 +11,8 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._sql import _SPAN_COLUMNS, SqlStore, schema
+from ._schema import _SPAN_COLUMNS, schema
+from ._sql import SqlStore
 from .formats.otlp import SpanRow
 
 if TYPE_CHECKING:  # psycopg is an optional dependency, imported where a store is opened

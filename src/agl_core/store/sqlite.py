@@ -23,7 +23,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._sql import _SPAN_COLUMNS, SqlStore, schema
+from ._schema import _SPAN_COLUMNS, schema
+from ._sql import SqlStore
 from .formats.otlp import SpanRow
 
 __all__ = ["SqliteStore"]
