@@ -21,7 +21,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import plugins, settings
 from ._store_reader import StoreReader, add_store_arguments
@@ -84,6 +84,90 @@ def _version() -> str:
         return "unknown (not installed as a package)"
 
 
+#: The options of ``agl store serve``: (flags, keyword arguments of ``add_argument``).
+_STORE_SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (
+        ("--db",),
+        dict(
+            default="agl-store.sqlite",
+            help="SQLite file, or postgresql://user@host:port/db (default: %(default)s)",
+        ),
+    ),
+    (("--host",), dict(default="127.0.0.1", help="address to listen on (default: %(default)s)")),
+    (("--http-port",), dict(type=_port, default=4318, help="OTLP/HTTP and API port (default: %(default)s)")),
+    (("--grpc-port",), dict(type=_port, default=4317, help="OTLP/gRPC port (default: %(default)s)")),
+    (("--no-grpc",), dict(action="store_true", help="do not start the OTLP/gRPC receiver")),
+    (
+        ("--token",),
+        dict(
+            default=None,
+            help="require 'Authorization: Bearer TOKEN' on every request (default: $AGL_STORE_TOKEN; required"
+            " when --host is not a loopback address)",
+        ),
+    ),
+    (
+        ("--insecure-no-token",),
+        dict(
+            action="store_true",
+            help="listen beyond localhost with no token: anyone who reaches the ports can read and write"
+            " spans",
+        ),
+    ),
+    (
+        ("--redact",),
+        dict(
+            action="append",
+            default=[],
+            metavar="RULE",
+            help="redact at ingest (repeatable): key:GLOB, regex:PATTERN, email, api-key",
+        ),
+    ),
+    (
+        ("--retention",),
+        dict(
+            action="append",
+            default=[],
+            metavar="RULE",
+            help="delete old spans (repeatable): a duration like 7d or 12h, and/or 'consumed'",
+        ),
+    ),
+    (
+        ("--parse-workers",),
+        dict(
+            type=int,
+            default=2,
+            help="processes decoding OTLP beside the server; on a SQLite file they also write what they"
+            " decode, taking turns; 0 decodes and writes in the server process (default: %(default)s)",
+        ),
+    ),
+    (
+        ("--max-pending-spans",),
+        dict(
+            type=int,
+            default=200_000,
+            help="write backlog above which ingest answers 'retry later' (default: %(default)s)",
+        ),
+    ),
+    (
+        ("--group-wait",),
+        dict(
+            type=float,
+            default=10.0,
+            metavar="SECONDS",
+            help="spans that arrive without a rollout (an agent run outside agl's runner) become rollouts,"
+            " grouped by rollout id, session or trace, once their trace has had no new span for SECONDS;"
+            " 0 leaves them loose (default: %(default)s)",
+        ),
+    ),
+)
+
+
+def _add_store_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The options of ``agl store serve``."""
+    for flags, options in _STORE_SERVE_OPTIONS:
+        serve.add_argument(*flags, **options)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="agl", description="Train any LLM agent with reinforcement learning.")
     parser.add_argument("--version", action="version", version=f"agl {_version()}")
@@ -92,65 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     store = commands.add_parser("store", help="the collector-store").add_subparsers(
         dest="store_command", required=True, metavar="SUBCOMMAND"
     )
-    serve = store.add_parser("serve", help="run the collector-store")
-    serve.add_argument(
-        "--db",
-        default="agl-store.sqlite",
-        help="SQLite file, or postgresql://user@host:port/db (default: %(default)s)",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument(
-        "--http-port", type=_port, default=4318, help="OTLP/HTTP and API port (default: %(default)s)"
-    )
-    serve.add_argument("--grpc-port", type=_port, default=4317, help="OTLP/gRPC port (default: %(default)s)")
-    serve.add_argument("--no-grpc", action="store_true", help="do not start the OTLP/gRPC receiver")
-    serve.add_argument(
-        "--token",
-        default=None,
-        help="require 'Authorization: Bearer TOKEN' on every request (default: $AGL_STORE_TOKEN; required"
-        " when --host is not a loopback address)",
-    )
-    serve.add_argument(
-        "--insecure-no-token",
-        action="store_true",
-        help="listen beyond localhost with no token: anyone who reaches the ports can read and write spans",
-    )
-    serve.add_argument(
-        "--redact",
-        action="append",
-        default=[],
-        metavar="RULE",
-        help="redact at ingest (repeatable): key:GLOB, regex:PATTERN, email, api-key",
-    )
-    serve.add_argument(
-        "--retention",
-        action="append",
-        default=[],
-        metavar="RULE",
-        help="delete old spans (repeatable): a duration like 7d or 12h, and/or 'consumed'",
-    )
-    serve.add_argument(
-        "--parse-workers",
-        type=int,
-        default=2,
-        help="processes decoding OTLP beside the server; on a SQLite file they also write what they"
-        " decode, taking turns; 0 decodes and writes in the server process (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-pending-spans",
-        type=int,
-        default=200_000,
-        help="write backlog above which ingest answers 'retry later' (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--group-wait",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="spans that arrive without a rollout (an agent run outside agl's runner) become rollouts,"
-        " grouped by rollout id, session or trace, once their trace has had no new span for SECONDS;"
-        " 0 leaves them loose (default: %(default)s)",
-    )
+    _add_store_serve_arguments(store.add_parser("serve", help="run the collector-store"))
     add_store_arguments(store.add_parser("stats", help="print what a running store holds"))
 
     gateway = commands.add_parser("gateway", help="the LLM gateway").add_subparsers(

@@ -50,6 +50,169 @@ def _megabytes(text: str) -> float:
     return value
 
 
+#: The options of ``agl gateway serve`` that depend on nothing at run time: (flags, keyword arguments of
+#: ``add_argument``).
+_SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (
+        ("--model",),
+        dict(
+            default=None,
+            help="hf: smollm2, tiny or a local model directory (default: smollm2); vllm: the model"
+            " 'vllm serve' loads when the gateway launches it",
+        ),
+    ),
+    (
+        ("--served-name",),
+        dict(
+            default=None,
+            help="model name clients use (default: agl-policy for hf and vllm, the upstream model for"
+            " openai)",
+        ),
+    ),
+    (
+        ("--upstream",),
+        dict(
+            default=None,
+            metavar="URL",
+            help="base URL of a running server, ending with /v1 (required for openai; vllm connects instead"
+            " of launching)",
+        ),
+    ),
+    (
+        ("--upstream-model",),
+        dict(default=None, help="model name the upstream server knows (default: --served-name)"),
+    ),
+    (("--api-key",), dict(default=None, help="bearer token for the upstream server")),
+    (
+        ("--store", "--store-url"),
+        dict(
+            dest="store",
+            default=None,
+            metavar="URL",
+            help="collector-store receiving the spans, and with --capture the rollouts of sessions (default:"
+            f" $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+        ),
+    ),
+    (
+        ("--store-token",),
+        dict(default=None, metavar="TOKEN", help="the store's bearer token (default: $AGL_STORE_TOKEN)"),
+    ),
+    (
+        ("--capture",),
+        dict(
+            action="store_true",
+            help="production capture: a call naming no rollout joins the rollout of its session"
+            " (x-agl-session-id, metadata.session_id, traceparent, then user), registered in the store",
+        ),
+    ),
+    (
+        ("--tokenizer",),
+        dict(
+            default=None,
+            metavar="DIR",
+            help="tokenizer directory for the drift check of vllm / openai calls (default: --model when it is"
+            " a directory)",
+        ),
+    ),
+    (
+        ("--no-drift-check",),
+        dict(action="store_true", help="do not render prompts to check the backend's token ids"),
+    ),
+    (
+        ("--max-batch",),
+        dict(type=_positive, default=16, help="hf: most sequences decoded together (default: %(default)s)"),
+    ),
+    (
+        ("--max-tokens",),
+        dict(
+            type=_positive,
+            default=256,
+            help="hf: response length when a request does not say (default: %(default)s)",
+        ),
+    ),
+    (
+        ("--threads",),
+        dict(type=_positive, default=None, help="hf: torch CPU threads (default: torch's choice)"),
+    ),
+    (
+        ("--prefix-cache-mb",),
+        dict(
+            type=_megabytes,
+            default=128.0,
+            metavar="MIB",
+            help="hf: memory for the keys and values of prompt prefixes reused across calls; 0 turns reuse"
+            " off"
+            " (default: %(default)s)",
+        ),
+    ),
+    (
+        ("--dtype",),
+        dict(
+            choices=["float32", "bfloat16"],
+            default="float32",
+            help="hf: the model's weights and keys/values (bfloat16 halves the memory a step reads, on a GPU;"
+            " default: %(default)s)",
+        ),
+    ),
+    (
+        ("--admin-token",),
+        dict(
+            default=None,
+            help="require 'Authorization: Bearer TOKEN' to publish policy versions (default:"
+            " $AGL_GATEWAY_ADMIN_TOKEN; required when --host is not a loopback address)",
+        ),
+    ),
+    (
+        ("--insecure-no-admin-token",),
+        dict(
+            action="store_true",
+            help="listen beyond localhost with no admin token: anyone who reaches the port can load a policy",
+        ),
+    ),
+    (
+        ("--spool-dir",),
+        dict(
+            default=None,
+            metavar="DIR",
+            help="keep spans the store has not acknowledged in files here (sent when it is back, even after a"
+            " restart of the gateway); default: in memory",
+        ),
+    ),
+    (
+        ("--spool-max-mb",),
+        dict(
+            type=_megabytes,
+            default=256.0,
+            metavar="MIB",
+            help="most span data waiting for the store; past it new spans are dropped, counted in /metrics"
+            " and"
+            " logged (default: %(default)s)",
+        ),
+    ),
+    (
+        ("--max-recorded-prompt-mb",),
+        dict(
+            type=_megabytes,
+            default=1.0,
+            metavar="MIB",
+            help="most bytes of a call's input messages (and of its tool definitions) a span records; a"
+            " longer"
+            " one is cut with a marker and its original size (default: %(default)s)",
+        ),
+    ),
+    (
+        ("--vllm-arg",),
+        dict(
+            dest="vllm_args",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="extra argument for 'vllm serve' when the gateway launches it (repeatable)",
+        ),
+    ),
+)
+
+
 def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
     choices = [*(n for n in gateway_backend_names() if n not in _BUILT_IN_BACKENDS), *_BUILT_IN_BACKENDS]
     default = "hf" if "hf" in choices else None
@@ -62,134 +225,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser, port_type: Any) -> None:
         " server (launched, or --upstream); openai: any OpenAI-compatible endpoint, evaluation only;"
         " others come from installed plugins (default: %(default)s)",
     )
-    serve.add_argument(
-        "--model",
-        default=None,
-        help="hf: smollm2, tiny or a local model directory (default: smollm2); vllm: the model"
-        " 'vllm serve' loads when the gateway launches it",
-    )
-    serve.add_argument(
-        "--served-name",
-        default=None,
-        help="model name clients use (default: agl-policy for hf and vllm, the upstream model for openai)",
-    )
-    serve.add_argument(
-        "--upstream",
-        default=None,
-        metavar="URL",
-        help="base URL of a running server, ending with /v1 (required for openai; vllm connects instead"
-        " of launching)",
-    )
-    serve.add_argument(
-        "--upstream-model", default=None, help="model name the upstream server knows (default: --served-name)"
-    )
-    serve.add_argument("--api-key", default=None, help="bearer token for the upstream server")
+    for flags, options in _SERVE_OPTIONS:
+        serve.add_argument(*flags, **options)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument(
         "--port", type=port_type, default=8000, help="port to listen on (default: %(default)s)"
-    )
-    serve.add_argument(
-        "--store",
-        "--store-url",
-        dest="store",
-        default=None,
-        metavar="URL",
-        help="collector-store receiving the spans, and with --capture the rollouts of sessions (default:"
-        f" $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
-    )
-    serve.add_argument(
-        "--store-token",
-        default=None,
-        metavar="TOKEN",
-        help="the store's bearer token (default: $AGL_STORE_TOKEN)",
-    )
-    serve.add_argument(
-        "--capture",
-        action="store_true",
-        help="production capture: a call naming no rollout joins the rollout of its session"
-        " (x-agl-session-id, metadata.session_id, traceparent, then user), registered in the store",
-    )
-    serve.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="DIR",
-        help="tokenizer directory for the drift check of vllm / openai calls (default: --model when it is"
-        " a directory)",
-    )
-    serve.add_argument(
-        "--no-drift-check", action="store_true", help="do not render prompts to check the backend's token ids"
-    )
-    serve.add_argument(
-        "--max-batch",
-        type=_positive,
-        default=16,
-        help="hf: most sequences decoded together (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-tokens",
-        type=_positive,
-        default=256,
-        help="hf: response length when a request does not say (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--threads", type=_positive, default=None, help="hf: torch CPU threads (default: torch's choice)"
-    )
-    serve.add_argument(
-        "--prefix-cache-mb",
-        type=_megabytes,
-        default=128.0,
-        metavar="MIB",
-        help="hf: memory for the keys and values of prompt prefixes reused across calls; 0 turns reuse off"
-        " (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        default="float32",
-        help="hf: the model's weights and keys/values (bfloat16 halves the memory a step reads, on a GPU;"
-        " default: %(default)s)",
-    )
-    serve.add_argument(
-        "--admin-token",
-        default=None,
-        help="require 'Authorization: Bearer TOKEN' to publish policy versions (default:"
-        " $AGL_GATEWAY_ADMIN_TOKEN; required when --host is not a loopback address)",
-    )
-    serve.add_argument(
-        "--insecure-no-admin-token",
-        action="store_true",
-        help="listen beyond localhost with no admin token: anyone who reaches the port can load a policy",
-    )
-    serve.add_argument(
-        "--spool-dir",
-        default=None,
-        metavar="DIR",
-        help="keep spans the store has not acknowledged in files here (sent when it is back, even after a"
-        " restart of the gateway); default: in memory",
-    )
-    serve.add_argument(
-        "--spool-max-mb",
-        type=_megabytes,
-        default=256.0,
-        metavar="MIB",
-        help="most span data waiting for the store; past it new spans are dropped, counted in /metrics and"
-        " logged (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-recorded-prompt-mb",
-        type=_megabytes,
-        default=1.0,
-        metavar="MIB",
-        help="most bytes of a call's input messages (and of its tool definitions) a span records; a longer"
-        " one is cut with a marker and its original size (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--vllm-arg",
-        dest="vllm_args",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for 'vllm serve' when the gateway launches it (repeatable)",
     )
 
 
