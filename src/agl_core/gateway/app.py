@@ -471,23 +471,10 @@ class _Gateway:
         self, request: Request, door: FrontDoor, rollout: RolloutContext | None, agent: str | None
     ) -> Response:
         metrics, endpoint = self.metrics, door.endpoint
-        try:
-            raw = await _read_body(request)
-        except _TooLarge as exc:
-            return self._done(endpoint, door.error(413, str(exc), "invalid_request_error"))
-        try:
-            if len(raw) > _PARSE_OFF_LOOP_BYTES:  # a heavy body is parsed on a worker thread
-                model, chat = await asyncio.to_thread(door.parse, raw)
-            else:
-                model, chat = door.parse(raw)
-        except pydantic.ValidationError as exc:
-            return self._done(endpoint, door.invalid(exc))
-        except RequestError as exc:
-            return self._done(
-                endpoint, door.error(400, f"invalid request: {exc}", "invalid_request_error", exc.param)
-            )
-        except DoorError as exc:
-            return self._done(endpoint, door.error(exc.status, str(exc), exc.kind, exc.param))
+        parsed = await self._parse(request, door)
+        if isinstance(parsed, Response):
+            return self._done(endpoint, parsed)
+        model, chat = parsed
         session: CapturedSession | None = None
         if rollout is None and self.capture is not None:
             try:
@@ -568,6 +555,23 @@ class _Gateway:
         if call.completions:
             door.recorded(call)
         return self._done(endpoint, JSONResponse(body, headers=_rollout_header(rollout)))
+
+    async def _parse(self, request: Request, door: FrontDoor) -> tuple[str, ChatRequest] | Response:
+        """The request's model and generation request, or the error answer its body gets."""
+        try:
+            raw = await _read_body(request)
+        except _TooLarge as exc:
+            return door.error(413, str(exc), "invalid_request_error")
+        try:
+            if len(raw) > _PARSE_OFF_LOOP_BYTES:  # a heavy body is parsed on a worker thread
+                return await asyncio.to_thread(door.parse, raw)
+            return door.parse(raw)
+        except pydantic.ValidationError as exc:
+            return door.invalid(exc)
+        except RequestError as exc:
+            return door.error(400, f"invalid request: {exc}", "invalid_request_error", exc.param)
+        except DoorError as exc:
+            return door.error(exc.status, str(exc), exc.kind, exc.param)
 
     def _done(self, endpoint: str, response: Response) -> Response:
         self.metrics.request_done(endpoint, response.status_code)

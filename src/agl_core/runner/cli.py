@@ -10,13 +10,16 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import settings
 from ..tracing import setup_tracing
 from ._types import LLM_RESOURCE, MODES
 
 __all__ = ["add_run_arguments", "run_agents"]
+
+if TYPE_CHECKING:
+    from ._runner import Runner
 
 
 def _seconds(*, allow_zero: bool = False) -> Any:
@@ -208,6 +211,55 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _run_until_stopped(
+    args: argparse.Namespace, runner: Runner, url: str, mode: str, *, waiting: bool
+) -> None:
+    """Run ``runner`` until SIGINT/SIGTERM, reporting its counts every ``--report-every`` seconds; the first
+    signal stops it gracefully (``--grace``), a second exits the process at once."""
+    stop = threading.Event()
+    signals: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signals.append(signum)
+        if len(signals) == 1:
+            stop.set()
+            return
+        print(f"agl run: second {signal.Signals(signum).name}; exiting now", file=sys.stderr, flush=True)
+        runner.kill()
+        os._exit(128 + signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        runner.start()
+        timeout = f"{args.rollout_timeout:g} s" if args.rollout_timeout is not None else "none"
+        note = "; waiting for a trainer to publish the LLM endpoint" if waiting else ""
+        print(
+            f"agl run: {args.agent} on {url}, {args.workers} worker(s) in {mode} mode,"
+            f" rollout timeout {timeout}, lease {args.lease:g} s{note}; Ctrl-C or SIGTERM stops it",
+            flush=True,
+        )
+        last = runner.counts
+        next_report = time.monotonic() + args.report_every
+        while not stop.wait(0.2):
+            if args.report_every and time.monotonic() >= next_report:
+                next_report = time.monotonic() + args.report_every
+                counts = runner.counts
+                if counts != last:
+                    print(f"agl run: {counts.summary()}", flush=True)
+                    last = counts
+        name = signal.Signals(signals[0]).name if signals else "stop"
+        print(
+            f"agl run: {name}: taking no more rollouts; waiting up to {args.grace:g} s for"
+            f" {runner.counts.running} running; signal again to exit now",
+            flush=True,
+        )
+        runner.stop(timeout_s=args.grace)
+        print(f"agl run: stopped; {runner.counts.summary()}", flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_agents(args: argparse.Namespace) -> int:
     """Run ``args.agent`` against the store until SIGINT/SIGTERM. Returns the exit status: 0 after a
     graceful stop, 1 when the store cannot be used, 2 for a bad agent or flag. A second signal exits at
@@ -278,47 +330,8 @@ def run_agents(args: argparse.Namespace) -> int:
         client.close()
         return _fail(str(exc), 2)
 
-    stop = threading.Event()
-    signals: list[int] = []
-
-    def on_signal(signum: int, frame: Any) -> None:
-        signals.append(signum)
-        if len(signals) == 1:
-            stop.set()
-            return
-        print(f"agl run: second {signal.Signals(signum).name}; exiting now", file=sys.stderr, flush=True)
-        runner.kill()
-        os._exit(128 + signum)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        runner.start()
-        timeout = f"{args.rollout_timeout:g} s" if args.rollout_timeout is not None else "none"
-        waiting = "" if published is not None else "; waiting for a trainer to publish the LLM endpoint"
-        print(
-            f"agl run: {args.agent} on {url}, {args.workers} worker(s) in {mode} mode,"
-            f" rollout timeout {timeout}, lease {args.lease:g} s{waiting}; Ctrl-C or SIGTERM stops it",
-            flush=True,
-        )
-        last = runner.counts
-        next_report = time.monotonic() + args.report_every
-        while not stop.wait(0.2):
-            if args.report_every and time.monotonic() >= next_report:
-                next_report = time.monotonic() + args.report_every
-                counts = runner.counts
-                if counts != last:
-                    print(f"agl run: {counts.summary()}", flush=True)
-                    last = counts
-        name = signal.Signals(signals[0]).name if signals else "stop"
-        print(
-            f"agl run: {name}: taking no more rollouts; waiting up to {args.grace:g} s for"
-            f" {runner.counts.running} running; signal again to exit now",
-            flush=True,
-        )
-        runner.stop(timeout_s=args.grace)
-        print(f"agl run: stopped; {runner.counts.summary()}", flush=True)
+        _run_until_stopped(args, runner, url, mode, waiting=published is None)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         client.close()
     return 0

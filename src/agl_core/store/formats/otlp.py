@@ -242,6 +242,37 @@ def span_slices(body: bytes) -> list[list[list[tuple[int, int]]]] | None:
         return None
 
 
+def _places(
+    slices: list[list[list[tuple[int, int]]]] | None, i: int, j: int, count: int
+) -> list[tuple[int, int]] | None:
+    """Where the spans of resource ``i``'s scope ``j`` lie in the raw body (:func:`span_slices`), or
+    ``None`` when the walk found no such scope or another number of spans (they are encoded instead)."""
+    if slices is None:
+        return None
+    try:
+        where = slices[i][j]
+    except IndexError:
+        return None
+    return where if len(where) == count else None
+
+
+def _identity(span: Any) -> tuple[str | None, str | None]:
+    """The span's rollout and attempt ids; agl writes them first, so the walk usually stops after two."""
+    rollout_key, attempt_key = semconv.ROLLOUT_ID, semconv.ATTEMPT_ID
+    rollout_id = attempt_id = None
+    for kv in span.attributes:
+        key = kv.key
+        if key == rollout_key:
+            rollout_id = _id_text(kv.value)
+            if attempt_id is not None:
+                break
+        elif key == attempt_key:
+            attempt_id = _id_text(kv.value)
+            if rollout_id is not None:
+                break
+    return rollout_id, attempt_id
+
+
 def extract_rows(
     request: ExportTraceServiceRequest,
     redact: Callable[[Any], None] | None = None,
@@ -267,8 +298,7 @@ def extract_rows(
     scopes: dict[bytes, tuple[bytes, bytes]] = {}
     rejected = 0
     first_error = ""
-    rollout_key, attempt_key = semconv.ROLLOUT_ID, semconv.ATTEMPT_ID
-    rollout_marker = rollout_key.encode()
+    rollout_marker = semconv.ROLLOUT_ID.encode()
     slices = span_slices(raw) if raw is not None and redact is None else None
     for i, resource_spans in enumerate(request.resource_spans):
         if redact is not None:
@@ -283,14 +313,7 @@ def extract_rows(
                 scopes[scope_key] = (resource_bytes, scope_bytes)
             append = rows.append
             spans = scope_spans.spans
-            where: list[tuple[int, int]] | None = None
-            if slices is not None and raw is not None:
-                try:
-                    where = slices[i][j]
-                except IndexError:
-                    where = None
-                if where is not None and len(where) != len(spans):  # the walk disagrees: encode instead
-                    where = None
+            where = _places(slices, i, j, len(spans)) if raw is not None else None
             for n, span in enumerate(spans):
                 trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
                 start_ns, end_ns = span.start_time_unix_nano, span.end_time_unix_nano
@@ -321,21 +344,9 @@ def extract_rows(
                         redact(span)
                     body = span.SerializeToString()
                     has_rollout = rollout_marker in body
-                rollout_id = attempt_id = None
                 # Walking the attributes is the costly part of ingest; a span whose bytes do not even
-                # contain the rollout key has no rollout id. agl writes its identity attributes first,
-                # so the walk usually stops after two.
-                if has_rollout:
-                    for kv in span.attributes:
-                        key = kv.key
-                        if key == rollout_key:
-                            rollout_id = _id_text(kv.value)
-                            if attempt_id is not None:
-                                break
-                        elif key == attempt_key:
-                            attempt_id = _id_text(kv.value)
-                            if rollout_id is not None:
-                                break
+                # contain the rollout key has no rollout id.
+                rollout_id, attempt_id = _identity(span) if has_rollout else (None, None)
                 name = span.name
                 if len(name) > _MAX_NAME or "\x00" in name:
                     name = _clean_text(name[:_MAX_NAME])
