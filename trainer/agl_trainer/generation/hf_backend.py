@@ -297,6 +297,31 @@ class HFBackend:
         self.decode_steps = 0
         self.prefilled_tokens = 0
         self.reused_tokens = 0
+        self._set_up_decoding(
+            kv_cache=kv_cache,
+            prefix_cache_mb=prefix_cache_mb,
+            prefix_block_tokens=prefix_block_tokens,
+            static_decode=static_decode,
+            cuda_graphs=cuda_graphs,
+            packed_linears=packed_linears,
+            direct_decode=direct_decode,
+        )
+        self.lock.on_external_acquire = self._forget
+
+    def _set_up_decoding(
+        self,
+        *,
+        kv_cache: str,
+        prefix_cache_mb: float,
+        prefix_block_tokens: int,
+        static_decode: bool | None,
+        cuda_graphs: bool,
+        packed_linears: bool | None,
+        direct_decode: bool,
+    ) -> None:
+        """The key/value memory and the decoding paths for this model and device (``__init__``'s
+        arguments of the same names)."""
+        model, route = self.model, self.route
         #: ``slots``: a preallocated cache written in place, and prompt prefixes reused (``prefix_cache``);
         #: ``dynamic``: transformers' own cache, every prompt prefilled whole (also for an architecture
         #: the slots do not cover).
@@ -336,7 +361,6 @@ class HFBackend:
         if unrecognized not in (None, "off"):
             logger.info("agl: decoding steps go through the model's forward pass: %s", unrecognized)
         self._direct = DirectDecode(lambda: self.model) if unrecognized is None else None
-        self.lock.on_external_acquire = self._forget
 
     @property
     def model_names(self) -> Sequence[str]:
