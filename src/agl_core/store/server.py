@@ -318,34 +318,39 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
     return response
 
 
-def create_store_app(
-    store: Store,
-    *,
-    token: str | None = None,
-    pipeline: IngestPipeline | None = None,
-    redactor: Redactor | None = None,
-) -> Starlette:
-    """The ASGI app serving ``store``. With ``token``, every endpoint but ``/healthz`` needs
-    ``Authorization: Bearer <token>``. Spans are written through ``pipeline`` (one is made if not
-    given, with ``redactor``; ``app.state.pipeline`` holds it). ``redactor`` also applies to what the
-    API writes: rollout inputs and metadata, resource values and attempt errors."""
-    ingest = pipeline or IngestPipeline(store, redactor=redactor)
-    clean = redactor if redactor else None
+def _path_id(request: Request, name: str) -> str:
+    value = str(request.path_params[name])
+    if not value or len(value) > 512 or "\x00" in value:
+        raise _HttpError(400, f"invalid {name.replace('_', ' ')} {value[:80]!r} in the path")
+    return value
 
-    def redacted(value: Any) -> Any:
-        return value if clean is None else clean.redact_json(value)
 
-    def authorized(request: Request) -> bool:
-        if token is None:
+class _StoreAPI:
+    """The store's HTTP endpoints over one store (see :func:`create_store_app`): OTLP ingest, the rollout
+    queue, spans, late rewards and resources, each answering its errors as JSON."""
+
+    def __init__(
+        self, store: Store, *, token: str | None, ingest: IngestPipeline, redactor: Redactor | None
+    ) -> None:
+        self.store, self.token, self.ingest = store, token, ingest
+        self.clean = redactor if redactor else None
+
+    def redacted(self, value: Any) -> Any:
+        return value if self.clean is None else self.clean.redact_json(value)
+
+    def authorized(self, request: Request) -> bool:
+        if self.token is None:
             return True
         given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+        return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
 
-    def api(handler: _Handler) -> _Handler:
+    def api(self, handler: _Handler) -> _Handler:
         async def endpoint(request: Request) -> Response:
-            if not authorized(request):
+            if not self.authorized(request):
                 return _error(
-                    401, "missing or wrong bearer token (Authorization: Bearer <token>)", "unauthorized"
+                    401,
+                    "missing or wrong bearer token (Authorization: Bearer <token>)",
+                    "unauthorized",
                 )
             try:
                 return await handler(request)
@@ -362,12 +367,14 @@ def create_store_app(
 
         return endpoint
 
-    async def ingest_traces(request: Request) -> Response:
+    async def ingest_traces(self, request: Request) -> Response:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         as_json = ctype == "application/json"
-        if not authorized(request):
+        if not self.authorized(request):
             return _otlp_error(
-                401, "missing or wrong bearer token (Authorization: Bearer <token>)", as_json=as_json
+                401,
+                "missing or wrong bearer token (Authorization: Bearer <token>)",
+                as_json=as_json,
             )
         if ctype != _PROTOBUF and not as_json:
             return _otlp_error(
@@ -376,11 +383,11 @@ def create_store_app(
             )
         try:
             body = await _read_body(request)
-            if ingest.has_workers:
-                batch = await asyncio.wrap_future(ingest.ingest_async(body, json_body=as_json))
+            if self.ingest.has_workers:
+                batch = await asyncio.wrap_future(self.ingest.ingest_async(body, json_body=as_json))
             else:
-                parsed = await run_in_threadpool(ingest.parse_admitted, body, json_body=as_json)
-                batch = await asyncio.wrap_future(ingest.write_async(parsed))
+                parsed = await run_in_threadpool(self.ingest.parse_admitted, body, json_body=as_json)
+                batch = await asyncio.wrap_future(self.ingest.write_async(parsed))
         except _HttpError as exc:
             return _otlp_error(exc.status, str(exc), as_json=as_json)
         except OtlpDecodeError as exc:
@@ -401,27 +408,29 @@ def create_store_app(
             return JSONResponse(body_json)
         return Response(encode_export_response(batch.rejected, batch.error_message), media_type=_PROTOBUF)
 
-    async def observed(request: Request) -> Response:
+    async def observed(self, request: Request) -> Response:
         body = await _json_body(request, _ObservedIn)
         requests = [r.model_dump() for r in body.rollouts]
         for request_ in requests:
-            request_["input"] = redacted(request_["input"])
-            request_["metadata"] = redacted(request_["metadata"])
-        rollouts = await run_in_threadpool(store.add_observed_rollouts, requests)
+            request_["input"] = self.redacted(request_["input"])
+            request_["metadata"] = self.redacted(request_["metadata"])
+        rollouts = await run_in_threadpool(self.store.add_observed_rollouts, requests)
         return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
-    async def enqueue(request: Request) -> Response:
+    async def enqueue(self, request: Request) -> Response:
         body = await _json_body(request, _EnqueueIn)
         requests = [r.model_dump() for r in body.rollouts]
         for request_ in requests:
-            request_["input"] = redacted(request_["input"])
-            request_["metadata"] = redacted(request_["metadata"])
-        rollouts = await run_in_threadpool(store.enqueue_rollouts, requests)
+            request_["input"] = self.redacted(request_["input"])
+            request_["metadata"] = self.redacted(request_["metadata"])
+        rollouts = await run_in_threadpool(self.store.enqueue_rollouts, requests)
         return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
-    async def dequeue(request: Request) -> Response:
+    async def dequeue(self, request: Request) -> Response:
         body = await _json_body(request, _DequeueIn)
-        claimed = await run_in_threadpool(lambda: store.dequeue_rollout(body.worker_id, lease_s=body.lease_s))
+        claimed = await run_in_threadpool(
+            lambda: self.store.dequeue_rollout(body.worker_id, lease_s=body.lease_s)
+        )
         if claimed is None:
             return Response(status_code=204)
         rollout, attempt = claimed
@@ -434,69 +443,63 @@ def create_store_app(
             # by failing the attempt, so no runner holds it and no later dequeue picks it again.
             reason = f"the stored rollout cannot be sent as JSON ({exc}); it was marked failed"
             await run_in_threadpool(
-                lambda: store.complete_attempt(attempt.attempt_id, RolloutStatus.FAILED, error=reason)
+                lambda: self.store.complete_attempt(attempt.attempt_id, RolloutStatus.FAILED, error=reason)
             )
             return _error(409, f"rollout {rollout.rollout_id}: {reason}", "conflict")
 
-    async def query_rollouts(request: Request) -> Response:
+    async def query_rollouts(self, request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
-        rollouts = await run_in_threadpool(store.get_rollouts, body.rollout_ids)
+        rollouts = await run_in_threadpool(self.store.get_rollouts, body.rollout_ids)
         return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
-    async def list_rollouts(request: Request) -> Response:
+    async def list_rollouts(self, request: Request) -> Response:
         body = await _json_body(request, _ListIn)
         page = await run_in_threadpool(
-            lambda: store.list_rollouts(body.filter(), before=body.before, limit=body.limit)
+            lambda: self.store.list_rollouts(body.filter(), before=body.before, limit=body.limit)
         )
         return JSONResponse(wire.page_to_json(page))
 
-    async def cancel(request: Request) -> Response:
+    async def cancel(self, request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
-        rollouts = await run_in_threadpool(store.cancel_rollouts, body.rollout_ids)
+        rollouts = await run_in_threadpool(self.store.cancel_rollouts, body.rollout_ids)
         return JSONResponse({"rollouts": [wire.rollout_to_json(r) for r in rollouts]})
 
-    async def consumed(request: Request) -> Response:
+    async def consumed(self, request: Request) -> Response:
         body = await _json_body(request, _RolloutQueryIn)
-        return JSONResponse({"marked": await run_in_threadpool(store.mark_consumed, body.rollout_ids)})
+        return JSONResponse({"marked": await run_in_threadpool(self.store.mark_consumed, body.rollout_ids)})
 
-    async def merge(request: Request) -> Response:
+    async def merge(self, request: Request) -> Response:
         body = await _json_body(request, _MergeIn)
-        return JSONResponse({"moved": await run_in_threadpool(store.merge_rollouts, body.moves)})
+        return JSONResponse({"moved": await run_in_threadpool(self.store.merge_rollouts, body.moves)})
 
-    def path_id(request: Request, name: str) -> str:
-        value = str(request.path_params[name])
-        if not value or len(value) > 512 or "\x00" in value:
-            raise _HttpError(400, f"invalid {name.replace('_', ' ')} {value[:80]!r} in the path")
-        return value
-
-    async def heartbeat(request: Request) -> Response:
-        path_id(request, "attempt_id")
+    async def heartbeat(self, request: Request) -> Response:
+        _path_id(request, "attempt_id")
         body = await _json_body(request, _HeartbeatIn)
         attempt = await run_in_threadpool(
-            lambda: store.heartbeat(request.path_params["attempt_id"], lease_s=body.lease_s)
+            lambda: self.store.heartbeat(request.path_params["attempt_id"], lease_s=body.lease_s)
         )
         return JSONResponse({"attempt": wire.attempt_to_json(attempt)})
 
-    async def complete(request: Request) -> Response:
-        path_id(request, "attempt_id")
+    async def complete(self, request: Request) -> Response:
+        _path_id(request, "attempt_id")
         body = await _json_body(request, _CompleteIn)
         rollout = await run_in_threadpool(
-            lambda: store.complete_attempt(
+            lambda: self.store.complete_attempt(
                 request.path_params["attempt_id"],
                 RolloutStatus(body.status),
                 reward=body.reward,
-                error=redacted(body.error),
+                error=self.redacted(body.error),
             )
         )
         return JSONResponse({"rollout": wire.rollout_to_json(rollout)})
 
-    async def query_spans(request: Request) -> Response:
+    async def query_spans(self, request: Request) -> Response:
         body = await _json_body(request, _SpanQueryIn)
-        page = getattr(store, "span_page", None)
+        page = getattr(self.store, "span_page", None)
         if page is None:  # a store without byte-bounded pages: its pages as they are
 
             def page(max_bytes: int, **query: Any) -> tuple[list[Any], bool]:
-                return store.query_spans(**query), False
+                return self.store.query_spans(**query), False
 
         spans, more = await run_in_threadpool(
             lambda: page(
@@ -512,7 +515,7 @@ def create_store_app(
         )
         return JSONResponse({"spans": [wire.span_to_json(s) for s in spans], "more": more})
 
-    async def add_rewards(request: Request) -> Response:
+    async def add_rewards(self, request: Request) -> Response:
         body = await _json_body(request, _RewardsIn)
         rewards = []
         for n, item in enumerate(body.rewards):
@@ -520,8 +523,8 @@ def create_store_app(
                 reward = Reward.from_json(item.model_dump())
             except ValueError as exc:
                 raise _HttpError(400, f"invalid request body: rewards.{n}.{exc}") from None
-            if clean is not None:  # ids are never redacted; the name and source are
-                kept = clean.redact_json(
+            if self.clean is not None:  # ids are never redacted; the name and source are
+                kept = self.clean.redact_json(
                     {semconv.REWARD_NAME: reward.name, semconv.REWARD_SOURCE: reward.source}
                 )
                 if kept.get(semconv.REWARD_NAME) != reward.name:
@@ -532,47 +535,64 @@ def create_store_app(
                     )
                 reward = dataclasses.replace(reward, source=kept.get(semconv.REWARD_SOURCE, MASK))
             rewards.append(reward)
-        stored = await run_in_threadpool(store.add_rewards, rewards)
+        stored = await run_in_threadpool(self.store.add_rewards, rewards)
         return JSONResponse({"rewards": [s.to_json() for s in stored]})
 
-    async def resource(request: Request) -> Response:
-        name = path_id(request, "name")
+    async def resource(self, request: Request) -> Response:
+        name = _path_id(request, "name")
         if request.method == "PUT":
             body = await _json_body(request, _ResourceIn)
-            published = await run_in_threadpool(store.put_resource, name, redacted(body.value))
+            published = await run_in_threadpool(self.store.put_resource, name, self.redacted(body.value))
             return JSONResponse({"resource": wire.resource_to_json(published)})
-        found = await run_in_threadpool(store.get_resource, name)
+        found = await run_in_threadpool(self.store.get_resource, name)
         if found is None:
             raise NotFoundError(f"no resource named {name!r}")
         return JSONResponse({"resource": wire.resource_to_json(found)})
 
-    async def stats(request: Request) -> Response:
-        out = await run_in_threadpool(store.stats)
-        out["ingest_refused_requests"] = ingest.refused_requests
+    async def stats(self, request: Request) -> Response:
+        out = await run_in_threadpool(self.store.stats)
+        out["ingest_refused_requests"] = self.ingest.refused_requests
         return JSONResponse(out)
 
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, request: Request) -> Response:
         return JSONResponse({"ok": True})
 
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/traces", self.ingest_traces, methods=["POST"]),
+            Route("/api/rollouts", self.api(self.enqueue), methods=["POST"]),
+            Route("/api/rollouts/dequeue", self.api(self.dequeue), methods=["POST"]),
+            Route("/api/rollouts/query", self.api(self.query_rollouts), methods=["POST"]),
+            Route("/api/rollouts/list", self.api(self.list_rollouts), methods=["POST"]),
+            Route("/api/rollouts/cancel", self.api(self.cancel), methods=["POST"]),
+            Route("/api/rollouts/consumed", self.api(self.consumed), methods=["POST"]),
+            Route("/api/rollouts/observed", self.api(self.observed), methods=["POST"]),
+            Route("/api/rollouts/merge", self.api(self.merge), methods=["POST"]),
+            Route("/api/attempts/{attempt_id}/heartbeat", self.api(self.heartbeat), methods=["POST"]),
+            Route("/api/attempts/{attempt_id}/complete", self.api(self.complete), methods=["POST"]),
+            Route("/api/spans/query", self.api(self.query_spans), methods=["POST"]),
+            Route("/api/rewards", self.api(self.add_rewards), methods=["POST"]),
+            Route("/api/resources/{name}", self.api(self.resource), methods=["GET", "PUT"]),
+            Route("/api/stats", self.api(self.stats), methods=["GET"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+        ]
+
+
+def create_store_app(
+    store: Store,
+    *,
+    token: str | None = None,
+    pipeline: IngestPipeline | None = None,
+    redactor: Redactor | None = None,
+) -> Starlette:
+    """The ASGI app serving ``store``. With ``token``, every endpoint but ``/healthz`` needs
+    ``Authorization: Bearer <token>``. Spans are written through ``pipeline`` (one is made if not
+    given, with ``redactor``; ``app.state.pipeline`` holds it). ``redactor`` also applies to what the
+    API writes: rollout inputs and metadata, resource values and attempt errors."""
+    ingest = pipeline or IngestPipeline(store, redactor=redactor)
+    api = _StoreAPI(store, token=token, ingest=ingest, redactor=redactor)
     app = Starlette(
-        routes=[
-            Route("/v1/traces", ingest_traces, methods=["POST"]),
-            Route("/api/rollouts", api(enqueue), methods=["POST"]),
-            Route("/api/rollouts/dequeue", api(dequeue), methods=["POST"]),
-            Route("/api/rollouts/query", api(query_rollouts), methods=["POST"]),
-            Route("/api/rollouts/list", api(list_rollouts), methods=["POST"]),
-            Route("/api/rollouts/cancel", api(cancel), methods=["POST"]),
-            Route("/api/rollouts/consumed", api(consumed), methods=["POST"]),
-            Route("/api/rollouts/observed", api(observed), methods=["POST"]),
-            Route("/api/rollouts/merge", api(merge), methods=["POST"]),
-            Route("/api/attempts/{attempt_id}/heartbeat", api(heartbeat), methods=["POST"]),
-            Route("/api/attempts/{attempt_id}/complete", api(complete), methods=["POST"]),
-            Route("/api/spans/query", api(query_spans), methods=["POST"]),
-            Route("/api/rewards", api(add_rewards), methods=["POST"]),
-            Route("/api/resources/{name}", api(resource), methods=["GET", "PUT"]),
-            Route("/api/stats", api(stats), methods=["GET"]),
-            Route("/healthz", healthz, methods=["GET"]),
-        ],
+        routes=api.routes(),
         exception_handlers={404: _route_not_found, 405: _method_not_allowed},
     )
     app.state.pipeline = ingest
