@@ -124,6 +124,154 @@ def _rollout_filter(request: Request) -> tuple[RolloutFilter, int | None, int]:
     return where, before, limit
 
 
+class _DashboardAPI:
+    """The dashboard's page, assets and data endpoints (see :func:`create_dashboard_app`)."""
+
+    def __init__(
+        self,
+        store: Any,
+        runs: Sequence[Path],
+        *,
+        token: str | None,
+        config: Mapping[str, Any] | None,
+        tokenizer: Any,
+        explainer: RolloutExplainer | None,
+    ) -> None:
+        self.store, self.run_paths, self.token = store, list(runs), token
+        self.config, self.tokenizer, self.explainer = config, tokenizer, explainer
+        self.lock = threading.Lock()
+        self.state: dict[str, Any] = {}
+
+    def runs_now(self) -> dict[str, Path]:
+        return find_runs(self.run_paths)
+
+    def default_config(self) -> Mapping[str, Any] | None:
+        if self.config is not None:
+            return self.config
+        for path in self.runs_now().values():
+            found = read_info(path).get("config")
+            if isinstance(found, dict):
+                return found
+        return None
+
+    def default_tokenizer(self) -> Any:
+        if self.tokenizer is not None:
+            return self.tokenizer
+        with self.lock:
+            if "tokenizer" not in self.state:
+                try:
+                    self.state["tokenizer"] = (self.explainer or installed_explainer()).tokenizer(
+                        self.default_config()
+                    )
+                except Exception as exc:  # a damaged model directory: show ids instead
+                    logger.info("agl dashboard: no tokenizer (%s); showing token ids", exc)
+                    self.state["tokenizer"] = None
+            return self.state["tokenizer"]
+
+    def authorized(self, request: Request) -> bool:
+        if self.token is None:
+            return True
+        header = request.headers.get("authorization", "")
+        cookie = request.cookies.get(COOKIE, "")
+        return hmac.compare_digest(header.encode(), f"Bearer {self.token}".encode()) or hmac.compare_digest(
+            cookie.encode(), self.token.encode()
+        )
+
+    def api(self, handler: _Handler) -> _Handler:
+        async def endpoint(request: Request) -> Response:
+            if not self.authorized(request):
+                return _error(
+                    401, "this dashboard needs its token: open the URL printed at start (?token=...)"
+                )
+            try:
+                return await handler(request)
+            except _BadRequest as exc:
+                return _error(400, str(exc))
+            except NotFoundError as exc:
+                return _error(404, str(exc))
+            except StoreUnavailableError as exc:
+                return _error(503, f"the store is unavailable: {exc}")
+            except StoreError as exc:
+                return _error(502, f"the store refused: {exc}")
+
+        return endpoint
+
+    def need_store(self) -> Any:
+        if self.store is None:
+            raise _BadRequest("this dashboard has no store; start it with --store URL|FILE")
+        return self.store
+
+    async def page(self, request: Request) -> Response:
+        given = request.query_params.get("token")
+        if given is not None and self.token is not None:
+            if not hmac.compare_digest(given.encode(), self.token.encode()):
+                return Response("wrong token", status_code=401, headers=_HEADERS, media_type="text/plain")
+            response = RedirectResponse("/", status_code=303, headers=_HEADERS)
+            response.set_cookie(COOKIE, self.token, httponly=True, samesite="strict")
+            return response
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=_HEADERS)
+
+    async def asset(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in _ASSETS:
+            return _error(404, f"no asset {name[:40]!r}")
+        return FileResponse(STATIC / name, media_type=_ASSETS[name], headers=_HEADERS)
+
+    async def list_runs(self, request: Request) -> Response:
+        found = await run_in_threadpool(lambda: [run_summary(n, p) for n, p in self.runs_now().items()])
+        return _json({"runs": found, "store": self.store is not None})
+
+    async def one_run(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        found = self.runs_now()
+        if name not in found:
+            raise NotFoundError(f"no run named {name[:100]!r}")
+        return _json(await run_in_threadpool(read_run, name, found[name]))
+
+    async def rollouts(self, request: Request) -> Response:
+        where, before, limit = _rollout_filter(request)
+        target = self.need_store()
+        page = await run_in_threadpool(lambda: target.list_rollouts(where, before=before, limit=limit))
+        rows = [
+            rollout_row(r, seq, page.span_counts.get(r.rollout_id, 0))
+            for r, seq in zip(page.rollouts, page.seqs, strict=True)
+        ]
+        return _json(
+            {"rollouts": rows, "before": page.before, "total": page.total, "total_capped": page.total_capped}
+        )
+
+    async def one_rollout(self, request: Request) -> Response:
+        rollout_id = request.path_params["rollout_id"]
+        if len(rollout_id) > 512 or "\x00" in rollout_id:
+            raise _BadRequest("a rollout id is at most 512 characters, without NUL")
+        target = self.need_store()
+        detail = await run_in_threadpool(
+            lambda: rollout_detail(
+                target,
+                rollout_id,
+                config=self.default_config(),
+                tokenizer=self.default_tokenizer(),
+                explainer=self.explainer,
+            )
+        )
+        return _json(json.loads(json.dumps(detail, default=str)))
+
+    async def stats(self, request: Request) -> Response:
+        target = self.need_store()
+        return _json(await run_in_threadpool(target.stats))
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/", self.page, methods=["GET"]),
+            Route("/static/{name}", self.asset, methods=["GET"]),
+            Route("/api/runs", self.api(self.list_runs), methods=["GET"]),
+            Route("/api/runs/{name:path}", self.api(self.one_run), methods=["GET"]),
+            Route("/api/rollouts", self.api(self.rollouts), methods=["GET"]),
+            Route("/api/rollouts/{rollout_id:path}", self.api(self.one_rollout), methods=["GET"]),
+            Route("/api/stats", self.api(self.stats), methods=["GET"]),
+        ]
+
+
 def create_dashboard_app(
     store: Any,
     runs: Sequence[Path] = (),
@@ -142,137 +290,8 @@ def create_dashboard_app(
     explainer's for the config's model, when it is on this machine. With ``token``, every data request
     needs it (``Authorization: Bearer``, or the cookie that opening ``/?token=...`` sets).
     """
-    run_paths = list(runs)
-    lock = threading.Lock()
-    state: dict[str, Any] = {}
-
-    def runs_now() -> dict[str, Path]:
-        return find_runs(run_paths)
-
-    def default_config() -> Mapping[str, Any] | None:
-        if config is not None:
-            return config
-        for path in runs_now().values():
-            found = read_info(path).get("config")
-            if isinstance(found, dict):
-                return found
-        return None
-
-    def default_tokenizer() -> Any:
-        if tokenizer is not None:
-            return tokenizer
-        with lock:
-            if "tokenizer" not in state:
-                try:
-                    state["tokenizer"] = (explainer or installed_explainer()).tokenizer(default_config())
-                except Exception as exc:  # a damaged model directory: show ids instead
-                    logger.info("agl dashboard: no tokenizer (%s); showing token ids", exc)
-                    state["tokenizer"] = None
-            return state["tokenizer"]
-
-    def authorized(request: Request) -> bool:
-        if token is None:
-            return True
-        header = request.headers.get("authorization", "")
-        cookie = request.cookies.get(COOKIE, "")
-        return hmac.compare_digest(header.encode(), f"Bearer {token}".encode()) or hmac.compare_digest(
-            cookie.encode(), token.encode()
-        )
-
-    def api(handler: _Handler) -> _Handler:
-        async def endpoint(request: Request) -> Response:
-            if not authorized(request):
-                return _error(
-                    401, "this dashboard needs its token: open the URL printed at start (?token=...)"
-                )
-            try:
-                return await handler(request)
-            except _BadRequest as exc:
-                return _error(400, str(exc))
-            except NotFoundError as exc:
-                return _error(404, str(exc))
-            except StoreUnavailableError as exc:
-                return _error(503, f"the store is unavailable: {exc}")
-            except StoreError as exc:
-                return _error(502, f"the store refused: {exc}")
-
-        return endpoint
-
-    def need_store() -> Any:
-        if store is None:
-            raise _BadRequest("this dashboard has no store; start it with --store URL|FILE")
-        return store
-
-    async def page(request: Request) -> Response:
-        given = request.query_params.get("token")
-        if given is not None and token is not None:
-            if not hmac.compare_digest(given.encode(), token.encode()):
-                return Response("wrong token", status_code=401, headers=_HEADERS, media_type="text/plain")
-            response = RedirectResponse("/", status_code=303, headers=_HEADERS)
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
-            return response
-        return FileResponse(STATIC / "index.html", media_type="text/html", headers=_HEADERS)
-
-    async def asset(request: Request) -> Response:
-        name = request.path_params["name"]
-        if name not in _ASSETS:
-            return _error(404, f"no asset {name[:40]!r}")
-        return FileResponse(STATIC / name, media_type=_ASSETS[name], headers=_HEADERS)
-
-    async def list_runs(request: Request) -> Response:
-        found = await run_in_threadpool(lambda: [run_summary(n, p) for n, p in runs_now().items()])
-        return _json({"runs": found, "store": store is not None})
-
-    async def one_run(request: Request) -> Response:
-        name = request.path_params["name"]
-        found = runs_now()
-        if name not in found:
-            raise NotFoundError(f"no run named {name[:100]!r}")
-        return _json(await run_in_threadpool(read_run, name, found[name]))
-
-    async def rollouts(request: Request) -> Response:
-        where, before, limit = _rollout_filter(request)
-        target = need_store()
-        page = await run_in_threadpool(lambda: target.list_rollouts(where, before=before, limit=limit))
-        rows = [
-            rollout_row(r, seq, page.span_counts.get(r.rollout_id, 0))
-            for r, seq in zip(page.rollouts, page.seqs, strict=True)
-        ]
-        return _json(
-            {"rollouts": rows, "before": page.before, "total": page.total, "total_capped": page.total_capped}
-        )
-
-    async def one_rollout(request: Request) -> Response:
-        rollout_id = request.path_params["rollout_id"]
-        if len(rollout_id) > 512 or "\x00" in rollout_id:
-            raise _BadRequest("a rollout id is at most 512 characters, without NUL")
-        target = need_store()
-        detail = await run_in_threadpool(
-            lambda: rollout_detail(
-                target,
-                rollout_id,
-                config=default_config(),
-                tokenizer=default_tokenizer(),
-                explainer=explainer,
-            )
-        )
-        return _json(json.loads(json.dumps(detail, default=str)))
-
-    async def stats(request: Request) -> Response:
-        target = need_store()
-        return _json(await run_in_threadpool(target.stats))
-
-    return Starlette(
-        routes=[
-            Route("/", page, methods=["GET"]),
-            Route("/static/{name}", asset, methods=["GET"]),
-            Route("/api/runs", api(list_runs), methods=["GET"]),
-            Route("/api/runs/{name:path}", api(one_run), methods=["GET"]),
-            Route("/api/rollouts", api(rollouts), methods=["GET"]),
-            Route("/api/rollouts/{rollout_id:path}", api(one_rollout), methods=["GET"]),
-            Route("/api/stats", api(stats), methods=["GET"]),
-        ]
-    )
+    api = _DashboardAPI(store, runs, token=token, config=config, tokenizer=tokenizer, explainer=explainer)
+    return Starlette(routes=api.routes())
 
 
 def check_listen(host: str, token: str | None) -> None:
