@@ -78,7 +78,7 @@ def run_dev(
     if store is not None and not Path(store).parent.is_dir():
         raise ValueError(f"--store {store}: the folder {Path(store).parent} does not exist")
     agent_fn = job_agent(config, agent)
-    chosen = list(tasks) if tasks is not None else job_tasks(config, None)[0]
+    chosen = list(tasks) if tasks is not None else job_tasks(config.tasks, None)[0]
     if not chosen:
         raise DatasetError("no tasks to run")
     picks = [chosen[k % len(chosen)] for k in range(n)]
@@ -97,7 +97,7 @@ def run_dev(
             file = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agl-dev-"))) / "store.sqlite"
         else:
             file = Path(store)
-        connection = start_store(config, stack, file=file, echo=echo)
+        connection = start_store(config.store, stack, file=file, echo=echo)
         model, tokenizer = load_served_model(config, echo=echo)
         services = start_services(config, stack, connection, model=model, tokenizer=tokenizer, echo=echo)
         queue = RolloutQueue(
@@ -115,7 +115,7 @@ def run_dev(
         wanted = set(ids)
         return [s for s in spans if s.rollout_id in wanted]
 
-    used, used_spans = episodes(config, finished, spans_of)
+    used, used_spans = episodes(config.algorithm, finished, spans_of)
     batch = build_batch(config, used, used_spans)
     rewards = rollout_rewards(finished.done, spans_of)
     described = [_describe(r, finished, batch, rewards, spans, config) for r in everything]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from agl_core.records import Span, Task
 
-from .config import ConfigError, TrainerConfig, add_override_argument, load_config
+from .config import ConfigError, PolicyConfig, TrainerConfig, add_override_argument, load_config
 from .cpu import passive_openmp
 from .reporting.display import held_out_line, paired_difference
 from .reporting.results import EvalResult, mean_se
@@ -189,10 +189,10 @@ def _choose_tasks(
     return chosen[:limit] if limit else chosen
 
 
-def _check_policies(config: TrainerConfig, checkpoint: Checkpoint) -> None:
+def _check_policies(policies: Sequence[PolicyConfig], checkpoint: Checkpoint) -> None:
     """Refuse a checkpoint whose adapters do not fit the config's policies (one adapter per policy, or
     one shared adapter without policies)."""
-    names = [p.name for p in config.policies]
+    names = [p.name for p in policies]
     if checkpoint.adapters and not names:
         raise EvalError(
             f"{checkpoint.path} holds one adapter per policy ({', '.join(checkpoint.adapters)}); evaluate it"
@@ -274,14 +274,14 @@ def evaluate(
     chosen = _choose_tasks(config, tasks, limit)
     target = find_checkpoint(checkpoint) if checkpoint is not None else None
     if target is not None:
-        _check_policies(config, target)
+        _check_policies(config.policies, target)
     policies: list[tuple[str, Checkpoint | None]] = []
     if baseline is not False:
         if target is None:
             raise EvalError("a baseline is compared with a checkpoint; pass --checkpoint DIR as well")
         base = None if baseline is True else find_checkpoint(baseline)
         if base is not None:
-            _check_policies(config, base)
+            _check_policies(config.policies, base)
         if base is not None and (base.adapter is None) != (target.adapter is None):
             raise EvalError(
                 f"{base.path} and {target.path} hold different kinds of weights (a LoRA adapter and full"
@@ -301,7 +301,7 @@ def evaluate(
             store = (
                 Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agl-eval-"))) / "store.sqlite"
             )
-        connection = start_store(config, stack, file=Path(store), echo=echo)
+        connection = start_store(config.store, stack, file=Path(store), echo=echo)
         model, tokenizer = load_served_model(config, echo=echo)
         services = start_services(config, stack, connection, model=model, tokenizer=tokenizer, echo=echo)
         queue = RolloutQueue(

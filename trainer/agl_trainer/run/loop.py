@@ -21,7 +21,7 @@ from typing import Any
 from agl_core.records import Task
 from agl_core.runner import load_agent, resolve_mode
 
-from ..config import TrainerConfig
+from ..config import PolicyConfig, TasksConfig, TrainerConfig
 from ..learning.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..learning.policy import TrainablePolicy, load_trainable_policy, make_learner
 from ..memory import release_free_memory
@@ -133,16 +133,16 @@ def _restore(
     return step, before
 
 
-def idle_policies(config: TrainerConfig, history: Sequence[StepMetrics]) -> list[str]:
-    """A sentence for each policy of ``config`` that served no call in the run's steps (``history``): its
+def idle_policies(policies: Sequence[PolicyConfig], history: Sequence[StepMetrics]) -> list[str]:
+    """A sentence for each of ``policies`` that served no call in the run's steps (``history``): its
     agents' patterns match no agent that called the gateway, which is most often a typo."""
-    if not config.policies or not history:
+    if not policies or not history:
         return []
     called = {name for m in history for name, row in (m.policies or {}).items() if row.get("calls")}
     return [
         f"policy {p.name!r} served no call in {len(history)} step(s): no calling agent matched its agents"
         f" {list(p.agents)}; check the patterns against the agent names 'agl inspect ROLLOUT_ID' shows"
-        for p in config.policies
+        for p in policies
         if p.name not in called
     ]
 
@@ -178,19 +178,20 @@ def job_agent(config: TrainerConfig, agent: AgentFn | None) -> AgentFn:
         agent = load_agent(config.agent, search_paths=(config.base_dir,))
     resolve_mode(agent, config.runner.mode)
     if not config.runner.workers:
-        remote_agent(config)  # runners started elsewhere need the agent's name
+        remote_agent(config.agent)  # runners started elsewhere need the agent's name
     return agent
 
 
 def job_tasks(
-    config: TrainerConfig, tasks: tuple[list[Task], list[Task]] | None
+    section: TasksConfig | None, tasks: tuple[list[Task], list[Task]] | None
 ) -> tuple[list[Task], list[Task]]:
-    """The training and validation tasks of a job: ``tasks`` when given, else the config's task files."""
+    """The training and validation tasks of a job: ``tasks`` when given, else the task files of the
+    config's ``tasks`` section."""
     if tasks is not None:
         return tasks
-    if config.tasks is None:
+    if section is None:
         raise ValueError("no tasks: set 'tasks' in the config (a task file), or pass the tasks")
-    return load_splits(config.tasks)
+    return load_splits(section)
 
 
 def train(
@@ -214,7 +215,7 @@ def train(
     if config.traces is not None:
         raise ValueError("a config with traces: trains with agl_trainer.run.offline.train_from_traces")
     agent_fn = job_agent(config, agent)
-    train_tasks, val_tasks = job_tasks(config, tasks)
+    train_tasks, val_tasks = job_tasks(config.tasks, tasks)
     if resume and config.update.backend == "verl":
         raise ValueError(
             "--resume is not supported with update.backend verl (its weights live in verl's workers)"
@@ -268,7 +269,7 @@ class _OnlineJob:
                 else " (no validation split: set tasks.val or tasks.val_fraction to measure held-out reward)"
             )
         )
-        store = start_store(config, stack, file=out / config.store.path, echo=display.line)
+        store = start_store(config.store, stack, file=out / config.store.path, echo=display.line)
         if config.logging.dashboard:
             display.line(f"dashboard: {start_run_dashboard(config, stack, store)}")
         self.policy = load_trainable_policy(config, stack, echo=display.line)
@@ -369,7 +370,7 @@ class _OnlineJob:
         """The closing warnings and the done line; a run in which no step trained for a reason other than
         tied groups raises :class:`NothingTrainedError`."""
         context, config, display, log = self.context, self.config, self.context.display, self.context.log
-        for line in idle_policies(config, log.history):
+        for line in idle_policies(config.policies, log.history):
             display.line(f"warning: {line}")
         display.line(
             f"done: metrics in {log.metrics_path}"

@@ -133,7 +133,7 @@ def train_from_traces(
     agent_fn: AgentFn | None = None
     if (agent is not None or config.agent is not None) and (tasks is not None or config.tasks is not None):
         agent_fn = job_agent(config, agent)
-        _, val_tasks = job_tasks(config, tasks)
+        _, val_tasks = job_tasks(config.tasks, tasks)
     validating = bool(val_tasks) and (config.validation.before or config.validation.after)
     own_store = None if config.store.url else config.store.path
     if own_store is not None and Path(traces.store).resolve() == (config.output_dir / own_store).resolve():
@@ -243,7 +243,9 @@ class _TracesJob:
         from .services import start_runners, start_services, start_store
 
         config, context, display = self.config, self.context, self.context.display
-        store = start_store(config, context.stack, file=context.out / config.store.path, echo=display.line)
+        store = start_store(
+            config.store, context.stack, file=context.out / config.store.path, echo=display.line
+        )
         self.services = start_services(
             config, context.stack, store, model=self.model, tokenizer=self.policy.tokenizer, echo=display.line
         )

@@ -230,7 +230,7 @@ class AsyncTrainStep:
             self.queue.flush()  # the gateway's spans of the finished calls
             for group in ready[: wanted - len(taken)]:
                 round_ = self._take(group, rollouts)
-                group_used, group_spans = episodes(config, round_, self.queue.client.all_spans)
+                group_used, group_spans = episodes(config.algorithm, round_, self.queue.client.all_spans)
                 behind = _staleness(group_spans, version)
                 if behind > self.max_staleness:
                     dropped += 1

@@ -24,7 +24,7 @@ from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.service import StoreService
 from agl_core.tracing import make_otlp_exporter, setup_tracing
 
-from ..config import TrainerConfig
+from ..config import StoreConfig, TrainerConfig
 from ..cpu import size_torch_threads
 from ..reporting.trackers import masked_config
 from .rollouts import wait_for_store
@@ -104,11 +104,12 @@ class Services:
 
 
 def start_store(
-    config: TrainerConfig, stack: ExitStack, *, file: Path | None, echo: Callable[[str], None]
+    section: StoreConfig, stack: ExitStack, *, file: Path | None, echo: Callable[[str], None]
 ) -> StoreConnection:
-    """Connect to ``store.url``, or start the embedded store on the SQLite ``file`` (stopped by ``stack``)."""
-    if config.store.url:
-        url, file = config.store.url, None
+    """Connect to the ``store`` section's ``url``, or start the embedded store on the SQLite ``file``
+    (stopped by ``stack``)."""
+    if section.url:
+        url, file = section.url, None
     else:
         if file is None:
             raise ValueError("the embedded store needs a file (or set store.url)")
@@ -205,19 +206,19 @@ def load_served_model(config: TrainerConfig, *, echo: Callable[[str], None]) -> 
     return model, tokenizer
 
 
-def remote_agent(config: TrainerConfig) -> str:
+def remote_agent(agent: str | None) -> str:
     """The ``module:function`` that runners started elsewhere import (``runner.workers: 0``).
 
     Raises ``ValueError`` when the config names none (the agent was given as a function object).
     """
-    if config.agent is None:
+    if agent is None:
         raise ValueError(
             "runner.workers: 0 leaves the rollouts to runners started elsewhere with 'agl run"
             " MODULE:FUNCTION', which import the agent by name, and this job was given the agent as a"
             " function; set runner.workers to 1 or more to run it here, or name it in the config"
             " ('agent: module:function')"
         )
-    return config.agent
+    return agent
 
 
 def start_runners(
@@ -238,7 +239,7 @@ def start_runners(
     services.publish()
     if not config.runner.workers:
         command = run_command(
-            remote_agent(config),
+            remote_agent(config.agent),
             services.store.url,
             workers=1,
             mode=config.runner.mode,

@@ -20,7 +20,7 @@ from agl_core.pipeline.transitions import TransitionResult, explain_untrained, s
 from agl_core.policies import BASE, policy_mismatch, trained_policy
 from agl_core.records import Rollout, RolloutStatus, Span, Task, Transition
 
-from ..config import TrainerConfig
+from ..config import AlgorithmConfig, TrainerConfig
 from ..learning.algo import Advantaged, GroupReport, compute_advantages
 from ..reporting.results import UNNAMED_AGENT, StepMetrics
 from .rollouts import RolloutQueue, RolloutRound, error_line, rollout_rewards
@@ -190,12 +190,12 @@ def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[
 
 
 def episodes(
-    config: TrainerConfig, finished: RolloutRound, spans_of: Callable[[list[str]], Sequence[Span]]
+    algorithm: AlgorithmConfig, finished: RolloutRound, spans_of: Callable[[list[str]], Sequence[Span]]
 ) -> tuple[list[Rollout], list[Span]]:
     """The finished rollouts a step trains on, and the spans of their last attempts (``spans_of(ids)``
     gives the spans of those rollouts): the succeeded ones, and the timed-out ones when
     ``algorithm.rewards.timeout_episode_reward`` gives them an episode reward."""
-    rewards_config = config.algorithm.rewards
+    rewards_config = algorithm.rewards
     # a timed-out rollout has no episode reward; it is trained only when the config gives it one
     used = finished.done + [
         r
@@ -231,7 +231,7 @@ class TrainStep:
         self._mark = self.meter.reading()
 
     def _episodes(self, finished: RolloutRound) -> tuple[list[Rollout], list[Span]]:
-        return episodes(self.config, finished, self.queue.client.all_spans)
+        return episodes(self.config.algorithm, finished, self.queue.client.all_spans)
 
     def run(
         self, step: int, tasks: list[Task], draw: Callable[[int], list[Task]] | None = None
