@@ -21,13 +21,10 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from . import plugins, settings
 from ._store_reader import StoreReader, add_store_arguments
-
-if TYPE_CHECKING:
-    pass
 
 
 def _port(text: str) -> int:

@@ -256,7 +256,7 @@ class _OnlineJob:
     ) -> None:
         config, display, stack, out = context.config, context.display, context.stack, context.out
         self.context, self.config, self.agent_fn, self.val_tasks = context, config, agent_fn, val_tasks
-        self.steps = config.train.steps
+        self.steps = context.steps
         self.validating = bool(val_tasks) and bool(
             config.validation.before or config.validation.after or config.validation.every_steps
         )

@@ -149,7 +149,7 @@ def train_from_traces(
         own_store=own_store,
     )
     with context:
-        job = _TracesJob(context, traces, data, steps)
+        job = _TracesJob(context, traces, data)
         queue = job.start_validation(agent_fn) if validating and agent_fn is not None else None
         before = job.resume_or_score(queue, val_tasks)
         last_saved = context.checkpoint
@@ -169,22 +169,20 @@ class _TracesJob:
     """The steps of training from traces inside a :class:`RunContext`: the policy loaded, the data made
     into one batch per step, and, for validation, the services that serve the policy to the agent."""
 
-    def __init__(self, context: RunContext, traces: TracesConfig, data: _TraceData, steps: int) -> None:
+    def __init__(self, context: RunContext, traces: TracesConfig, data: _TraceData) -> None:
         from ..learning.policy import load_trainable_policy
+        from ..learning.update import UpdateSettings
 
-        self.context, self.config, self.traces, self.data, self.steps = (
-            context,
-            context.config,
-            traces,
-            data,
-            steps,
-        )
+        self.context, self.config, self.traces, self.data = context, context.config, traces, data
+        self.steps = context.steps
         display = context.display
         display.line(data.selection.describe())
         self.policy = load_trainable_policy(self.config, context.stack, echo=display.line)
         model, optimizer = self.policy.model, self.policy.optimizer
         assert model is not None and optimizer is not None  # traces: trains with the torch update
         self.model, self.optimizer = model, optimizer
+        device = next(model.parameters()).device
+        self.settings = UpdateSettings.of(self.config.algorithm, self.config.update, device)
         #: (rollout id, call index) -> whether the call's token ids are the gateway's (``sft``).
         self.exact_of: dict[tuple[str, int], bool] = {}
         self.batches = self._sft_batches() if data.sft is not None else self._rl_batches()
@@ -277,14 +275,11 @@ class _TracesJob:
 
     def step(self, step: int, before: EvalResult | None) -> Path | None:
         """One optimizer step on the step's batch, recorded; the checkpoint it wrote, if it wrote one."""
-        from ..learning.update import UpdateSettings
-
-        context, config, data = self.context, self.config, self.data
+        context, config, data, settings = self.context, self.config, self.data, self.settings
         context.display.start_step(step, step - 1)
         context.phase(f"step {step} of {self.steps}")
         t0 = time.monotonic()
         batch = self.batches[step - 1]
-        settings = UpdateSettings.of(config.algorithm, config.update, next(self.model.parameters()).device)
         transitions: Sequence[Transition]
         with _serving(self.services, self.model, step):
             if data.sft is not None:

@@ -305,9 +305,10 @@ class RunContext:
         # peft asks transformers a deprecated question on every wrap; not actionable for a user.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(config.train.seed)
-        self.display = Display(config.logging.progress, self.steps, echo=self._echo)
-        self.display.__enter__()
-        try:
+        # entered stack first, display second: the display closes first, then what the job started
+        with ExitStack() as outer:
+            outer.enter_context(self.stack)
+            self.display = outer.enter_context(Display(config.logging.progress, self.steps, echo=self._echo))
             self.run_file = RunFile(
                 self.out,
                 title=self.title,
@@ -317,19 +318,13 @@ class RunContext:
             )
             self.stack.push(self.run_file)
             self.log = RunLog(config, self.display, self.stack, title=self.title)
-        except BaseException:
-            self.stack.close()
-            self.display.__exit__(None, None, None)
-            raise
+            self._open = outer.pop_all()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        try:  # the display closes first, then what the job started, as two nested with-blocks would
-            self.display.__exit__(exc_type, exc, tb)
-        finally:
-            self.stack.__exit__(exc_type, exc, tb)
+        self._open.__exit__(exc_type, exc, tb)
 
     def phase(self, what: str) -> None:
         """What the job is doing now, for ``run.json`` (the dashboard)."""
