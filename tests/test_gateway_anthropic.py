@@ -1,7 +1,7 @@
 """The Anthropic Messages API of the gateway (``agl_core.gateway.protocols.anthropic``): the real
-``anthropic`` SDK,
-sync and async, streamed and not, against the real gateway in front of a scripted policy; the exact token
-ids, logprobs and policy version on each call's span; Anthropic-shaped errors for every malformed request."""
+``anthropic`` SDK, sync and async, streamed and not, against the real gateway in front of a scripted policy;
+the exact token ids, logprobs and policy version on each call's span; Anthropic-shaped errors for every
+malformed request."""
 
 from __future__ import annotations
 

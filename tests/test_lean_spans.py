@@ -1,6 +1,5 @@
 """The adapters' lean spans (agl_core.capture.lean_spans): what processors and exporters receive is what the
-SDK's
-own tracer would give them, and the SDK's tracer takes over wherever that could not be promised."""
+SDK's own tracer would give them, and the SDK's tracer takes over wherever that could not be promised."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ captured by the gateway, its spans imported from an OTLP file, joined in one sto
 2. The agent (a LangGraph graph, nodes ``solver`` and ``checker``) is traced ONLY by OpenInference's
    ``LangChainInstrumentor``; its spans go to an OTLP JSON-lines file written by agl's
    :class:`~agl_core.capture.otlp_file.OtlpJsonLinesExporter`, the shape the OpenTelemetry Collector's
-   ``file``
-   exporter writes. Each episode names its session twice: ``using_session`` on the spans,
+   ``file`` exporter writes. Each episode names its session twice: ``using_session`` on the spans,
    ``x-agl-session-id`` on the calls. The last episode calls another endpoint directly.
 3. ``agl import FILE --store STORE`` puts the OpenInference spans next to the gateway's, under the
    rollout id the session id decides; ``agl reward`` rates one episode late; ``agl inspect`` shows what

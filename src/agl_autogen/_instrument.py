@@ -17,8 +17,7 @@ against the token counts the client reports (see :mod:`agl_core.pipeline.transit
 
 Each model-client call runs with the agent whose turn it is (the team's, for a selector's own calls) as
 the calling agent of :mod:`agl_core.capture.agent_header`: the client's HTTP requests to an agl gateway carry
-it in
-``x-agl-agent-name``. The client sends them from this task (or from tasks it starts here, which copy its
+it in ``x-agl-agent-name``. The client sends them from this task (or from tasks it starts here, which copy its
 context), so the name is in effect where each request is sent.
 """
 

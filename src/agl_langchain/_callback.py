@@ -49,8 +49,7 @@ class _Run(OpenSpan):
 _RUNS: dict[int, _Run] = {}
 
 #: The calling agent each open LLM run set (:mod:`agl_core.capture.agent_header`), by run id (number): put
-#: back
-#: when the run ends. Only the handler recording a run sets it, so each is put back once.
+#: back when the run ends. Only the handler recording a run sets it, so each is put back once.
 _AGENT_TOKENS: dict[int, Token[str | None]] = {}
 
 #: Who holds :mod:`agl_core.capture.agent_header`'s httpx hook: :func:`instrument`, or a handler in

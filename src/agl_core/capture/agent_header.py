@@ -23,8 +23,7 @@ Three pieces, used by ``agl_langchain``, ``agl_openai_agents`` and ``agl_autogen
   ``llm.for_agent(name)``, whose URL percent-encodes it.
 
 ``import agl_core.capture.agent_header`` does not import httpx; installing the hook does. The hook sees the
-request
-``send`` is given; a redirect the gateway answered with would carry the header on (agl's gateway never
+request ``send`` is given; a redirect the gateway answered with would carry the header on (agl's gateway never
 redirects).
 """
 

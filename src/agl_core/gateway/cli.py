@@ -141,8 +141,7 @@ _SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
             default=128.0,
             metavar="MIB",
             help="hf: memory for the keys and values of prompt prefixes reused across calls; 0 turns reuse"
-            " off"
-            " (default: %(default)s)",
+            " off (default: %(default)s)",
         ),
     ),
     (
@@ -185,8 +184,7 @@ _SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
             default=256.0,
             metavar="MIB",
             help="most span data waiting for the store; past it new spans are dropped, counted in /metrics"
-            " and"
-            " logged (default: %(default)s)",
+            " and logged (default: %(default)s)",
         ),
     ),
     (
@@ -196,8 +194,7 @@ _SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
             default=1.0,
             metavar="MIB",
             help="most bytes of a call's input messages (and of its tool definitions) a span records; a"
-            " longer"
-            " one is cut with a marker and its original size (default: %(default)s)",
+            " longer one is cut with a marker and its original size (default: %(default)s)",
         ),
     ),
     (

@@ -94,8 +94,7 @@ def assign_credit(
     """Rewrite each transition's ``reward`` from its episode reward according to ``strategy``.
 
     Expects transitions as made by :func:`~agl_core.pipeline.transitions.spans_to_transitions` (``reward``
-    holds
-    the episode reward, ``call_index`` counts calls within the rollout). ``last`` and ``discounted``
+    holds the episode reward, ``call_index`` counts calls within the rollout). ``last`` and ``discounted``
     count from the last of the given transitions of each rollout.
     """
     if strategy not in STRATEGIES:
@@ -312,8 +311,8 @@ def reward_events(spans: Iterable[Span], result: TransitionResult) -> list[Rewar
     """Every intermediate reward in ``spans``, attached to one of ``result``'s transitions.
 
     ``result`` is what :func:`~agl_core.pipeline.transitions.spans_to_transitions` made of the same spans;
-    rollouts
-    without transitions have no events. Events come per rollout, in span order; weights are not applied.
+    rollouts without transitions have no events. Events come per rollout, in span order; weights are not
+    applied.
     """
     by_rollout: dict[str, list[Span]] = defaultdict(list)
     for span in spans:

@@ -3,8 +3,8 @@
 A late reward is stored as what every reward already is, an ``agl.reward`` span
 (:data:`~agl_core.semconv.SPAN_REWARD`, with ``agl.reward.value`` and ``agl.reward.name``), so
 :func:`~agl_core.pipeline.transitions.spans_to_transitions` and :mod:`agl_core.pipeline.credit` read it
-exactly as one
-emitted during the rollout. It also carries ``agl.reward.id`` and ``agl.reward.source``. Where it goes:
+exactly as one emitted during the rollout. It also carries ``agl.reward.id`` and ``agl.reward.source``. Where
+it goes:
 
 * a rollout: a child of the rollout's latest ``agl.rollout`` span (in its trace), with the rollout's
   identity attributes; when the store holds no such span, a trace of its own named by the reward id;

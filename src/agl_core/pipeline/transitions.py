@@ -139,8 +139,7 @@ def spans_to_transitions(spans: Iterable[Span], *, timeout_reward: float | None 
 
     A rollout without an episode reward yields no transitions (:data:`NO_REWARD`), except that one which
     timed out (it holds a timeout ``agl.error`` span, :func:`~agl_core.pipeline.spantree.is_timeout_error`)
-    gets
-    ``timeout_reward`` as its episode reward when that is given; such rollouts are listed in
+    gets ``timeout_reward`` as its episode reward when that is given; such rollouts are listed in
     ``timeout_rewarded``.
     """
     if timeout_reward is not None and not math.isfinite(timeout_reward):

@@ -672,11 +672,10 @@ class SqlStore(Generic[_C]):
     # --- late rewards --------------------------------------------------------------------------------
     def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
         """Attach rewards to rollouts, traces or spans after the fact (:mod:`agl_core.pipeline.rewards`), in
-        one
-        transaction: all are stored, or none. A reward id stored before with the same reward is answered
+        one transaction: all are stored, or none. A reward id stored before with the same reward is answered
         as stored (``created=False``); with a different one, :class:`StoreError` (409) names the id. An
-        unknown target raises :class:`NotFoundError`. A rollout's recorded reward becomes its latest
-        episode reward by time."""
+        unknown target raises :class:`NotFoundError`. A rollout's recorded reward becomes its latest episode
+        reward by time."""
         if not rewards:
             return []
         now_ns = time.time_ns()

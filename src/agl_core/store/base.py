@@ -172,8 +172,7 @@ class Store(Protocol):
     def add_rewards(self, rewards: Sequence[Reward]) -> list[StoredReward]:
         """Attach rewards to rollouts, traces or spans after the fact, as ``agl.reward`` spans
         (:mod:`agl_core.pipeline.rewards`); all or none. Idempotent by reward id: the same reward again
-        changes
-        nothing (``created=False``), a different one under a stored id raises :class:`StoreError`; an
+        changes nothing (``created=False``), a different one under a stored id raises :class:`StoreError`; an
         unknown rollout, trace or span raises :class:`NotFoundError`."""
 
     def reclaim_expired(self, now: float | None = None) -> int: ...

@@ -319,9 +319,8 @@ class StoreClient:
         reward_id: str | None = None,
         time: datetime | float | None = None,
     ) -> StoredReward:
-        """Attach one reward to a rollout, trace or span (:func:`agl_core.pipeline.rewards.make_reward`).
-        Pass a
-        ``reward_id`` to make retrying safe: the same reward under the same id is stored once."""
+        """Attach one reward to a rollout, trace or span (:func:`agl_core.pipeline.rewards.make_reward`). Pass
+        a ``reward_id`` to make retrying safe: the same reward under the same id is stored once."""
         reward = make_reward(
             value,
             rollout_id=rollout_id,

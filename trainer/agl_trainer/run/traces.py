@@ -4,10 +4,8 @@ preparation of what each algorithm trains on (no torch).
 A rollout is a set of spans, however it arrived (the trainer's runner, ``agl import``, a production
 gateway): its time is the start of its earliest span, its reward the episode reward among its spans
 (:func:`agl_core.pipeline.transitions.episode_rewards`), its source the ``source`` in its record's metadata,
-its
-task the record's task id (else ``agl.task.id`` on its spans, else its rollout id). Rollouts of the
-store's queue that did not succeed are not selected; only the spans of a retried rollout's last attempt
-are.
+its task the record's task id (else ``agl.task.id`` on its spans, else its rollout id). Rollouts of the
+store's queue that did not succeed are not selected; only the spans of a retried rollout's last attempt are.
 """
 
 from __future__ import annotations
@@ -250,8 +248,7 @@ def prepare_rl(config: TrainerConfig, selection: Selection) -> RlData:
     call recorded without logprobs is refused whole (:data:`NO_LOGPROBS`), so credit rules such as
     ``last`` see the same calls the agent made; rollouts without any transition are refused with the
     reason :func:`~agl_core.pipeline.transitions.explain_untrained` gives (no reward, no gateway token ids,
-    ...).
-    Calls without token ids are never re-tokenised here. Groups are the rollouts of one task id; a group
+    ...). Calls without token ids are never re-tokenised here. Groups are the rollouts of one task id; a group
     of one rollout, or of tied scores, carries no signal and is skipped (``GroupReport``).
     """
     algorithm = config.algorithm

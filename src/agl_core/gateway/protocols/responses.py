@@ -1,13 +1,12 @@
 """The OpenAI Responses API, ``POST /v1/responses``, as a front door of the gateway.
 
 The request side is :mod:`agl_core.gateway.protocols._responses_in`. The answer is a ``response`` object, or
-its
-stream of server-sent events (``response.created``, ``response.in_progress``, the output items with their
-deltas, then ``response.completed``, ``response.incomplete`` when the policy hit ``max_output_tokens``,
-or ``response.failed`` when the backend failed). Its output is a ``message`` item when the policy wrote
-text (or nothing at all), then one ``function_call`` item per tool call, whose ``call_id`` is the
-backend's tool call id: the id the gateway's span records, which tool spans are matched by. The streamed
-items end equal to the non-streamed ones.
+its stream of server-sent events (``response.created``, ``response.in_progress``, the output items with their
+deltas, then ``response.completed``, ``response.incomplete`` when the policy hit ``max_output_tokens``, or
+``response.failed`` when the backend failed). Its output is a ``message`` item when the policy wrote text (or
+nothing at all), then one ``function_call`` item per tool call, whose ``call_id`` is the backend's tool call
+id: the id the gateway's span records, which tool spans are matched by. The streamed items end equal to the
+non-streamed ones.
 
 ``previous_response_id`` continues a response this gateway served, from its :class:`ResponseLog`.
 """
