@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--tolerance", type=float, default=1e-3, help="log-prob agreement (1e-3)")
     args = parser.parse_args(argv)
+    if args.rows < 1 or args.max_tokens < 1:
+        parser.error("--rows and --max-tokens must be at least 1")
+    if not args.tolerance > 0:
+        parser.error("--tolerance must be above 0")
+    if args.rows > len(questions()):
+        parser.error(f"--rows must be at most {len(questions())} (the held-out questions)")
     from agl_trainer.generation.hf_backend import HFBackend
     from agl_trainer.model import load_policy
 
