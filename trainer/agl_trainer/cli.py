@@ -41,6 +41,12 @@ def run_train(
     except ConfigError as exc:
         print(f"agl train: {exc}", file=sys.stderr)
         return 2
+    if config.improve is not None and not print_config:
+        print(
+            f"agl train: {config_path} has an improve: section; run it with: agl improve {config_path}",
+            file=sys.stderr,
+        )
+        return 2
     if print_config:
         dumped = config.model_dump(mode="json")
         if as_json:

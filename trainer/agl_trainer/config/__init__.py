@@ -27,6 +27,7 @@ from .algorithm import (
 )
 from .base import ConfigError, _Strict
 from .data import TasksConfig, TracesConfig, TracesFilterConfig
+from .improve import GateConfig, GatewayTargetConfig, ImproveConfig, RollbackConfig
 from .model import LoraConfig, ModelConfig, PolicyConfig
 from .run import CheckpointConfig, LoggingConfig, TrainConfig, ValidationConfig
 from .services import (
@@ -48,13 +49,17 @@ __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
     "ConfigError",
+    "GateConfig",
     "GatewayConfig",
+    "GatewayTargetConfig",
     "HFServingConfig",
+    "ImproveConfig",
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
     "PolicyConfig",
     "RewardsConfig",
+    "RollbackConfig",
     "RunnerConfig",
     "ServingConfig",
     "StoreConfig",
@@ -110,6 +115,9 @@ class TrainerConfig(_Strict):
     #: verl's defaults unchanged. A key verl's defaults lack is written ``+key``, as with Hydra. The keys
     #: in ``VERL_RESERVED_KEYS`` come from agl's own settings and may not be set here.
     verl: dict[str, Any] = {}
+    #: ``agl improve``: keep training rounds from the rollouts ``traces`` selects as they arrive, gate
+    #: each candidate on the held-out tasks, publish the promoted ones to gateways (docs/improve.md).
+    improve: ImproveConfig | None = None
     #: Directory of the config file (set by :func:`load_config`); the agent module is imported from here.
     base_dir: Path = Path(".")
 
@@ -144,6 +152,36 @@ class TrainerConfig(_Strict):
                 " supports yet)"
             )
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _improve_fits(self) -> TrainerConfig:
+        if self.improve is None:
+            return self
+        if self.traces is None:
+            raise ValueError(
+                "improve: trains on stored rollouts as they arrive; add a traces: section (traces.store and"
+                " traces.filter: the rollouts to learn from)"
+            )
+        if self.traces.filter.rollout_ids:
+            raise ValueError(
+                "traces.filter.rollout_ids: with improve: each round chooses its rollouts itself; remove it"
+            )
+        if self.traces.filter.until is not None:
+            raise ValueError(
+                "traces.filter.until: with improve: the service learns from rollouts as they arrive, and an"
+                " end date would stop it learning; remove it"
+            )
+        if self.policies:
+            raise ValueError("improve: serves and trains one policy; remove policies:")
+        if self.improve.gate != "none" and (self.agent is None or self.tasks is None or not self._has_val()):
+            raise ValueError(
+                "improve.gate scores each candidate on held-out tasks: set agent: and tasks.val (or"
+                " tasks.val_fraction), or say gate: none to promote every candidate unchecked"
+            )
+        return self
+
+    def _has_val(self) -> bool:
+        return self.tasks is not None and (self.tasks.val is not None or self.tasks.val_fraction is not None)
 
     @pydantic.model_validator(mode="after")
     def _policies_fit(self) -> TrainerConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 import pydantic
 
@@ -61,6 +62,10 @@ class TracesConfig(_Strict):
     #: versions ``<served_name>-...``) or its base model (``model.source``); other names the same weights
     #: were served under (a production gateway's model name, say) are listed here.
     models: list[str] = []
+    #: Off-policy RL: what a rollout's reward is compared with. ``task``: the other rollouts of its task
+    #: id (a group, as in GRPO; a task seen once trains nothing). ``agent``: every selected rollout of the
+    #: same agents (a per-agent mean over the selection), for production sessions where no task repeats.
+    baseline: Literal["task", "agent"] = "task"
 
 
 class TasksConfig(_Strict):

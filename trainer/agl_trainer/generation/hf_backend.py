@@ -22,6 +22,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -579,9 +580,51 @@ class HFBackend:
                 raise BackendError(f"cannot load {update.kind} weights from {path}: {exc}") from exc
             self.policy_version = update.version
 
+    def _check_adapter_fits(self, path: Path) -> None:
+        """Refuse, before anything is loaded, an adapter whose LoRA matrices do not fit the served model's
+        layers (an adapter trained on another base model), naming both models."""
+        weights = path / "adapter_model.safetensors"
+        if not weights.is_file():
+            return  # PEFT reports what is missing
+        from safetensors import safe_open
+
+        modules = dict(self.model.named_modules())
+        with safe_open(str(weights), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
+                if ".lora_A." not in key and ".lora_B." not in key:
+                    continue
+                owner = key.split(".lora_")[0].removeprefix("base_model.model.")
+                module = next(
+                    (m for name, m in modules.items() if name == owner or name.endswith("." + owner)), None
+                )
+                base = getattr(module, "base_layer", module)
+                shape = handle.get_slice(key).get_shape()
+                wanted = (
+                    getattr(base, "in_features", None)
+                    if ".lora_A." in key
+                    else getattr(base, "out_features", None)
+                )
+                got = shape[1] if ".lora_A." in key else shape[0]
+                if module is None or (wanted is not None and wanted != got):
+                    trained_on = "another model"
+                    config_file = path / "adapter_config.json"
+                    with contextlib.suppress(OSError, ValueError):
+                        trained_on = (
+                            json.loads(config_file.read_text()).get("base_model_name_or_path") or trained_on
+                        )
+                    served = (
+                        getattr(getattr(self.model, "config", None), "_name_or_path", "") or self._names[0]
+                    )
+                    detail = "no such layer" if module is None else f"{got} features, the layer has {wanted}"
+                    raise BackendError(
+                        f"the adapter in {path} does not fit the served model: it was trained on {trained_on}"
+                        f" and this gateway serves {served} ({key}: {detail})"
+                    )
+
     def _load_adapter(self, path: Path, version: int) -> None:
         if not (path / "adapter_config.json").is_file():
             raise BackendError(f"{path} has no adapter_config.json; is it a PEFT LoRA adapter directory?")
+        self._check_adapter_fits(path)
         from peft import PeftModel
 
         name = f"v{version}"

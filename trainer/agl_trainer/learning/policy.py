@@ -28,7 +28,14 @@ if TYPE_CHECKING:
     from .update import ReferenceFn, UpdateStats
     from .verl_backend import VerlUpdater
 
-__all__ = ["TorchLearner", "TrainablePolicy", "VerlLearner", "load_trainable_policy", "make_learner"]
+__all__ = [
+    "TorchLearner",
+    "TrainablePolicy",
+    "VerlLearner",
+    "load_trainable_policy",
+    "make_learner",
+    "peft_lora_config",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +107,7 @@ def load_trainable_policy(
             if config.model.lora is not None:
                 from peft import get_peft_model
 
-                model = get_peft_model(model, _peft_lora(config.model.lora))
+                model = get_peft_model(model, peft_lora_config(config.model.lora))
                 if config.model.init_adapter is not None:
                     loaded = _load_init_adapter(model, config.model.init_adapter)
                     echo(f"model: LoRA adapter starts from {loaded}")
@@ -162,7 +169,8 @@ def _load_init_adapter(model: Any, path: str) -> str:
     return checkpoint.describe()
 
 
-def _peft_lora(lora: LoraConfig) -> Any:
+def peft_lora_config(lora: LoraConfig) -> Any:
+    """PEFT's LoRA configuration for ``model.lora`` (every adapter agl trains has this shape)."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
@@ -185,9 +193,9 @@ def _add_policy_adapters(model: Any, config: TrainerConfig) -> tuple[Any, dict[s
         lora = policy.lora or config.model.lora
         assert lora is not None  # the config requires one
         if n == 0:
-            model = get_peft_model(model, _peft_lora(lora), adapter_name=policy.name)
+            model = get_peft_model(model, peft_lora_config(lora), adapter_name=policy.name)
         else:
-            model.add_adapter(policy.name, _peft_lora(lora))
+            model.add_adapter(policy.name, peft_lora_config(lora))
     for policy in config.policies:
         marker = f".{policy.name}."
         params = [p for name, p in model.named_parameters() if marker in name and "lora_" in name]

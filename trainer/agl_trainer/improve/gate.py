@@ -1,0 +1,87 @@
+"""The two statistical decisions of ``agl improve`` (pure): whether a candidate may replace the serving
+version (a paired comparison on the same held-out tasks), and whether a live version has fallen below its
+predecessor (two independent means of late session rewards)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from ..config import GateConfig
+from ..reporting.results import mean_se
+from .state import GateRecord
+
+__all__ = ["LiveComparison", "compare_live", "gate_decision"]
+
+
+def gate_decision(
+    gate: GateConfig, serving: Mapping[str, float], candidate: Mapping[str, float], seconds: float = 0.0
+) -> GateRecord:
+    """Promote or refuse a candidate from each version's per-task held-out scores.
+
+    The change is the mean over the tasks both scored of (candidate - serving), ``se`` its standard error.
+    Refused when ``change < -max_drop_se * se`` (worse beyond the margin), or, with ``min_gain_se``, when
+    ``change < min_gain_se * se`` (not better enough). With a standard error of 0 (every task changed by
+    the same amount) a negative change is refused and, with ``min_gain_se``, so is no change.
+    """
+    common = sorted(set(serving) & set(candidate))
+    if not common:
+        return GateRecord("refused", "no held-out task was scored for both versions", seconds=seconds)
+    diffs = [candidate[t] - serving[t] for t in common]
+    change, se = mean_se(diffs)
+    base_mean = sum(serving[t] for t in common) / len(common)
+    cand_mean = sum(candidate[t] for t in common) / len(common)
+    record = GateRecord("promoted", "", cand_mean, base_mean, change, se, len(common), seconds)
+    floor = -gate.max_drop_se * se
+    if change < floor or (se == 0 and change < 0):
+        record.decision = "refused"
+        record.reason = (
+            f"worse than the serving version: change {change:+.3f} ± {se:.3f} over {len(common)} tasks,"
+            f" below the margin of -{gate.max_drop_se:g} SE ({floor:+.3f})"
+        )
+        return record
+    if gate.min_gain_se is not None:
+        needed = gate.min_gain_se * se
+        if change < needed or (se == 0 and change <= 0):
+            record.decision = "refused"
+            record.reason = (
+                f"not better enough: change {change:+.3f} ± {se:.3f} over {len(common)} tasks, below the"
+                f" required +{gate.min_gain_se:g} SE ({needed:+.3f})"
+            )
+            return record
+    record.reason = (
+        f"change {change:+.3f} ± {se:.3f} over {len(common)} tasks is within the gate"
+        f" (at least -{gate.max_drop_se:g} SE"
+        + (f", at least +{gate.min_gain_se:g} SE" if gate.min_gain_se is not None else "")
+        + ")"
+    )
+    return record
+
+
+class LiveComparison:
+    """A version's live reward against its predecessor's: means, counts and the SE of the difference."""
+
+    def __init__(self, current: Sequence[float], previous: Sequence[float]) -> None:
+        self.n, self.n_previous = len(current), len(previous)
+        self.mean, se_cur = mean_se(list(current)) if current else (math.nan, math.nan)
+        self.previous_mean, se_prev = mean_se(list(previous)) if previous else (math.nan, math.nan)
+        self.change = self.mean - self.previous_mean
+        self.se = math.sqrt(se_cur**2 + se_prev**2) if current and previous else math.nan
+
+    def describe(self) -> str:
+        return (
+            f"live reward {self.mean:.3f} over {self.n} sessions against {self.previous_mean:.3f} over"
+            f" {self.n_previous} (change {self.change:+.3f} ± {self.se:.3f})"
+        )
+
+
+def compare_live(
+    current: Sequence[float], previous: Sequence[float], *, min_sessions: int, k_se: float
+) -> tuple[bool, LiveComparison]:
+    """Whether the live version should be rolled back: at least ``min_sessions`` rewarded sessions of
+    each, and its mean below the predecessor's by more than ``k_se`` standard errors of the difference."""
+    live = LiveComparison(current, previous)
+    if live.n < min_sessions or live.n_previous < min_sessions:
+        return False, live
+    se = live.se if live.se > 0 else 1e-12
+    return live.change < -k_se * se, live

@@ -1,0 +1,589 @@
+"""``agl improve``: a service that keeps a production agent improving from its own traffic.
+
+Each look (every ``improve.poll_s``):
+
+1. read what the store gained since the last look (spans, late rewards, rollout records); a store that
+   cannot be reached is waited for, and the status says so;
+2. finish a round a crash interrupted (at its phase);
+3. make every gateway serve the serving version (publish where one serves another: a gateway that was
+   down, or restarted on the base model, gets it when it answers);
+4. roll back the last promoted version when its live reward fell below its predecessor's;
+5. start a round when enough new rewarded rollouts arrived: train a candidate from the serving version on
+   them, gate it on the held-out tasks against the serving version, promote it (then publish) or refuse it.
+
+Every change is written to ``OUTPUT_DIR/improve.json`` before the next step starts (see
+:mod:`~agl_trainer.improve.state`) and mirrored to the store as the lineage resource. So a service killed
+anywhere resumes where it was: a round killed while training trains again from the same parent on the
+same rollouts (its version is made once, and each rollout trains one version), a decided round is not
+decided again, and a gateway already serving a version is not sent it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from ..config import GatewayTargetConfig, ImproveConfig, TrainerConfig
+from .gate import compare_live, gate_decision
+from .publish import PublishResult, publish_version
+from .rounds import RoundWork, TrainerRoundWork, copy_adapter
+from .state import STATE_FILE, ImproveState, RoundInProgress, StateError, Version, lineage_resource
+from .watch import StoreWatcher
+
+__all__ = [
+    "LOCK_FILE",
+    "ROLLBACK_FILE",
+    "ImproveError",
+    "ImproveService",
+    "apply_rollback",
+    "read_lineage",
+    "service_lock",
+    "status_lines",
+]
+
+LOCK_FILE = "improve.lock"
+#: A rollback asked for while the service runs: the service applies it at its next look.
+ROLLBACK_FILE = "improve.rollback.json"
+#: At most this often is a changed "waiting" line mirrored to the store (every other change at once).
+_MIRROR_WAITING_S = 30.0
+
+
+class ImproveError(ValueError):
+    """``agl improve`` cannot do what was asked; the message says why and what to do."""
+
+
+@contextlib.contextmanager
+def service_lock(out: Path, *, wait: bool = False) -> Iterator[IO[str] | None]:
+    """Hold ``OUTPUT_DIR/improve.lock`` (one service per output folder); yields ``None`` when another
+    process holds it and ``wait`` is false."""
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / LOCK_FILE, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield None
+            return
+        yield handle
+    finally:
+        handle.close()
+
+
+class ImproveService:
+    """The service for one config (``improve`` and ``traces`` sections set). :meth:`run` loops until
+    ``improve.rounds`` rounds are decided, ``improve.idle_exit_s`` passes without one, or ``stop`` is set.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        echo: Callable[[str], None] = print,
+        work: RoundWork | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        if config.improve is None or config.traces is None:
+            raise ImproveError("agl improve needs a config with improve: and traces: sections")
+        self.config = config
+        self.improve: ImproveConfig = config.improve
+        self.out = config.output_dir
+        self.echo = echo
+        self.work: RoundWork = work or TrainerRoundWork(config, echo)
+        self.stop = stop or threading.Event()
+        self.watcher = StoreWatcher(
+            config.traces, timed_out_too=config.algorithm.rewards.timeout_episode_reward is not None
+        )
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.out / STATE_FILE
+        loaded = ImproveState.load(self.state_path, self.improve.name)
+        self.state = loaded or ImproveState.new(self.improve.name, self._initial_adapter())
+        self._mirrored_at = 0.0
+        self._mirror_failed = False
+        self._mirror_due = loaded is None
+        self._last_round_at = time.time()
+        self._last_progress = time.monotonic()
+        if loaded is None:
+            self.state.event("start", f"new service {self.improve.name!r}: version 0 serves")
+            self._save(changed=True)
+        else:
+            self.echo(
+                f"resuming: v{self.state.serving} serves, {self.state.rounds} rounds so far"
+                + (
+                    f", round {self.state.pending.round} resumes at {self.state.pending.phase}"
+                    if self.state.pending
+                    else ""
+                )
+            )
+
+    def _initial_adapter(self) -> str | None:
+        init = self.config.model.init_adapter
+        if init is None:
+            return None
+        from ..evaluate import find_checkpoint
+
+        adapter = find_checkpoint(init).adapter
+        if adapter is None:
+            raise ImproveError(f"model.init_adapter {init} holds no single LoRA adapter")
+        return str(adapter.resolve())
+
+    # -- the loop ----------------------------------------------------------------------------------------
+
+    def run(self) -> ImproveState:
+        """Look, act, sleep ``poll_s``, until done (see the class); the final state."""
+        with service_lock(self.out) as held:
+            if held is None:
+                raise ImproveError(
+                    f"another agl improve runs on {self.out} (it holds {self.out / LOCK_FILE}); stop it, or"
+                    " use another output_dir"
+                )
+            try:
+                while not self.stop.is_set():
+                    self.tick()
+                    if self._finished():
+                        break
+                    self.stop.wait(self.improve.poll_s)
+            finally:
+                self.watcher.close()
+        return self.state
+
+    def _finished(self) -> bool:
+        wanted = self.improve.rounds
+        if wanted is not None and self.state.rounds >= wanted and self.state.pending is None:
+            if all(t.state != "down" for t in self.state.targets.values()):
+                self.echo(f"done: {self.state.rounds} rounds; v{self.state.serving} serves")
+                return True
+        idle = self.improve.idle_exit_s
+        if idle is not None and time.monotonic() - self._last_progress > idle:
+            self.echo(f"stopping: no round for {idle:g}s ({self.state.waiting})")
+            return True
+        return False
+
+    def tick(self) -> None:
+        """One look (see the module docstring)."""
+        if not self._refresh():
+            return
+        if self.state.pending is not None:
+            self._continue_round(self.state.pending)
+        self._apply_rollback_request()
+        self._reconcile()
+        self._check_live()
+        if self.state.pending is None and self._round_due():
+            self._continue_round(self._start_round())
+            self._reconcile()
+        self._save()
+
+    # -- the store -------------------------------------------------------------------------------------
+
+    def _refresh(self) -> bool:
+        try:
+            self.watcher.refresh()
+        except Exception as exc:  # the store is down or refusing: wait, say so, lose nothing
+            why = f"waiting for the store {self.config.traces.store if self.config.traces else ''}: {exc}"
+            if self.state.waiting != why:
+                self.echo(why)
+                self.state.event("store_down", str(exc))
+            self.state.waiting = why
+            self._save()
+            return False
+        return True
+
+    def _save(self, *, changed: bool = False) -> None:
+        self.state.save(self.state_path)
+        self._mirror_due = self._mirror_due or changed
+        now = time.time()
+        if self._mirror_due or now - self._mirrored_at > _MIRROR_WAITING_S:
+            self._mirror()
+
+    def _mirror(self) -> None:
+        """The lineage in the store (a new version of the resource); retried at the next save if the
+        store cannot take it now."""
+        try:
+            backend = self.watcher._open()
+            backend.put_resource(lineage_resource(self.improve.name), self.state.to_json(with_consumed=False))
+        except Exception as exc:
+            if not self._mirror_failed:
+                self.echo(f"lineage not written to the store yet ({exc}); retrying at each look")
+            self._mirror_failed = True
+            return
+        self._mirror_failed = False
+        self._mirror_due = False
+        self._mirrored_at = time.time()
+
+    # -- rounds ----------------------------------------------------------------------------------------
+
+    def _new_rollouts(self) -> tuple[list[str], str]:
+        chosen = self.watcher.selection(exclude=self.state.consumed)
+        return [r.rollout_id for r in chosen.rollouts], chosen.describe()
+
+    def _round_due(self) -> bool:
+        wanted = self.improve.rounds
+        if wanted is not None and self.state.rounds >= wanted:
+            return False
+        new, described = self._new_rollouts()
+        enough = len(new) >= self.improve.min_new_rollouts
+        every = self.improve.every_s
+        scheduled = every is not None and bool(new) and time.time() - self._last_round_at >= every
+        if enough or scheduled:
+            return True
+        if not new and not self.watcher.selection().rollouts:
+            waiting = f"the filter matches no rewarded rollout yet ({described}); waiting"
+        else:
+            waiting = (
+                f"waiting for data: {len(new)} of {self.improve.min_new_rollouts} new rewarded rollouts"
+                f" ({described})"
+            )
+        if waiting != self.state.waiting:
+            self.state.waiting = waiting
+        return False
+
+    def _start_round(self) -> RoundInProgress:
+        new, _ = self._new_rollouts()
+        if self.improve.data == "all":
+            rollouts = [r.rollout_id for r in self.watcher.selection().rollouts]
+        else:
+            rollouts = new
+        state = self.state
+        state.rounds += 1
+        pending = RoundInProgress(state.rounds, state.next_version, state.serving, rollouts, "training")
+        state.pending = pending
+        state.waiting = f"round {pending.round}: training v{pending.version} on {len(rollouts)} rollouts"
+        state.event("round_start", state.waiting, round=pending.round, version=pending.version)
+        self.echo(
+            f"round {pending.round}: training v{pending.version} from v{pending.parent} on"
+            f" {len(rollouts)} rollouts ({len(new)} new)"
+        )
+        self._save(changed=True)
+        return pending
+
+    def _continue_round(self, pending: RoundInProgress) -> None:
+        from ..run.traces import NothingSelectedError
+
+        round_dir = self.out / "rounds" / f"round-{pending.round}"
+        if pending.phase == "training":
+            parent = self._adapter_of(pending.parent, create=False)
+            t0 = time.monotonic()
+            try:
+                trained = self.work.train(round_dir, pending.rollouts, parent)
+            except NothingSelectedError as exc:
+                self._close_round(pending, None, f"nothing to train on: {exc}")
+                return
+            candidate = copy_adapter(trained, self.out / "versions" / f"v{pending.version}")
+            pending.candidate, pending.phase = str(candidate), "gating"
+            self.state.event(
+                "trained",
+                f"round {pending.round}: v{pending.version} trained in {time.monotonic() - t0:.0f}s",
+                round=pending.round,
+            )
+            self._save(changed=True)
+        assert pending.candidate is not None
+        self._gate(pending, Path(pending.candidate))
+
+    def _gate(self, pending: RoundInProgress, candidate: Path) -> None:
+        gate = self.improve.gate
+        version = Version(
+            pending.version,
+            "refused",
+            parent=pending.parent,
+            round=pending.round,
+            adapter=str(candidate),
+            algorithm=self.config.algorithm.name,
+            trained_on=list(pending.rollouts),
+        )
+        if gate == "none" or gate is None:  # None: refused by the config; kept for the type checker
+            from .state import GateRecord
+
+            version.gate = GateRecord("promoted", "gate: none (promoted unchecked)")
+        else:
+            self.state.waiting = f"round {pending.round}: gating v{pending.version} against v{pending.parent}"
+            self._save()
+            t0 = time.monotonic()
+            serving_scores, candidate_scores = self.work.score(
+                candidate, self._adapter_of(pending.parent, create=False)
+            )
+            version.gate = gate_decision(gate, serving_scores, candidate_scores, time.monotonic() - t0)
+        self._close_round(pending, version, version.gate.reason)
+
+    def _close_round(self, pending: RoundInProgress, version: Version | None, reason: str) -> None:
+        state = self.state
+        state.consumed.extend(r for r in pending.rollouts if r not in set(state.consumed))
+        state.pending = None
+        self._last_round_at = time.time()
+        self._last_progress = time.monotonic()
+        if version is None:
+            state.event("round_skipped", f"round {pending.round}: {reason}", round=pending.round)
+            self.echo(f"round {pending.round}: skipped, {reason}")
+        elif version.gate is not None and version.gate.decision == "promoted":
+            previous = state.version(state.serving)
+            previous.status = "retired"
+            version.status = "serving"
+            state.versions.append(version)
+            state.serving = version.version
+            state.event(
+                "promoted",
+                f"round {pending.round}: v{version.version} promoted: {reason}",
+                round=pending.round,
+                version=version.version,
+            )
+            self.echo(f"round {pending.round}: v{version.version} promoted ({reason})")
+        else:
+            version.note = reason
+            state.versions.append(version)
+            state.event(
+                "refused",
+                f"round {pending.round}: v{version.version} refused: {reason}",
+                round=pending.round,
+                version=version.version,
+            )
+            self.echo(
+                f"round {pending.round}: v{version.version} refused ({reason}); v{state.serving} still serves"
+            )
+        state.waiting = "round decided"
+        self._save(changed=True)
+
+    # -- versions and gateways -------------------------------------------------------------------------
+
+    def _adapter_of(self, number: int, *, create: bool) -> Path | None:
+        """The adapter directory of version ``number``; for a base version without one, ``None`` or
+        (``create``) a freshly saved adapter that changes nothing."""
+        version = self.state.version(number)
+        if version.adapter is not None:
+            return Path(version.adapter)
+        if not create:
+            return None
+        path = self.out / "versions" / f"v{number}"
+        if not (path / "adapter_config.json").is_file():
+            self.work.base_adapter(path)
+        version.adapter = str(path.resolve())
+        self._save(changed=True)
+        return path
+
+    def _reconcile(self) -> None:
+        """Make every gateway serve ``state.serving``."""
+        serving = self.state.serving
+        for target in self.improve.gateways:
+            known = self.state.targets.get(target.label)
+            if known is not None and known.state == "refused" and known.version == serving:
+                continue  # it said no to this version; told again only for another one
+            result = self._publish(target, serving)
+            self._record_target(target, serving, result)
+
+    def _publish(self, target: GatewayTargetConfig, version: int) -> PublishResult:
+        from .publish import served_version
+
+        now = served_version(target)
+        if now.state != "ok" or now.serving == version:
+            return now
+        adapter = self._adapter_of(version, create=True)
+        assert adapter is not None
+        self.echo(f"publishing v{version} to {target.label} (it serves v{now.serving})")
+        return publish_version(target, version, adapter)
+
+    def _record_target(self, target: GatewayTargetConfig, version: int, result: PublishResult) -> None:
+        from .state import TargetStatus
+
+        label = target.label
+        old = self.state.targets.get(label)
+        status = TargetStatus(result.state, result.message, result.serving, version)
+        changed = old is None or (old.state, old.serving, old.version) != (
+            status.state,
+            status.serving,
+            version,
+        )
+        if not changed:
+            return
+        self.state.targets[label] = status
+        if result.state == "ok" and result.serving == version:
+            published = self.state.version(version).published
+            published.setdefault(label, time.time())
+            self.state.event("published", f"{label} serves v{version}", target=label, version=version)
+            self.echo(f"{label} serves v{version}")
+        elif result.state == "down":
+            self.state.event("gateway_down", f"{label}: {result.message}", target=label)
+            self.echo(f"{label} is down ({result.message}); v{version} is published when it answers")
+        else:
+            self.state.event("publish_refused", f"{label}: {result.message}", target=label, version=version)
+            self.echo(f"{label} refused v{version}: {result.message}")
+        self._save(changed=True)
+
+    # -- rollback --------------------------------------------------------------------------------------
+
+    def _check_live(self) -> None:
+        rollback = self.improve.rollback
+        current = self.state.version(self.state.serving)
+        if not rollback.auto or current.parent is None or current.round is None:
+            return
+        if current.status != "serving" or (current.note or "").startswith("serving again"):
+            return  # only a version a round promoted, never one a rollback brought back
+        live = self.watcher.live_rewards()
+        worse, comparison = compare_live(
+            live.get(current.version, []),
+            live.get(current.parent, []),
+            min_sessions=rollback.min_sessions,
+            k_se=rollback.k_se,
+        )
+        if worse:
+            why = f"automatic rollback: {comparison.describe()}, below -{rollback.k_se:g} SE"
+            self.roll_back(current.parent, why)
+
+    def roll_back(self, number: int, why: str) -> None:
+        """Serve version ``number`` again (published at once); the version it replaces is marked."""
+        state = self.state
+        target = state.version(number)  # KeyError names the known versions
+        if target.status == "refused":
+            raise ImproveError(
+                f"v{number} was refused by the gate ({target.note}); roll back to a version that served:"
+                f" {', '.join(f'v{v.version}' for v in state.versions if v.status != 'refused')}"
+            )
+        if number == state.serving:
+            raise ImproveError(f"v{number} is already serving")
+        replaced = state.version(state.serving)
+        replaced.status, replaced.note = "rolled_back", why
+        target.status = "serving"
+        target.note = f"serving again after a rollback from v{replaced.version}"
+        state.serving = number
+        state.event("rollback", f"v{replaced.version} -> v{number}: {why}", version=number)
+        self.echo(f"rolled back from v{replaced.version} to v{number}: {why}")
+        self._save(changed=True)
+        self._reconcile()
+
+    def _apply_rollback_request(self) -> None:
+        request = self.out / ROLLBACK_FILE
+        if not request.is_file():
+            return
+        try:
+            asked = json.loads(request.read_text())
+            self.roll_back(int(asked["version"]), str(asked.get("why") or "rolled back by hand"))
+        except (KeyError, ValueError, TypeError) as exc:
+            message = exc.args[0] if exc.args else str(exc)
+            self.state.event("rollback_refused", f"rollback request refused: {message}")
+            self.echo(f"rollback request refused: {message}")
+            self._save(changed=True)
+        finally:
+            request.unlink(missing_ok=True)
+
+
+def apply_rollback(
+    config: TrainerConfig, version: int, *, echo: Callable[[str], None] = print, timeout_s: float = 120.0
+) -> ImproveState:
+    """``agl improve rollback``: serve ``version`` again. When the service runs, it is asked (through
+    ``OUTPUT_DIR/improve.rollback.json``) and this waits until it did; otherwise it is done here."""
+    if config.improve is None:
+        raise ImproveError("the config has no improve: section")
+    out = config.output_dir
+    state = ImproveState.load(out / STATE_FILE, config.improve.name)
+    if state is None:
+        raise ImproveError(f"no agl improve state in {out} ({STATE_FILE}); has the service run there?")
+    try:
+        state.version(version)
+    except KeyError as exc:
+        raise ImproveError(exc.args[0]) from None
+    with service_lock(out) as held:
+        if held is not None:
+            service = ImproveService(config, echo=echo)
+            try:
+                service.roll_back(version, "rolled back by hand (agl improve rollback)")
+            except KeyError as exc:
+                raise ImproveError(exc.args[0]) from None
+            finally:
+                service.watcher.close()
+            return service.state
+    request = out / ROLLBACK_FILE
+    request.write_text(json.dumps({"version": version, "why": "rolled back by hand (agl improve rollback)"}))
+    echo(f"the service running on {out} was asked to roll back to v{version}; waiting for it")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if request.exists():
+            continue
+        try:
+            now = ImproveState.load(out / STATE_FILE, config.improve.name)
+        except StateError:
+            continue
+        if now is not None and now.serving == version:
+            return now
+        if now is not None and now.events and now.events[-1]["kind"] == "rollback_refused":
+            raise ImproveError(now.events[-1]["message"])
+    raise ImproveError(
+        f"the service did not apply the rollback within {timeout_s:g}s (it may be inside a round);"
+        f" {request} stays and it applies it at its next look"
+    )
+
+
+def _fmt(value: float | None, pattern: str = "{:.3f}") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else pattern.format(value)
+
+
+def status_lines(state: ImproveState, live: dict[int, list[float]] | None = None) -> list[str]:
+    """``agl improve status``: the serving version, what the service waits for, each version's lineage
+    and gate numbers, each gateway, the latest events."""
+    from ..reporting.results import mean_se
+
+    lines = [
+        f"service {state.name!r}: v{state.serving} serves; {state.rounds} rounds;"
+        f" {len(state.consumed)} rollouts trained on",
+        f"now: {state.waiting}",
+    ]
+    if state.pending is not None:
+        p = state.pending
+        lines.append(
+            f"round {p.round} in progress: v{p.version} from v{p.parent}, {len(p.rollouts)} rollouts,"
+            f" phase {p.phase}"
+        )
+    lines.append("versions:")
+    for v in state.versions:
+        gate = v.gate
+        numbers = ""
+        if gate is not None and gate.change is not None:
+            numbers = (
+                f" held-out {_fmt(gate.serving)} -> {_fmt(gate.candidate)},"
+                f" change {gate.change:+.3f} ± {_fmt(gate.se)} (n={gate.tasks})"
+            )
+        rewards = (live or {}).get(v.version, [])
+        live_text = ""
+        if rewards:
+            mean, se = mean_se(rewards)
+            live_text = f" live {mean:.3f} ± {se:.3f} over {len(rewards)} sessions"
+        where = ", ".join(sorted(v.published)) or "-"
+        lines.append(
+            f"  v{v.version} {v.status}"
+            + (f" from v{v.parent}, round {v.round}, {len(v.trained_on)} rollouts" if v.round else "")
+            + f";{numbers}{live_text}; published to {where}"
+            + (f"; {v.note}" if v.note and v.status in ("refused", "rolled_back") else "")
+        )
+    if state.targets:
+        lines.append("gateways:")
+        for label, t in sorted(state.targets.items()):
+            lines.append(
+                f"  {label}: {t.state}"
+                + (f", serves v{t.serving}" if t.serving is not None else "")
+                + (f" ({t.message})" if t.message and t.state != "ok" else "")
+            )
+    lines.append("recent events:")
+    for e in state.events[-8:]:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"]))
+        lines.append(f"  {stamp} {e['kind']}: {e['message']}")
+    return lines
+
+
+def read_lineage(store: str, name: str) -> dict[str, Any] | None:
+    """The lineage the service ``name`` wrote to ``store`` (its latest resource version), or ``None``."""
+    from agl_core import settings
+    from agl_core.store import StoreClient, open_store
+
+    backend: Any = (
+        StoreClient(store, token=settings.store_token())
+        if store.startswith(("http://", "https://"))
+        else open_store(store)
+    )
+    try:
+        found = backend.get_resource(lineage_resource(name))
+    finally:
+        backend.close()
+    return None if found is None else dict(found.value)

@@ -1,0 +1,123 @@
+"""Watching the store for ``agl improve``: the spans read so far, kept in memory and extended at each look
+by the spans stored since (by their ``seq``), the rollout records, and what the service asks of them: the
+rollouts the filter matches that carry a reward, and each policy version's live reward.
+
+Late rewards are spans too, so a rollout rewarded after the last look arrives with the next page.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from agl_core import semconv, settings
+from agl_core.pipeline.spantree import GATEWAY, kind_of
+from agl_core.pipeline.transitions import episode_rewards
+from agl_core.records import Rollout, Span
+from agl_core.store import NotFoundError, StoreClient, open_store
+
+from ..config import TracesConfig
+from ..run.traces import Selection, rollout_record, select
+
+__all__ = ["StoreWatcher"]
+
+_PAGE = 10_000
+
+
+class StoreWatcher:
+    """The store ``traces.store`` names, read incrementally. :meth:`refresh` raises what the store raises
+    when it cannot be reached (``StoreUnavailableError``, ``StoreError``, ``OSError``); nothing read is
+    lost then, and the next refresh goes on from the same point."""
+
+    def __init__(self, traces: TracesConfig, *, timed_out_too: bool = False) -> None:
+        self.traces = traces
+        self.timed_out_too = timed_out_too
+        self.spans: list[Span] = []
+        self.records: dict[str, Rollout] = {}
+        self._cursor = 0
+        self._backend: Any = None
+
+    def _open(self) -> Any:
+        if self._backend is None:
+            store = self.traces.store
+            if store.startswith(("http://", "https://")):
+                self._backend = StoreClient(store, token=settings.store_token())
+            else:
+                self._backend = open_store(store)
+        return self._backend
+
+    def close(self) -> None:
+        if self._backend is not None:
+            backend, self._backend = self._backend, None
+            backend.close()
+
+    def refresh(self) -> int:
+        """Read the spans stored since the last look, and the records of rollouts still without one;
+        how many new spans came."""
+        try:
+            backend = self._open()
+            new: list[Span] = []
+            while True:
+                page = backend.query_spans(after_seq=self._cursor, limit=_PAGE)
+                new.extend(page)
+                if page:
+                    self._cursor = max(self._cursor, max(s.seq or 0 for s in page))
+                if len(page) < _PAGE:
+                    break
+            self.spans.extend(new)
+            missing = sorted({s.rollout_id for s in self.spans if s.rollout_id} - set(self.records))
+            for i in range(0, len(missing), 500):
+                chunk = missing[i : i + 500]
+                try:
+                    found = backend.get_rollouts(chunk)
+                except NotFoundError:  # some have no record yet (a session not registered): one by one
+                    found = [r for rid in chunk for r in rollout_record(backend, rid)]
+                self.records.update((r.rollout_id, r) for r in found)
+            return len(new)
+        except BaseException:
+            self.close()  # a store that went away: reconnect at the next look
+            raise
+
+    def selection(self, exclude: Iterable[str] = (), *, any_reward: bool = False) -> Selection:
+        """The finished, rewarded rollouts ``traces.filter`` matches, less ``exclude``; ``any_reward``:
+        whatever their reward (``reward_min`` not applied)."""
+        wanted = self.traces.filter.model_copy(update={"has_reward": True})
+        if any_reward:
+            wanted = wanted.model_copy(update={"reward_min": None})
+        traces = self.traces.model_copy(update={"filter": wanted})
+        chosen = select(traces, self.spans, self.records, timed_out_too=self.timed_out_too)
+        skip = set(exclude)
+        if not skip:
+            return chosen
+        kept = tuple(r for r in chosen.rollouts if r.rollout_id not in skip)
+        narrowing = (*chosen.narrowing, ("not trained on by an earlier round", len(kept)))
+        return Selection(kept, chosen.spans, chosen.total, narrowing)
+
+    def live_rewards(self) -> dict[int, list[float]]:
+        """Policy version -> the episode rewards of the rollouts the filter matches (whatever their reward)
+        whose every gateway call that version served (a session served by two versions counts for
+        neither)."""
+        versions: dict[str, set[int]] = defaultdict(set)
+        for span in self.spans:
+            if span.rollout_id is None or kind_of(span) != GATEWAY:
+                continue
+            version = span.attributes.get(semconv.POLICY_VERSION)
+            if isinstance(version, int) and not isinstance(version, bool):
+                versions[span.rollout_id].add(version)
+        matched = {r.rollout_id for r in self.selection(any_reward=True).rollouts}
+        out: dict[int, list[float]] = defaultdict(list)
+        for rollout, reward in episode_rewards(self.spans).items():
+            served = versions.get(rollout)
+            if rollout in matched and served is not None and len(served) == 1:
+                out[next(iter(served))].append(reward)
+        return dict(out)
+
+    def calls_by_version(self) -> list[tuple[int, int]]:
+        """``(start time in ns, policy version)`` of every gateway call, in time order."""
+        calls = []
+        for span in self.spans:
+            version = span.attributes.get(semconv.POLICY_VERSION)
+            if kind_of(span) == GATEWAY and isinstance(version, int) and not isinstance(version, bool):
+                calls.append((span.start_ns, version))
+        return sorted(calls)
