@@ -101,13 +101,25 @@ def _trace_data(config: TrainerConfig, traces: TracesConfig) -> _TraceData:
             f" {_counted(refused) or 'no rollout refused'}"
             + (
                 f"; {skipped} of {rl.report.groups} task groups skipped (a single rollout or tied"
-                " rewards: no baseline to compare with)"
+                " rewards: no baseline to compare with"
+                + (
+                    "; where no task repeats, as in production sessions, set traces.baseline: agent)"
+                    if traces.baseline == "task"
+                    else ")"
+                )
                 if skipped
                 else ""
             )
         )
-    units = len({rl.group_of[s.transition.rollout_id] for s in rl.samples})
+    units = len({_rl_unit(traces, rl, s) for s in rl.samples})
     return _TraceData(selection, None, rl, problems, refused, units)
+
+
+def _rl_unit(traces: TracesConfig, rl: RlData, sample: Any) -> str:
+    """What one batch slot holds in RL: a task group (``baseline: task``), or one rollout (``agent``:
+    the group is the whole selection, so batches are made of rollouts)."""
+    rollout = sample.transition.rollout_id
+    return rl.group_of[rollout] if traces.baseline == "task" else rollout
 
 
 def train_from_traces(
@@ -222,14 +234,14 @@ class _TracesJob:
         data, rl = self.data, self.data.rl
         assert rl is not None
         self.context.display.line(
-            f"off-policy {self.config.algorithm.name} data: {len(rl.samples)} LLM calls in {data.units} task"
-            " groups"
+            f"off-policy {self.config.algorithm.name} data: {len(rl.samples)} LLM calls in {data.units}"
+            + (" task groups" if self.traces.baseline == "task" else " rollouts (baseline: the agents' mean)")
             + (f"; rollouts refused: {_counted(data.refused_rollouts)}" if data.refused_rollouts else "")
             + (f"; calls not used: {_counted(data.problems)}" if data.problems else "")
         )
         return minibatches(
             list(rl.samples),
-            lambda s: rl.group_of[s.transition.rollout_id],
+            lambda s: _rl_unit(self.traces, rl, s),
             self.traces.batch_size,
             self.steps,
             self.config.train.seed,

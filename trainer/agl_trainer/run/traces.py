@@ -40,10 +40,12 @@ __all__ = [
     "RlData",
     "Selection",
     "StoredRollout",
+    "baseline_groups",
     "minibatches",
     "prepare_rl",
     "prepare_sft",
     "read_store",
+    "rollout_record",
     "select",
 ]
 
@@ -119,14 +121,15 @@ def read_store(store: str) -> tuple[list[Span], dict[str, Rollout]]:
             try:
                 found = backend.get_rollouts(chunk)
             except NotFoundError:  # spans without a rollout record (a gateway with no runner): one by one
-                found = [r for rid in chunk for r in _record_of(backend, rid)]
+                found = [r for rid in chunk for r in rollout_record(backend, rid)]
             records.update((r.rollout_id, r) for r in found)
         return spans, records
     finally:
         backend.close()
 
 
-def _record_of(backend: Any, rollout_id: str) -> list[Rollout]:
+def rollout_record(backend: Any, rollout_id: str) -> list[Rollout]:
+    """The record of ``rollout_id`` in ``backend`` as a list of one, or empty when it has none."""
     try:
         return list(backend.get_rollouts([rollout_id]))
     except NotFoundError:
@@ -248,8 +251,9 @@ def prepare_rl(config: TrainerConfig, selection: Selection) -> RlData:
     call recorded without logprobs is refused whole (:data:`NO_LOGPROBS`), so credit rules such as
     ``last`` see the same calls the agent made; rollouts without any transition are refused with the
     reason :func:`~agl_core.pipeline.transitions.explain_untrained` gives (no reward, no gateway token ids,
-    ...). Calls without token ids are never re-tokenised here. Groups are the rollouts of one task id; a group
-    of one rollout, or of tied scores, carries no signal and is skipped (``GroupReport``).
+    ...). Calls without token ids are never re-tokenised here. Groups are the rollouts of one task id (or,
+    with ``traces.baseline: agent``, of the same agents); a group of one rollout, or of tied scores,
+    carries no signal and is skipped (``GroupReport``).
     """
     algorithm = config.algorithm
     agents = (config.traces.filter.agents if config.traces else []) or algorithm.agents
@@ -269,7 +273,7 @@ def prepare_rl(config: TrainerConfig, selection: Selection) -> RlData:
         agents=agents,
     )
     transitions: list[Transition] = [t for t in credit.transitions if t.prompt_ids and t.response_ids]
-    group_of = {r.rollout_id: r.task_id for r in selection.rollouts}
+    group_of = baseline_groups(selection, config.traces.baseline if config.traces else "task")
     samples, report = compute_advantages(transitions, group_of, algorithm.name, scores=credit.scores)
     refused = {rid: NO_LOGPROBS for rid in no_logprobs}
     refused.update((rid, f"{OTHER_MODEL}: {model!r}") for rid, model in other_model.items())
@@ -281,6 +285,14 @@ def prepare_rl(config: TrainerConfig, selection: Selection) -> RlData:
         if rid not in excluded
     )
     return RlData(result, credit, tuple(samples), report, group_of, refused)
+
+
+def baseline_groups(selection: Selection, baseline: str) -> dict[str, str]:
+    """Rollout id -> the group whose mean reward is its baseline: its task id (``task``), or the agents
+    that made its calls (``agent``: one group per set of agents over the whole selection)."""
+    if baseline == "task":
+        return {r.rollout_id: r.task_id for r in selection.rollouts}
+    return {r.rollout_id: "agents:" + ",".join(sorted(r.agents)) for r in selection.rollouts}
 
 
 def _served_by_others(config: TrainerConfig, spans: Sequence[Span]) -> dict[str, str]:
