@@ -683,3 +683,45 @@ def test_browser_a_slow_earlier_page_never_draws_over_the_one_asked_for_since(pa
     assert page.locator("main h1").inner_text() == "Rollouts"
     assert page.locator("tr[data-rollout]").count() > 0
     page.unroute("**/api/runs")
+
+
+def _put_lineage(run: dict[str, Any]) -> None:
+    """An ``agl improve`` lineage in the run's store: the base serving, one candidate refused by the gate,
+    its note hostile markup."""
+    from agl_trainer.improve.state import GateRecord, ImproveState, Version
+
+    state = ImproveState.new("calc", None)
+    state.rounds, state.waiting = 1, "waiting for data: 3 of 24 new rewarded rollouts"
+    gate = GateRecord("refused", "worse than the serving version", 0.4, 0.6, -0.2, 0.05, 40)
+    state.versions.append(
+        Version(
+            1,
+            "refused",
+            parent=0,
+            round=1,
+            trained_on=["a", "b"],
+            gate=gate,
+            note="<img src=x onerror=document.body.dataset.pwned=1>",
+        )
+    )
+    store = SqliteStore(run["out"] / "store.sqlite")
+    try:
+        store.put_resource("agl.improve.calc", state.to_json(with_consumed=False))
+    finally:
+        store.close()
+
+
+def test_improve_lineage_is_served_and_drawn_as_text(page, app_client, run, tmp_path):
+    _put_lineage(run)
+    data = app_client.get("/api/improve/calc").json()
+    assert [v["status"] for v in data["lineage"]["versions"]] == ["serving", "refused"]
+    missing = app_client.get("/api/improve/nope")
+    assert missing.status_code == 404 and "improve.name" in missing.json()["error"]["message"]
+    assert app_client.get("/api/improve/..bad").status_code == 400
+    _visit(page, "#/improve?name=calc", tmp_path, "improve")
+    rows = page.locator("tr[data-version]")
+    assert rows.count() == 2
+    refused = rows.first.inner_text()
+    assert "refused" in refused and "-0.2 ± 0.05 (n=40)" in refused and "0.6 → 0.4" in refused
+    assert "<img src=x" in refused and page.evaluate("() => document.body.dataset.pwned") is None
+    assert "waiting for data" in page.locator("[data-test='waiting']").inner_text()

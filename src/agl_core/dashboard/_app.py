@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -35,6 +36,7 @@ STATIC = Path(__file__).parent / "static"
 COOKIE = "agl_dashboard_token"
 _ASSETS = {"app.js": "text/javascript", "app.css": "text/css"}
 _STATUSES = {s.value for s in RolloutStatus}
+_IMPROVE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _HEADERS = {
     # the page runs only its own script and style; span content can never become markup or script
     "Content-Security-Policy": (
@@ -256,6 +258,22 @@ class _DashboardAPI:
         )
         return _json(json.loads(json.dumps(detail, default=str)))
 
+    async def improve(self, request: Request) -> Response:
+        """The lineage an ``agl improve`` service keeps in the store (resource ``agl.improve.<name>``)."""
+        name = request.path_params["name"]
+        if not _IMPROVE_NAME.fullmatch(name):
+            raise _BadRequest(
+                "a service name is 1-64 letters, digits, '_', '.' or '-', starting with one of the first two"
+            )
+        target = self.need_store()
+        found = await run_in_threadpool(target.get_resource, f"agl.improve.{name}")
+        if found is None:
+            raise NotFoundError(
+                f"no agl improve service named {name!r} has written to this store (improve.name in its"
+                " config)"
+            )
+        return _json({"name": name, "resource_version": found.version, "lineage": found.value})
+
     async def stats(self, request: Request) -> Response:
         target = self.need_store()
         return _json(await run_in_threadpool(target.stats))
@@ -269,6 +287,7 @@ class _DashboardAPI:
             Route("/api/rollouts", self.api(self.rollouts), methods=["GET"]),
             Route("/api/rollouts/{rollout_id:path}", self.api(self.one_rollout), methods=["GET"]),
             Route("/api/stats", self.api(self.stats), methods=["GET"]),
+            Route("/api/improve/{name}", self.api(self.improve), methods=["GET"]),
         ]
 
 

@@ -492,6 +492,53 @@ async function viewRollout(id) {
   setMain(...parts);
 }
 
+// ---- agl improve ----------------------------------------------------------------------------------
+
+async function viewImprove(params) {
+  const name = params.get("name") || "";
+  const form = el("form", { class: "filters", "data-test": "improve-form" },
+    el("label", {}, "service (improve.name)", el("input", { name: "name", value: name || "default" })),
+    el("button", { type: "submit" }, "Show"));
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    location.hash = `#/improve?name=${encodeURIComponent(new FormData(form).get("name"))}`;
+  });
+  if (!name) {
+    setMain(el("h1", {}, "agl improve"), form, el("p", { class: "muted" }, "The versions an agl improve service made, its gate's numbers, where each was published and what it is waiting for."));
+    return;
+  }
+  const data = await api(`/api/improve/${encodeURIComponent(name)}`);
+  const lineage = data.lineage;
+  const cards = el("div", { class: "cards" },
+    card("Serving", `v${lineage.serving}`),
+    card("Rounds", fmt(lineage.rounds)),
+    card("Rollouts trained on", fmt(lineage.consumed_count)),
+    card("Updated", when(lineage.updated_at)));
+  const versions = el("table", { "data-test": "versions" }, el("tr", {},
+    ["Version", "Status", "From", "Round", "Trained on", "Held-out (serving → candidate)", "Paired change", "Published to", "Note"].map((h) => el("th", {}, h))));
+  for (const v of lineage.versions.slice().reverse()) {
+    const gate = v.gate || {};
+    const change = gate.change === null || gate.change === undefined ? "–" : `${gate.change > 0 ? "+" : ""}${fmt(gate.change)} ± ${fmt(gate.se)} (n=${gate.tasks})`;
+    versions.append(el("tr", { "data-version": v.version },
+      el("td", {}, `v${v.version}`), el("td", {}, status(v.status)), el("td", {}, v.parent === null ? "–" : `v${v.parent}`),
+      el("td", { class: "num" }, fmt(v.round)), el("td", { class: "num" }, fmt(v.trained_on.length)),
+      el("td", {}, gate.serving === undefined || gate.serving === null ? "–" : `${fmt(gate.serving)} → ${fmt(gate.candidate)}`),
+      el("td", { class: gate.change > 0 ? "num pos" : "num neg" }, change),
+      el("td", {}, Object.keys(v.published || {}).join(", ") || "–"),
+      el("td", {}, v.note || gate.reason || "")));
+  }
+  const gateways = el("table", { "data-test": "gateways" }, el("tr", {}, ["Gateway", "State", "Serves", "Message"].map((h) => el("th", {}, h))));
+  for (const [label, t] of Object.entries(lineage.targets || {})) {
+    gateways.append(el("tr", {}, el("td", {}, label), el("td", {}, status(t.state)), el("td", {}, t.serving === null ? "–" : `v${t.serving}`), el("td", {}, t.message || "")));
+  }
+  const events = el("ul", { "data-test": "events" }, lineage.events.slice().reverse().slice(0, 50).map((e) => el("li", {}, `${when(e.time)} ${e.kind}: ${e.message}`)));
+  const parts = [el("h1", {}, `agl improve: ${name}`), form, cards, el("p", { "data-test": "waiting" }, `now: ${lineage.waiting}`)];
+  if (lineage.pending) parts.push(el("p", {}, `round ${lineage.pending.round} in progress: v${lineage.pending.version} from v${lineage.pending.parent} on ${lineage.pending.rollouts.length} rollouts (${lineage.pending.phase})`));
+  parts.push(el("h2", {}, "Versions"), versions, el("h2", {}, "Gateways"), gateways, el("h2", {}, "Events"), events);
+  setMain(...parts);
+  refreshTimer = setTimeout(route, 10000);
+}
+
 // ---- routing --------------------------------------------------------------------------------------
 
 async function storeStats() {
@@ -509,12 +556,13 @@ async function route() {
   const hash = location.hash.slice(1) || "/";
   const [path, search] = hash.split("?");
   const params = new URLSearchParams(search || "");
-  const section = path.startsWith("/rollout") ? "rollouts" : "runs";
+  const section = path.startsWith("/rollout") ? "rollouts" : path.startsWith("/improve") ? "improve" : "runs";
   document.querySelectorAll("header nav a").forEach((a) => a.classList.toggle("active", a.dataset.nav === section));
   try {
     if (path.startsWith("/run/")) await viewRun(decodeURIComponent(path.slice(5)));
     else if (path === "/compare") await viewCompare(params);
     else if (path === "/rollouts") await viewRollouts(params);
+    else if (path === "/improve") await viewImprove(params);
     else if (path.startsWith("/rollout/")) await viewRollout(decodeURIComponent(path.slice(9)));
     else await viewRuns();
     document.body.dataset.ready = hash;
