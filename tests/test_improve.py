@@ -356,6 +356,10 @@ def test_a_gateway_down_gets_the_version_when_it_returns_and_a_store_down_is_wai
         # the store is down: the service waits and says so
         assert wait_until(lambda: "waiting for the store" in _state(tmp_path).get("waiting", ""), 30)
         store.start()
+        # an empty store: the service waits, and its status says the filter matches nothing yet
+        assert wait_until(
+            lambda: "matches no rewarded rollout yet" in _state(tmp_path).get("waiting", ""), 30
+        )
         ids = _seed_store(store.url, tmp_path, 8)
         # the round runs; the gateway is down: promoted, published when it comes up
         assert wait_until(lambda: _state(tmp_path).get("serving") == 1, 300), lines
@@ -398,6 +402,7 @@ def test_status_rollback_and_a_gateway_that_refuses(tmp_path: Path) -> None:
                 env=_env(),
             )
             assert bad.returncode == 2 and "no version 7" in bad.stderr and "versions: 0, 1" in bad.stderr
+            calls = _Traffic(gateway.url)  # calls in flight while the version changes are all answered
             back = subprocess.run(
                 [*AGL, "improve", "rollback", str(config), "v0"],
                 capture_output=True,
@@ -407,6 +412,8 @@ def test_status_rollback_and_a_gateway_that_refuses(tmp_path: Path) -> None:
             )
             assert back.returncode == 0, back.stdout + back.stderr
             assert gateway.published == [1, 0]
+            answered, failed = calls.stop()
+            assert answered > 0 and failed == [], failed
             state = _state(tmp_path)
             assert state["serving"] == 0 and state["versions"][1]["status"] == "rolled_back"
         # a gateway serving another base model refuses the adapter: said, not retried, nothing lost
@@ -430,6 +437,36 @@ def test_status_rollback_and_a_gateway_that_refuses(tmp_path: Path) -> None:
         assert json.loads(no_token.stdout)["serving"] == 1
     finally:
         store.stop()
+
+
+class _Traffic:
+    """Chat completions sent one after another to a gateway on a thread, until :meth:`stop`."""
+
+    def __init__(self, url: str) -> None:
+        import httpx
+
+        self.answered, self.failed = 0, []
+        self._stop = threading.Event()
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+                    if response.status_code == 200:
+                        self.answered += 1
+                    else:
+                        self.failed.append(f"{response.status_code}: {response.text[:200]}")
+                except httpx.HTTPError as exc:
+                    self.failed.append(repr(exc))
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> tuple[int, list[str]]:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        return self.answered, self.failed
 
 
 def wait_until(check: Any, timeout_s: float) -> bool:
@@ -459,3 +496,79 @@ def test_the_per_agent_baseline_trains_sessions_that_never_repeat_a_task(tmp_pat
     assert by_task == [] and report.skipped_singleton == 6
     by_agent, _ = compute_advantages(transitions, baseline_groups(selection, "agent"), "ppo")
     assert sorted(round(s.advantage, 3) for s in by_agent) == [-0.5] * 3 + [0.5] * 3
+
+
+def test_a_promoted_version_users_rate_worse_is_rolled_back_automatically(tmp_path: Path) -> None:
+    """Sessions each served by one version (the gateway's spans say which), rated late: v1 serves 30
+    rated 0.2 on average, its predecessor v0 served 30 rated 0.7 -> back to v0, the numbers recorded."""
+    from agl_core import semconv
+    from agl_core.pipeline.rewards import Reward
+    from agl_core.records import Span
+    from agl_core.store import open_store
+    from agl_trainer.improve.service import ImproveService
+    from agl_trainer.improve.state import STATE_FILE, GateRecord
+
+    db = tmp_path / "prod.sqlite"
+    store = open_store(str(db))
+    spans, rewards = [], []
+    for i in range(60):
+        version, rid = (0 if i < 30 else 1), f"imp-s-{i:04d}"
+        good = (i % 10) < (7 if version == 0 else 2)
+        spans.append(
+            Span(
+                f"{i + 1:032x}",
+                f"{i + 1:016x}",
+                None,
+                "chat policy",
+                10**18 + i * 10**9,
+                10**18 + i * 10**9 + 1,
+                {
+                    semconv.SOURCE: semconv.SOURCE_GATEWAY,
+                    semconv.POLICY_VERSION: version,
+                    semconv.ROLLOUT_ID: rid,
+                },
+            )
+        )
+        rewards.append(Reward(f"u-{i}", 1.0 if good else 0.0, rollout_id=rid))
+    store.add_spans(spans)
+    store.add_observed_rollouts(
+        [{"rollout_id": s.rollout_id, "metadata": {"source": "gateway"}} for s in spans]
+    )
+    store.add_rewards(rewards)
+    store.close()
+    config = config_from_dict(
+        {
+            "output_dir": str(tmp_path / "service"),
+            "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
+            "traces": {"store": str(db), "filter": {"source": "gateway"}},
+            "algorithm": {"name": "sft"},
+            "improve": {
+                "name": "t",
+                "gate": "none",
+                "min_new_rollouts": 1000,
+                "rollback": {"min_sessions": 20, "k_se": 2.0},
+            },
+        },
+        required=(),
+    )
+    out = tmp_path / "service"
+    out.mkdir()
+    state = ImproveState.new("t", None)
+    state.versions[0].status = "retired"
+    state.versions.append(Version(1, "serving", parent=0, round=1, gate=GateRecord("promoted", "ok")))
+    state.serving, state.rounds = 1, 1
+    state.save(out / STATE_FILE)
+    lines: list[str] = []
+    service = ImproveService(config, echo=lines.append)
+    service.tick()
+    service.watcher.close()
+    after = ImproveState.load(out / STATE_FILE, "t")
+    assert after is not None and after.serving == 0
+    rolled = after.version(1)
+    assert rolled.status == "rolled_back" and "automatic rollback" in (rolled.note or "")
+    assert "live reward 0.200 over 30 sessions against 0.700 over 30" in (rolled.note or "")
+    # v0 came back by a rollback: not rolled back further, whatever its own predecessor did
+    service = ImproveService(config, echo=lines.append)
+    service.tick()
+    service.watcher.close()
+    assert ImproveState.load(out / STATE_FILE, "t").serving == 0  # type: ignore[union-attr]
