@@ -1,16 +1,16 @@
 """On a GPU: the decoding step replayed from a CUDA graph generates what the step run eagerly generates,
 and what transformers' own ``generate()`` does, for the main job's model and requests.
 
-    python bench/gpu_equality.py [--device cuda] [--rows 8] [--max-tokens 24]
+    python bench/gpu_equality.py [--device cuda] [--dtype float32|bfloat16] [--rows 8] [--max-tokens 24]
 
 Three ways to generate the same greedy completions of the calculator agent's requests (SmolLM2-135M in
-float32): the transformers backend with fixed-shape steps replayed from a CUDA graph (the default on a
-GPU), the same backend with the narrow steps run eagerly (``static_decode=False``), and ``generate()`` one
-prompt at a time. It prints, for each pair, the rows whose tokens agree in full and the largest difference
-of log-probability over the tokens they share, and exits 1 when a row's tokens differ before its log-probs
-have drifted by ``--tolerance`` (a real disagreement, not a near tie that rounding broke the other way),
-or when the graph was never replayed. The CPU's equivalent is a test
-(``tests/test_hf_prefix_cache.py``); this is the same check where graphs exist.
+float32, or bfloat16 with ``--dtype``): the transformers backend with fixed-shape steps replayed from a
+CUDA graph (the default on a GPU), the same backend with the narrow steps run eagerly
+(``static_decode=False``), and ``generate()`` one prompt at a time. It prints, for each pair, the rows
+whose tokens agree in full and the largest difference of log-probability over the tokens they share, and
+exits 1 when a row's tokens differ before its log-probs have drifted by ``--tolerance`` (a real
+disagreement, not a near tie that rounding broke the other way), or when the graph was never replayed. The
+CPU's equivalent is a test (``tests/test_hf_prefix_cache.py``); this is the same check where graphs exist.
 """
 
 from __future__ import annotations
@@ -68,10 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--tolerance", type=float, default=1e-3, help="log-prob agreement (1e-3)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    parser.add_argument(
+        "--tolerance", type=float, default=None, help="log-prob agreement (1e-3 in float32, 0.05 in bfloat16)"
+    )
     args = parser.parse_args(argv)
     if args.rows < 1 or args.max_tokens < 1:
         parser.error("--rows and --max-tokens must be at least 1")
+    if args.tolerance is None:
+        args.tolerance = 1e-3 if args.dtype == "float32" else 0.05
     if not args.tolerance > 0:
         parser.error("--tolerance must be above 0")
     if args.rows > len(questions()):
@@ -81,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_policy("smollm2")
     device = torch.device(args.device)
-    model.to(device).eval()
+    model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     graphs = HFBackend(model, tokenizer, model_name="bench", max_batch=args.rows, static_decode=True)
     narrow = HFBackend(model, tokenizer, model_name="bench", max_batch=args.rows, static_decode=False)
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {device} ({name}), {args.dtype}")
     print(
         f"graphs backend: fixed-shape steps {graphs._static is not None},"
         f" CUDA graphs {bool(graphs._static and graphs._static.graphs)}"

@@ -14,8 +14,9 @@
 #
 #   bash bench/gpu_main_job.sh generation
 #                                        # the decoding step's CUDA graph against eager steps and generate()
-#                                        # (bench/gpu_equality.py), then bench/generation.py on the GPU in
-#                                        # bf16 (--json to $OUT/generation.json); logs to $OUT
+#                                        # (bench/gpu_equality.py, float32 then bfloat16), then
+#                                        # bench/generation.py on the GPU in bf16 (--json to
+#                                        # $OUT/generation.json); logs to $OUT
 #
 # The run stops itself after $AGL_GPU_TIMEOUT seconds (default 540) so that what it wrote still comes back;
 # the generation check gives each of its two parts $AGL_GPU_GEN_TIMEOUT seconds (default 200).
@@ -68,6 +69,9 @@ case "${1:-}" in
     PYTHONUNBUFFERED=1 timeout "$limit" "$PY" bench/gpu_equality.py 2>&1 | tee "$OUT/equality.log"
     equality=${PIPESTATUS[0]}
     echo "gpu_equality exit $equality after $(($(date +%s) - started)) s"
+    started=$(date +%s)
+    PYTHONUNBUFFERED=1 timeout "$limit" "$PY" bench/gpu_equality.py --dtype bfloat16 2>&1 | tee "$OUT/equality_bf16.log"
+    echo "gpu_equality --dtype bfloat16 exit ${PIPESTATUS[0]} after $(($(date +%s) - started)) s"
     started=$(date +%s)
     PYTHONUNBUFFERED=1 timeout "$limit" "$PY" bench/generation.py --device cuda --dtype bfloat16 --threads 4 \
       --json "$OUT/generation.json" --profile "$OUT/profile.txt" "$@" 2>&1 | tee "$OUT/generation.log"

@@ -577,3 +577,19 @@ def test_a_graph_whose_replay_disagrees_with_the_step_is_dropped(backend_of, tin
     assert not static.graphs and "gave other logits than the step itself" in caplog.text
     for completion in got:
         _assert_as_generate(model, completion[0])
+
+
+def test_a_graph_replay_is_checked_within_its_dtype_rounding_not_beyond() -> None:
+    """bfloat16 logits of 30 that two kernels round apart by 0.4 match; the same gap in float32, or a
+    difference of several units in bfloat16, does not (the backend then decodes eagerly)."""
+    from agl_trainer.generation.decoding import attention_kernels
+    from agl_trainer.generation.direct_decode import logits_match as replay_matches
+
+    eager = torch.tensor([[30.0, 12.0, -4.0]])
+    assert replay_matches((eager + torch.tensor([[0.4, 0.0, 0.0]])).bfloat16(), eager.bfloat16())
+    assert not replay_matches(eager + torch.tensor([[0.4, 0.0, 0.0]]), eager)
+    assert replay_matches(eager + 1e-4, eager)
+    assert not replay_matches((eager + torch.tensor([[0.0, 5.0, 0.0]])).bfloat16(), eager.bfloat16())
+    # on a CPU, or in float32, the attention kernel is left to PyTorch
+    with attention_kernels(torch.device("cpu"), torch.bfloat16):
+        pass

@@ -74,6 +74,16 @@ def recognize(model: Any) -> str | None:
     return None
 
 
+def logits_match(fast: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether logits computed another way (a replayed CUDA graph of the same step) are the reference's up
+    to the rounding of their dtype: within 1e-3, or within 4 units in the last place of the largest logit
+    (bfloat16 keeps 8 bits of mantissa, so kernels that sum in another order differ by a few tenths on
+    logits of 30)."""
+    scale = float(reference.abs().max()) if reference.numel() else 0.0
+    ulps = 4 * torch.finfo(reference.dtype).eps * max(scale, 1.0)
+    return bool(torch.allclose(fast, reference, atol=max(1e-3, ulps), rtol=1e-3))
+
+
 class DirectDecode:
     """Decoding steps through the model's modules (module docstring). ``model`` is a callable, so the
     backend's current model object is used (a PEFT wrapper may replace it when a first adapter loads)."""
