@@ -51,7 +51,7 @@ from agl_core.policies import BASE
 
 from ..memory import release_free_memory
 from . import fast_linear
-from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode
+from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode, attention_kernels
 from .direct_decode import DirectDecode, recognize
 from .kv_cache import PrefixCache, SlotCache, cache_shape
 
@@ -804,7 +804,8 @@ class HFBackend:
     def _admit(self, state: Batch, jobs: list[_Job]) -> None:
         started = time.perf_counter()
         prefilled, reused = state.prefilled_tokens, state.reused_tokens
-        state.admit(jobs)
+        with attention_kernels(self.device, next(self.model.parameters()).dtype):
+            state.admit(jobs)
         self._synchronize()
         self.prefill_s += time.perf_counter() - started
         self.prefilled_tokens += state.prefilled_tokens - prefilled
