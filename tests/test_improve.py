@@ -44,6 +44,10 @@ def test_gate_promotes_within_the_margin_and_refuses_beyond_it() -> None:
     refused = gate_decision(gate, serving, worse)
     assert refused.decision == "refused" and "worse than the serving version" in refused.reason
     assert refused.change == pytest.approx(-0.5) and refused.tasks == 40
+    # one task of 40 lost and nothing else: exactly -1 SE, at the margin, not beyond it
+    one_lost = dict(serving, t1=0.0)
+    at_margin = gate_decision(gate, serving, one_lost)
+    assert at_margin.decision == "promoted" and at_margin.change == pytest.approx(-at_margin.se)
     # two tasks of 40 lost: change -0.050, paired SE 0.035 -> beyond 1 SE (refused), within 2 SE (promoted)
     two_lost = dict(serving, t1=0.0, t3=0.0)
     assert gate_decision(gate, serving, two_lost).decision == "refused"

@@ -13,6 +13,8 @@ from .state import GateRecord
 
 __all__ = ["LiveComparison", "compare_live", "gate_decision"]
 
+_ROUNDING = 1e-9
+
 
 def gate_decision(
     gate: GateConfig, serving: Mapping[str, float], candidate: Mapping[str, float], seconds: float = 0.0
@@ -20,8 +22,8 @@ def gate_decision(
     """Promote or refuse a candidate from each version's per-task held-out scores.
 
     The change is the mean over the tasks both scored of (candidate - serving), ``se`` its standard error.
-    Refused when ``change < -max_drop_se * se`` (worse beyond the margin), or, with ``min_gain_se``, when
-    ``change < min_gain_se * se`` (not better enough). With a standard error of 0 (every task changed by
+    Refused when ``change < -max_drop_se * se`` (worse beyond the margin; a change exactly at it passes),
+    or, with ``min_gain_se``, when ``change < min_gain_se * se`` (not better enough). With a standard error of 0 (every task changed by
     the same amount) a negative change is refused and, with ``min_gain_se``, so is no change.
     """
     common = sorted(set(serving) & set(candidate))
@@ -33,7 +35,9 @@ def gate_decision(
     cand_mean = sum(candidate[t] for t in common) / len(common)
     record = GateRecord("promoted", "", cand_mean, base_mean, change, se, len(common), seconds)
     floor = -gate.max_drop_se * se
-    if change < floor or (se == 0 and change < 0):
+    # a change exactly at the margin is not beyond it (one task of n lost, and no other change, is exactly
+    # -1 SE: rounding must not decide it)
+    if change < floor - _ROUNDING or (se == 0 and change < 0):
         record.decision = "refused"
         record.reason = (
             f"worse than the serving version: change {change:+.3f} ± {se:.3f} over {len(common)} tasks,"
@@ -42,7 +46,7 @@ def gate_decision(
         return record
     if gate.min_gain_se is not None:
         needed = gate.min_gain_se * se
-        if change < needed or (se == 0 and change <= 0):
+        if change < needed - _ROUNDING or (se == 0 and change <= 0):
             record.decision = "refused"
             record.reason = (
                 f"not better enough: change {change:+.3f} ± {se:.3f} over {len(common)} tasks, below the"

@@ -94,10 +94,8 @@ class StoreWatcher:
         narrowing = (*chosen.narrowing, ("not trained on by an earlier round", len(kept)))
         return Selection(kept, chosen.spans, chosen.total, narrowing)
 
-    def live_rewards(self) -> dict[int, list[float]]:
-        """Policy version -> the episode rewards of the rollouts the filter matches (whatever their reward)
-        whose every gateway call that version served (a session served by two versions counts for
-        neither)."""
+    def versions_of_rollouts(self) -> dict[str, set[int]]:
+        """Rollout id -> the policy versions that served its gateway calls."""
         versions: dict[str, set[int]] = defaultdict(set)
         for span in self.spans:
             if span.rollout_id is None or kind_of(span) != GATEWAY:
@@ -105,6 +103,13 @@ class StoreWatcher:
             version = span.attributes.get(semconv.POLICY_VERSION)
             if isinstance(version, int) and not isinstance(version, bool):
                 versions[span.rollout_id].add(version)
+        return dict(versions)
+
+    def live_rewards(self) -> dict[int, list[float]]:
+        """Policy version -> the episode rewards of the rollouts the filter matches (whatever their reward)
+        whose every gateway call that version served (a session served by two versions counts for
+        neither)."""
+        versions = self.versions_of_rollouts()
         matched = {r.rollout_id for r in self.selection(any_reward=True).rollouts}
         out: dict[int, list[float]] = defaultdict(list)
         for rollout, reward in episode_rewards(self.spans).items():
