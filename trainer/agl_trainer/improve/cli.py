@@ -146,7 +146,13 @@ class _ImproveCommand:
             "       agl improve status CONFIG [--json]\n"
             "       agl improve rollback CONFIG VERSION"
         )
-        parser.add_argument("words", nargs="+", metavar="CONFIG | status CONFIG | rollback CONFIG VERSION")
+        parser.add_argument(
+            "words",
+            nargs="+",
+            metavar="CONFIG | status CONFIG | rollback CONFIG VERSION",
+            help="the service's YAML config (improve: and traces: sections); 'status CONFIG' shows its"
+            " lineage, 'rollback CONFIG VERSION' serves an earlier version again",
+        )
         add_override_argument(parser, "improve.min_new_rollouts=16")
         parser.add_argument("--json", action="store_true", help="with status: print the lineage as JSON")
 

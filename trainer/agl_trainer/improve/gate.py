@@ -23,8 +23,9 @@ def gate_decision(
 
     The change is the mean over the tasks both scored of (candidate - serving), ``se`` its standard error.
     Refused when ``change < -max_drop_se * se`` (worse beyond the margin; a change exactly at it passes),
-    or, with ``min_gain_se``, when ``change < min_gain_se * se`` (not better enough). With a standard error of 0 (every task changed by
-    the same amount) a negative change is refused and, with ``min_gain_se``, so is no change.
+    or, with ``min_gain_se``, when ``change < min_gain_se * se`` (not better enough). With a standard error
+    of 0 (every task changed by the same amount) a negative change is refused and, with ``min_gain_se``, so
+    is no change.
     """
     common = sorted(set(serving) & set(candidate))
     if not common:
