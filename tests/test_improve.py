@@ -124,7 +124,7 @@ def test_bad_improve_configs_are_refused_with_what_to_do(tmp_path: Path, change:
 def test_agl_train_refuses_an_improve_config_and_names_the_command(tmp_path: Path) -> None:
     path = tmp_path / "improve.yaml"
     path.write_text(yaml.safe_dump(_improve_config(tmp_path)))
-    done = subprocess.run([*AGL, "train", str(path)], capture_output=True, text=True, timeout=120)
+    done = _agl("train", str(path), timeout=120)
     assert done.returncode == 2 and f"agl improve {path}" in done.stderr
 
 
@@ -272,6 +272,11 @@ def _write_config(tmp_path: Path, store_url: str, gateway_port: int, **improve: 
     return path
 
 
+def _agl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``agl ARGS`` with the gateway's admin token in the environment."""
+    return subprocess.run([*AGL, *args], capture_output=True, text=True, timeout=timeout, env=_env())
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "AGL_TEST_ADMIN": "admin-secret"}
 
@@ -309,9 +314,7 @@ def test_a_round_killed_while_training_resumes_and_trains_and_publishes_once(tmp
             assert _state(tmp_path)["pending"]["round"] == 1 and gateway.published == []
             text["traces"]["epochs"] = 1
             config.write_text(yaml.safe_dump(text))
-            again = subprocess.run(
-                [*AGL, "improve", str(config)], env=_env(), capture_output=True, text=True, timeout=600
-            )
+            again = _agl("improve", str(config), timeout=600)
             assert again.returncode == 0, again.stdout + again.stderr
             assert "round 1 resumes at training" in again.stdout
             state = _state(tmp_path)
@@ -321,9 +324,7 @@ def test_a_round_killed_while_training_resumes_and_trains_and_publishes_once(tmp
             assert sorted(state["consumed"]) == ids and state["pending"] is None
             assert gateway.published == [1] and "prod" in state["versions"][1]["published"]
             # started again with the round done: nothing trained, nothing published twice
-            third = subprocess.run(
-                [*AGL, "improve", str(config)], env=_env(), capture_output=True, text=True, timeout=300
-            )
+            third = _agl("improve", str(config), timeout=300)
             assert third.returncode == 0, third.stdout + third.stderr
             assert gateway.published == [1] and _state(tmp_path)["rounds"] == 1
         # the lineage is in the store too
@@ -388,32 +389,32 @@ def test_status_rollback_and_a_gateway_that_refuses(tmp_path: Path) -> None:
         _seed_store(store.url, tmp_path, 8)
         config = _write_config(tmp_path, store.url, gateway_port)
         with _CountingGateway(gateway_port) as gateway:
-            done = subprocess.run(
-                [*AGL, "improve", str(config)], env=_env(), capture_output=True, text=True, timeout=600
-            )
+            done = _agl("improve", str(config), timeout=600)
             assert done.returncode == 0, done.stdout + done.stderr
-            status = subprocess.run(
-                [*AGL, "improve", "status", str(config)], capture_output=True, text=True, timeout=120
-            )
+            status = _agl("improve", "status", str(config), timeout=120)
             assert status.returncode == 0, status.stderr
             assert "v1 serves" in status.stdout and "v1 serving from v0, round 1, 8 rollouts" in status.stdout
+            # a publish without the admin token, or with a wrong one, is refused with what to set
+            from agl_trainer.config import GatewayTargetConfig
+            from agl_trainer.improve.publish import publish_version
+
+            adapter = tmp_path / "service" / "versions" / "v1"
+            unset = GatewayTargetConfig(url=gateway.url, admin_token_env="AGL_TEST_UNSET_TOKEN")
+            refused = publish_version(unset, 5, adapter)
+            assert refused.state == "refused" and "AGL_TEST_UNSET_TOKEN" in refused.message
+            os.environ["AGL_TEST_WRONG_TOKEN"] = "wrong"
+            try:
+                wrong = publish_version(
+                    GatewayTargetConfig(url=gateway.url, admin_token_env="AGL_TEST_WRONG_TOKEN"), 5, adapter
+                )
+            finally:
+                del os.environ["AGL_TEST_WRONG_TOKEN"]
+            assert wrong.state == "refused" and "HTTP 401" in wrong.message and gateway.published == [1]
             # unknown version, then back to the base: the untrained adapter published as version 0
-            bad = subprocess.run(
-                [*AGL, "improve", "rollback", str(config), "7"],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                env=_env(),
-            )
+            bad = _agl("improve", "rollback", str(config), "7", timeout=120)
             assert bad.returncode == 2 and "no version 7" in bad.stderr and "versions: 0, 1" in bad.stderr
             calls = _Traffic(gateway.url)  # calls in flight while the version changes are all answered
-            back = subprocess.run(
-                [*AGL, "improve", "rollback", str(config), "v0"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env=_env(),
-            )
+            back = _agl("improve", "rollback", str(config), "v0", timeout=300)
             assert back.returncode == 0, back.stdout + back.stderr
             assert gateway.published == [1, 0]
             answered, failed = calls.stop()
@@ -422,23 +423,14 @@ def test_status_rollback_and_a_gateway_that_refuses(tmp_path: Path) -> None:
             assert state["serving"] == 0 and state["versions"][1]["status"] == "rolled_back"
         # a gateway serving another base model refuses the adapter: said, not retried, nothing lost
         with _CountingGateway(gateway_port, source="smollm2") as other:
-            again = subprocess.run(
-                [*AGL, "improve", "rollback", str(config), "1"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env=_env(),
-            )
+            again = _agl("improve", "rollback", str(config), "1", timeout=300)
             assert again.returncode == 0, again.stdout + again.stderr
             assert other.published == []
             target = _state(tmp_path)["targets"]["prod"]
             assert target["state"] == "refused" and "does not fit the served model" in target["message"]
             assert "refused v1" in again.stdout
-        # without the gateway's admin token, a clear refusal too
-        no_token = subprocess.run(
-            [*AGL, "improve", "status", str(config), "--json"], capture_output=True, text=True, timeout=120
-        )
-        assert json.loads(no_token.stdout)["serving"] == 1
+        status = _agl("improve", "status", str(config), "--json", timeout=120)
+        assert json.loads(status.stdout)["serving"] == 1
     finally:
         store.stop()
 
