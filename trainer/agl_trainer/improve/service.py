@@ -158,10 +158,16 @@ class ImproveService:
         if wanted is not None and self.state.rounds >= wanted and self.state.pending is None:
             if all(t.state != "down" for t in self.state.targets.values()):
                 self.echo(f"done: {self.state.rounds} rounds; v{self.state.serving} serves")
+                self.state.waiting = f"stopped after {self.state.rounds} rounds (improve.rounds)"
+                self._save(changed=True)
                 return True
         idle = self.improve.idle_exit_s
         if idle is not None and time.monotonic() - self._last_progress > idle:
             self.echo(f"stopping: no round for {idle:g}s ({self.state.waiting})")
+            self.state.waiting = (
+                f"stopped: no round for {idle:g}s (improve.idle_exit_s); {self.state.waiting}"
+            )
+            self._save(changed=True)
             return True
         return False
 
@@ -549,7 +555,7 @@ def status_lines(state: ImproveState, live: dict[int, list[float]] | None = None
         live_text = ""
         if rewards:
             mean, se = mean_se(rewards)
-            live_text = f" live {mean:.3f} ± {se:.3f} over {len(rewards)} sessions"
+            live_text = f"; live {mean:.3f} ± {se:.3f} over {len(rewards)} sessions"
         where = ", ".join(sorted(v.published)) or "-"
         lines.append(
             f"  v{v.version} {v.status}"
