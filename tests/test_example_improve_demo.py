@@ -13,12 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _demo():
+    """The demo's module, loaded without leaving its folder on ``sys.path`` (its ``agent`` module would
+    shadow other examples' in later tests)."""
     spec = importlib.util.spec_from_file_location(
         "improve_demo", ROOT / "examples/calc_autogen/improve_demo.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
     return module
 
 
@@ -43,4 +49,3 @@ def test_the_share_of_calls_plot_has_a_band_per_version(tmp_path: Path) -> None:
     path = tmp_path / "calls.png"
     _demo().plot_calls(calls, path, bin_s=10.0)
     assert path.stat().st_size > 5_000 and path.read_bytes()[:4] == b"\x89PNG"
-    sys.modules.pop("improve_demo", None)
