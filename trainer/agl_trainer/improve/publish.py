@@ -67,9 +67,12 @@ def served_version(target: GatewayTargetConfig) -> PublishResult:
     return PublishResult("ok", "", version if isinstance(version, int) else None)
 
 
-def publish_version(target: GatewayTargetConfig, version: int, adapter: Path) -> PublishResult:
-    """Make ``target`` serve the LoRA adapter in ``adapter`` as ``version``, unless it already does."""
-    now = served_version(target)
+def publish_version(
+    target: GatewayTargetConfig, version: int, adapter: Path, *, now: PublishResult | None = None
+) -> PublishResult:
+    """Make ``target`` serve the LoRA adapter in ``adapter`` as ``version``, unless it already does;
+    ``now``: its :func:`served_version` answer when the caller has just asked (not asked again)."""
+    now = now or served_version(target)
     if now.state != "ok" or now.serving == version:
         return now
     if target.admin_token_env is not None and not _headers(target):

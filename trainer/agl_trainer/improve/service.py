@@ -211,7 +211,7 @@ class ImproveService:
         """The lineage in the store (a new version of the resource); retried at the next save if the
         store cannot take it now."""
         try:
-            backend = self.watcher._open()
+            backend = self.watcher.backend()
             backend.put_resource(lineage_resource(self.improve.name), self.state.to_json(with_consumed=False))
         except Exception as exc:
             if not self._mirror_failed:
@@ -389,7 +389,7 @@ class ImproveService:
         adapter = self._adapter_of(version, create=True)
         assert adapter is not None
         self.echo(f"publishing v{version} to {target.label} (it serves v{now.serving})")
-        return publish_version(target, version, adapter)
+        return publish_version(target, version, adapter, now=now)
 
     def _record_target(self, target: GatewayTargetConfig, version: int, result: PublishResult) -> None:
         from .state import TargetStatus

@@ -38,7 +38,8 @@ class StoreWatcher:
         self._cursor = 0
         self._backend: Any = None
 
-    def _open(self) -> Any:
+    def backend(self) -> Any:
+        """The store's client (opened on first use; reopened after a failed look)."""
         if self._backend is None:
             store = self.traces.store
             if store.startswith(("http://", "https://")):
@@ -56,7 +57,7 @@ class StoreWatcher:
         """Read the spans stored since the last look, and the records of rollouts still without one;
         how many new spans came."""
         try:
-            backend = self._open()
+            backend = self.backend()
             new: list[Span] = []
             while True:
                 page = backend.query_spans(after_seq=self._cursor, limit=_PAGE)
