@@ -83,3 +83,23 @@ def test_small_weights_are_left_alone(tiny_policy):
         assert HFBackend(model, tokenizer, model_name="tiny", packed_linears=False)._linears is None
     finally:
         backend.close()
+
+
+def test_the_backend_packs_within_the_budget_it_is_given(tiny_policy):
+    """``packed_weights_mb`` (``serving.hf.packed_weights_mb``) is the copies' budget: 0 packs nothing (the
+    layers still go through oneDNN), room for the output layer packs it; a negative budget is refused."""
+    from agl_trainer.generation.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    size = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    for mb, expected in ((0.0, 0), (size / 2**20, size)):
+        backend = HFBackend(model, tokenizer, model_name="tiny", packed_weights_mb=mb)
+        try:
+            assert backend._linears is not None
+            with torch.no_grad(), backend._linears:
+                assert "forward" in model.lm_head.__dict__
+            assert backend._linears.nbytes == expected
+        finally:
+            backend.close()
+    with pytest.raises(ValueError, match="packed_weights_mb must be 0"):
+        HFBackend(model, tokenizer, model_name="tiny", packed_weights_mb=-1)

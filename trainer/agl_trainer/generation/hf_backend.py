@@ -246,6 +246,10 @@ class HFBackend:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be 0 (no prefix cache) or more, not {prefix_cache_mb}")
+        if packed_weights_mb < 0:
+            raise ValueError(
+                f"packed_weights_mb must be 0 (no packed copies) or more, not {packed_weights_mb}"
+            )
         self.model = model
         #: With ``seed``, requests without a seed of their own sample reproducibly (:class:`_Seeds`).
         self._seeds = _Seeds(seed) if seed is not None else None
@@ -305,6 +309,7 @@ class HFBackend:
             static_decode=static_decode,
             cuda_graphs=cuda_graphs,
             packed_linears=packed_linears,
+            packed_weights_mb=packed_weights_mb,
             direct_decode=direct_decode,
         )
         self.lock.on_external_acquire = self._forget
@@ -318,6 +323,7 @@ class HFBackend:
         static_decode: bool | None,
         cuda_graphs: bool,
         packed_linears: bool | None,
+        packed_weights_mb: float,
         direct_decode: bool,
     ) -> None:
         """The key/value memory and the decoding paths for this model and device (``__init__``'s
@@ -353,7 +359,11 @@ class HFBackend:
         if packed_linears is None:
             packed_linears = on_cpu and fast_linear.available()
         self._linears = (
-            fast_linear.PackedLinears(lambda: self.model, rows=self.max_batch) if packed_linears else None
+            fast_linear.PackedLinears(
+                lambda: self.model, rows=self.max_batch, budget_bytes=int(packed_weights_mb * 2**20)
+            )
+            if packed_linears
+            else None
         )
         #: Decoding steps that run the model's modules directly, without its forward pass's per-call
         #: machinery (:mod:`.direct_decode`), for the architectures that recognizes; off with
