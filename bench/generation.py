@@ -74,6 +74,10 @@ CALCULATOR = {
 }
 
 
+#: ``serving.hf.packed_weights_mb``'s default.
+PACKED_MB = 128.0
+
+
 def agent_messages(question: str) -> list[dict[str, Any]]:
     """What the calculator agent sends for ``question``: system prompt, worked examples, the question."""
     sys.path.insert(0, str(EXAMPLE))
@@ -123,6 +127,40 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> 
         _sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times[1:])
+
+
+def products_s(model: Any, rows: int, packed_mb: float, repeats: int = 7) -> tuple[float, int]:
+    """Seconds of one decoding step's matrix products and nothing else (median of ``repeats``), and how
+    many there are: every linear layer of ``model`` (the output layer included) applied to ``rows`` rows
+    of one token, on the CPU through the backend's oneDNN layers with packed copies within ``packed_mb``,
+    in a thread of its own as the backend's steps run. No step of the model can be quicker."""
+    from contextlib import nullcontext
+    from threading import Thread
+
+    from agl_trainer.generation import fast_linear
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(rows, 1, layer.in_features, device=device, dtype=dtype) for layer in layers]
+    on_cpu = device.type == "cpu" and dtype == torch.float32 and fast_linear.available()
+    times: list[float] = []
+
+    def run() -> None:
+        linears = fast_linear.PackedLinears(lambda: model, rows=rows, budget_bytes=int(packed_mb * 2**20))
+        with torch.no_grad(), linears if on_cpu else nullcontext():
+            for _ in range(repeats + 1):
+                _sync(device)
+                t0 = time.perf_counter()
+                for layer, x in zip(layers, inputs, strict=True):
+                    layer(x)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+
+    thread = Thread(target=run, name="bench-products")
+    thread.start()
+    thread.join()
+    return statistics.median(times[1:]), len(layers)
 
 
 def _sync(device: torch.device) -> None:
@@ -267,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--packed-mb",
         type=float,
-        default=128.0,
-        help="slots: MiB of oneDNN-packed weight copies on the CPU (serving.hf.packed_weights_mb; 128)",
+        default=PACKED_MB,
+        help="slots: MiB of oneDNN-packed weight copies on the CPU (serving.hf.packed_weights_mb; 128);"
+        " any other budget also measures slots with 128 beside it",
     )
     parser.add_argument("--json", type=Path, help="also write every repeat's figures to this JSON file")
     parser.add_argument(
@@ -318,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             direct_decode=False,
         ),
     }
+    if device.type == "cpu" and args.packed_mb != PACKED_MB:  # what the other packing budget gives
+        backends[f"slots, {PACKED_MB:.0f} MiB packed"] = HFBackend(
+            model, tokenizer, model_name="bench", max_batch=args.rows, packed_weights_mb=PACKED_MB
+        )
     if device.type == "cuda":  # what the fixed-shape step and its graph each add on a GPU
         backends["slots, no CUDA graph"] = HFBackend(
             model, tokenizer, model_name="bench", max_batch=args.rows, cuda_graphs=False
@@ -389,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [backends["today"].render_prompt(request(q, 1).messages, [CALCULATOR]) for q in batch]
         seconds = plain_generate(model, tokenizer, prompts, args.max_tokens, static=True, width=width)
         record("generate()", "end_to_end", args.rows * args.max_tokens / seconds)
+    floor_s, products = products_s(model, args.rows, args.packed_mb)
     if args.profile:
         profile_round(
             backends["slots"], [request(q, args.max_tokens) for q in pool[-args.rows :]], args.profile
@@ -432,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
             f"  {name:<28} {tps:>9.1f} {1000 * m['decode_s'] / m['steps']:>8.1f}"
             f"   {tps / bound_tps:.0%} of the bound"
         )
+    today_tps = med["today"]["decoded"] / med["today"]["decode_s"]
+    print(
+        f"  {f'its {products} products alone':<28} {args.rows / floor_s:>9.1f} {1000 * floor_s:>8.1f}"
+        f"   no step is quicker: at most {args.rows / floor_s / today_tps:.1f}x today"
+    )
     print("\nend to end (prefill and decode)  tokens/s")
     for name in [*backends, "generate()"]:
         label = "generate(), static cache" if name == "generate()" else name
@@ -451,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                     "matmul_flop_s": flops,
                     "decode_bound_tokens_s": bound_tps,
                     "prefill_flop_bound_s": flop_bound_s,
+                    "products_s": floor_s,
                     "repeats": results,
                 },
                 indent=1,
