@@ -593,3 +593,26 @@ def test_a_graph_replay_is_checked_within_its_dtype_rounding_not_beyond() -> Non
     # on a CPU, or in float32, the attention kernel is left to PyTorch
     with attention_kernels(torch.device("cpu"), torch.bfloat16):
         pass
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-steps", "forward-steps"])
+def test_narrow_decoding_steps_ask_for_the_same_attention_kernels(backend_of, monkeypatch, direct):
+    """Decoding steps without a fixed shape (the CPU's, and a GPU's with a policy per agent) run inside
+    ``attention_kernels`` for the cache's device and dtype, as prefill and the fixed-shape steps do (on a
+    GPU in 16 bits: the memory-efficient kernel rather than cuDNN's)."""
+    import contextlib
+
+    from agl_trainer.generation import decoding
+
+    asked: list[tuple[str, torch.dtype]] = []
+
+    def recording(device: torch.device, dtype: torch.dtype) -> Any:
+        asked.append((device.type, dtype))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(decoding, "attention_kernels", recording)
+    backend = backend_of(prefix_cache_mb=0, direct_decode=direct)
+    [completion] = _together(backend, [_request(QUESTIONS[0], max_tokens=6)])[0]
+    assert len(completion.response_ids) == 6
+    # one per decoding step (the first token comes from the prefill)
+    assert backend.decode_steps >= 5 and asked == [("cpu", torch.float32)] * backend.decode_steps

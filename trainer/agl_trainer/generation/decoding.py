@@ -336,21 +336,28 @@ class SlotBatch:
     def advance(self) -> None:
         if self.static is not None:
             self.logits = self.static.step(self)
-        else:
-            shared = self._shared_prefix()
-            if shared < SHARED_PREFIX_MIN or len(self.rows) < 2:
-                shared = 0
-            direct = self.direct
-            if direct is not None and direct.enabled:
-                logits = self._direct_step(direct, shared)
-                if direct.checking:  # the first step since the weights changed, against the forward pass
-                    reference = self._forward_step(shared)
-                    if not direct.checked(logits, reference):
-                        logits = reference
-                self.logits = logits
-            else:
-                self.logits = self._forward_step(shared)
+        else:  # narrow steps (a policy per agent, or static_decode off): the same attention kernels
+            with attention_kernels(self.host.device, self.slots.shape.dtype):
+                self._advance_narrow()
         self.lengths = [n + 1 for n in self.lengths]
+
+    def _advance_narrow(self) -> None:
+        """A decoding step of the rows as they are (no fixed shape): through the model's modules where
+        :class:`DirectDecode` serves the model (the first step after a weight change checked against the
+        forward pass), else through the forward pass."""
+        shared = self._shared_prefix()
+        if shared < SHARED_PREFIX_MIN or len(self.rows) < 2:
+            shared = 0
+        direct = self.direct
+        if direct is not None and direct.enabled:
+            logits = self._direct_step(direct, shared)
+            if direct.checking:  # the first step since the weights changed, against the forward pass
+                reference = self._forward_step(shared)
+                if not direct.checked(logits, reference):
+                    logits = reference
+            self.logits = logits
+        else:
+            self.logits = self._forward_step(shared)
 
     def _forward_step(self, shared: int) -> torch.Tensor:
         """A decoding step through the model's forward pass (``shared``: see :meth:`_direct_step`)."""
