@@ -18,8 +18,9 @@ SYSTEM = "You are a careful assistant that solves arithmetic word problems with 
 QUESTIONS = [f"Question {i}: what is {i} times {i + 3}?" + " Show it." * (i % 3) for i in range(6)]
 
 
-def _model(kind: str, vocab: int, eos: int | None) -> Any:
-    """A small random decoder of ``kind`` (llama, qwen2, mistral) with SmolLM2's vocabulary."""
+def _model(kind: str, vocab: int, eos: int | None, *, hidden: int = 64) -> Any:
+    """A small random decoder of ``kind`` (llama, qwen2, mistral) with SmolLM2's vocabulary; ``hidden``
+    256 makes every projection large enough for oneDNN's packed copies (fast_linear.MIN_WEIGHT)."""
     import transformers
 
     config_class, model_class = {
@@ -29,11 +30,11 @@ def _model(kind: str, vocab: int, eos: int | None) -> Any:
     }[kind]
     config = config_class(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=2 if hidden == 64 else 4,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         eos_token_id=eos,
@@ -129,11 +130,11 @@ def test_direct_steps_generate_what_the_forward_pass_generates(backends, tiny_po
     assert direct._direct.enabled and not direct._direct.checking
 
 
-def _lora_model(tokenizer: Any) -> Any:
+def _lora_model(tokenizer: Any, *, hidden: int = 64) -> Any:
     """The tiny Llama with two LoRA adapters on attention and MLP projections, both with effect."""
     from peft import LoraConfig, get_peft_model
 
-    model = _model("llama", len(tokenizer), tokenizer.eos_token_id)
+    model = _model("llama", len(tokenizer), tokenizer.eos_token_id, hidden=hidden)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
     model = get_peft_model(model, lora, adapter_name="writer")
     model.add_adapter("rewriter", lora)
@@ -231,3 +232,50 @@ def test_architectures_the_direct_step_does_not_know_go_through_the_forward_pass
     assert "model type 'gpt2'" in (recognize(gpt2) or "")
     backend = backends(gpt2)
     assert backend._direct is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "lora"])
+def test_grouped_products_generate_what_the_forward_pass_generates(backends, tiny_policy, kind):
+    """With room for every weight (``packed_weights_mb``), a direct step multiplies query, key and value
+    in one product and gate and up in another (fast_linear.PackedLinears.multiply_group), and the tokens
+    and log-probabilities stay the forward pass's: plain, with biases (Qwen2), and under LoRA adapters in
+    mixed-adapter batches (each LoRA layer adds its term to its slice)."""
+    from agl_core.policies import PolicyRouter
+    from agl_trainer.generation import fast_linear
+
+    if not fast_linear.available():
+        pytest.skip("this PyTorch has no oneDNN linear")  # the grouped products are oneDNN's
+    tokenizer = tiny_policy[1]
+    if kind == "lora":
+        model = _lora_model(tokenizer, hidden=256)
+        router = PolicyRouter({"writer": ["writer"], "rewriter": ["rewriter"]})
+        options: dict[str, Any] = {"route": router.policy_for}
+        agents = ["writer", "rewriter", None, "writer", "rewriter", None]
+    else:
+        model, options, agents = (
+            _model(kind, len(tokenizer), tokenizer.eos_token_id, hidden=256),
+            {},
+            [None] * 6,
+        )
+    grouped = backends(model, packed_weights_mb=1024, **options)
+    forward = backends(model, direct_decode=False, packed_weights_mb=1024, **options)
+    small = backends(model, packed_weights_mb=1, **options)  # no room for every weight: no groups
+    done: list[bool] = []
+    for backend in (grouped, small):
+        multiply = backend._linears.multiply_group
+
+        def counting(layers: Any, x: torch.Tensor, multiply: Any = multiply) -> bool:
+            done.append(multiply(layers, x))
+            return done[-1]
+
+        backend._linears.multiply_group = counting
+    requests = [_request(q, agent=a) for q, a in zip(QUESTIONS, agents, strict=True)]
+    expected = _together(forward, requests)
+    _assert_same(_together(grouped, requests), expected)
+    assert done and all(done)  # every layer's two groups, every step
+    assert grouped._direct.enabled and grouped._linears._stacked  # the stacked copies, kept between batches
+    with grouped.lock:  # until someone may change the weights
+        assert grouped._linears.nbytes == 0
+    calls = len(done)
+    _assert_same(_together(small, requests), expected)
+    assert not any(done[calls:])

@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .attention import decode_attention
 
-__all__ = ["DirectDecode", "recognize"]
+__all__ = ["DirectDecode", "layer_groups", "recognize"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,29 @@ def recognize(model: Any) -> str | None:
     return None
 
 
+def _plain(module: Any) -> Any:
+    """The linear layer under a PEFT LoRA layer (or ``module`` itself)."""
+    get_base = getattr(module, "get_base_layer", None)
+    return get_base() if callable(get_base) else module
+
+
+def layer_groups(model: Any) -> list[list[torch.nn.Linear]]:
+    """Per decoder layer of a model :func:`recognize` accepts, the linear layers that multiply the same
+    input: the query, key and value projections, then the gate and up projections (under PEFT's LoRA
+    layers, the plain layers it wraps); for :class:`~.fast_linear.PackedLinears`' grouped products."""
+    groups: list[list[torch.nn.Linear]] = []
+    for layer in _base(model).model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for members in (
+            (attention.q_proj, attention.k_proj, attention.v_proj),
+            (mlp.gate_proj, mlp.up_proj),
+        ):
+            plain = [_plain(m) for m in members]
+            if all(isinstance(m, torch.nn.Linear) for m in plain):
+                groups.append(plain)
+    return groups
+
+
 def logits_match(fast: torch.Tensor, reference: torch.Tensor) -> bool:
     """Whether logits computed another way (the direct step, a replayed CUDA graph) are the reference's up
     to the rounding of the less precise of their dtypes, compared in float32: within 1e-3, or within 4
@@ -90,19 +113,30 @@ class DirectDecode:
     """Decoding steps through the model's modules (module docstring). ``model`` is a callable, so the
     backend's current model object is used (a PEFT wrapper may replace it when a first adapter loads)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, linears: Any = None) -> None:
         self._model = model
+        #: The backend's :class:`~.fast_linear.PackedLinears` (``None``: none), whose grouped products a step
+        #: uses where it has them.
+        self._linears = linears
         #: Whether the next step is checked against the model's forward pass (after any weight change).
         self._check = True
         #: Turned off after a step that disagreed with the forward pass.
         self.enabled = True
         self._lora: set[int] | None = None
         self._owner: Any = None
+        self._groups: list[list[torch.nn.Linear]] | None = None
+        self._groups_owner: Any = None
 
     def reset(self) -> None:
         """The weights may change: the next step is checked again."""
         self._check = True
         self._lora = None
+        self._groups = None
+
+    def _layer_groups(self, model: Any) -> list[list[torch.nn.Linear]]:
+        if self._groups is None or self._groups_owner is not model:
+            self._groups, self._groups_owner = layer_groups(model), model
+        return self._groups
 
     @property
     def checking(self) -> bool:
@@ -162,10 +196,15 @@ class DirectDecode:
         mask = (torch.arange(width, device=ids.device)[None, :] <= positions[:, None])[:, None, None]
         x = inner.embed_tokens(ids[:, None])  # [rows, 1, hidden]
         cos, sin = inner.rotary_emb(x, positions[:, None])  # [rows, 1, head_dim]
+        linears = self._linears
+        groups = self._layer_groups(model) if linears is not None else []
+        grouped = len(groups) == 2 * len(inner.layers)
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
             dim = int(attention.head_dim)
             h = layer.input_layernorm(x)
+            if grouped:  # query, key and value in one product where the packed copies allow it
+                linears.multiply_group(groups[2 * index], h)
             q = project(attention.q_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
             k = project(attention.k_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
             v = project(attention.v_proj, h).view(rows, 1, -1, dim).transpose(1, 2)
@@ -177,7 +216,10 @@ class DirectDecode:
                 q, keys[:rows, :, :width], values[:rows, :, :width], mask, shared, float(attention.scaling)
             )
             x = x + project(attention.o_proj, out.reshape(rows, 1, -1))
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x), project)
+            h = layer.post_attention_layernorm(x)
+            if grouped:  # gate and up in one product
+                linears.multiply_group(groups[2 * index + 1], h)
+            x = x + self._mlp(layer.mlp, h, project)
         logits: torch.Tensor = project(base.lm_head, inner.norm(x))[:, -1].float()
         return logits
 

@@ -14,13 +14,21 @@ copies are made on first use and dropped by :meth:`release`, which the backend c
 takes its lock to change the weights, so they never outlive the weights they copy, and they do not sit in
 memory beside a weight update's activations. A layer whose weight changed in place since it was packed
 (its version counter moved) is packed again. Training never goes through any of this.
+
+Grouped products. Layers that always multiply the same input (a Llama layer's query, key and value
+projections; its gate and up projections) can share one product with their weights stacked: 4 products a
+layer instead of 7, which at 16 rows reads the stacked weight faster than the three or two apart. When the
+budget holds every weight (``groups`` given, ``packed_weights_mb`` of 600 for SmolLM2), each group gets one
+packed stacked copy instead of its members' own; :meth:`PackedLinears.multiply_group` computes it for an
+input and hands each member its slice, which the member's next call with that same input returns (a
+PEFT LoRA layer around it adds its own term as usual). Any other call of a member computes as before.
 """
 
 from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,22 +68,42 @@ class PackedLinears:
     largest within ``budget_bytes`` (module docstring). ``model`` is a callable, so the backend's current
     model object is used (it may be wrapped in a PEFT model after a first adapter is loaded)."""
 
-    def __init__(self, model: Callable[[], Any], *, rows: int = 16, budget_bytes: int = 128 * 2**20) -> None:
+    def __init__(
+        self,
+        model: Callable[[], Any],
+        *,
+        rows: int = 16,
+        budget_bytes: int = 128 * 2**20,
+        groups: Callable[[Any], list[list[torch.nn.Linear]]] | None = None,
+    ) -> None:
         self._model = model
         self._rows = rows
         self.budget_bytes = budget_bytes
+        #: The model's groups of layers that multiply the same input (module docstring), or ``None``.
+        self._groups = groups
         self._ops = _ops()
         #: id(layer) -> (layer, weight identity when packed, packed weight)
         self._packed: dict[int, tuple[torch.nn.Linear, tuple[int, int], torch.Tensor]] = {}
+        #: ids of a group's layers -> (the layers, their weights' identities, stacked packed weight, bias)
+        self._stacked: dict[
+            tuple[int, ...],
+            tuple[list[torch.nn.Linear], list[tuple[int, int]], torch.Tensor, torch.Tensor | None],
+        ] = {}
+        #: While entered: the groups multiplied together, by the ids of their layers.
+        self._active: dict[tuple[int, ...], torch.Tensor] = {}
+        #: id(layer) -> (input, output) that layer's next call with that input returns.
+        self._ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._patched: list[torch.nn.Linear] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(packed.numel() * packed.element_size() for _, _, packed in self._packed.values())
+        own = sum(packed.numel() * packed.element_size() for _, _, packed in self._packed.values())
+        return own + sum(packed.numel() * packed.element_size() for _, _, packed, _ in self._stacked.values())
 
     def release(self) -> None:
         """Drop every packed copy (the weights may change)."""
         self._packed.clear()
+        self._stacked.clear()
 
     def __enter__(self) -> PackedLinears:
         layers = [
@@ -87,11 +115,21 @@ class PackedLinears:
             and layer.weight.numel() >= MIN_WEIGHT
         ]
         room = self.budget_bytes
+        sizes = {id(layer): layer.weight.numel() * layer.weight.element_size() for layer in layers}
+        grouped: set[int] = set()
+        if self._groups is not None and sum(sizes.values()) <= room:  # every weight fits: stack the groups
+            for group in self._groups(self._model()):
+                if len(group) > 1 and all(id(layer) in sizes for layer in group):
+                    self._active[tuple(id(layer) for layer in group)] = self._stack(group)
+                    grouped.update(id(layer) for layer in group)
+                    room -= sum(sizes[id(layer)] for layer in group)
         for layer in sorted(layers, key=lambda layer: -layer.weight.numel()):
-            size = layer.weight.numel() * layer.weight.element_size()
-            weight = self._pack(layer) if size <= room else layer.weight
-            room -= size if size <= room else 0
-            layer.forward = types.MethodType(_forward(self._ops, weight), layer)  # type: ignore[method-assign]
+            size = sizes[id(layer)]
+            fits = id(layer) not in grouped and size <= room
+            weight = self._pack(layer) if fits else layer.weight
+            room -= size if fits else 0
+            forward = _forward(self._ops, weight, self._ready)
+            layer.forward = types.MethodType(forward, layer)  # type: ignore[method-assign]
             self._patched.append(layer)
         return self
 
@@ -99,6 +137,54 @@ class PackedLinears:
         for layer in self._patched:
             layer.__dict__.pop("forward", None)  # the class's forward again
         self._patched.clear()
+        self._active.clear()
+        self._ready.clear()
+
+    def multiply_group(self, layers: Sequence[torch.nn.Linear], x: torch.Tensor) -> bool:
+        """Multiply ``x`` by a group's stacked weight now, and have each of ``layers`` return its slice of
+        the product when next called with ``x`` itself; ``False`` (nothing done) where the group is not
+        stacked (the budget does not hold every weight, or no ``groups`` were given)."""
+        stacked = self._active.get(tuple(id(layer) for layer in layers))
+        if stacked is None or torch.is_grad_enabled() or x.dtype != torch.float32:
+            return False
+        self._ready.clear()
+        bias = self._stacked[tuple(id(layer) for layer in layers)][3]
+        out: torch.Tensor = self._ops._linear_pointwise(x, stacked, bias, "none", [], "")
+        start = 0
+        for layer in layers:
+            end = start + layer.out_features
+            self._ready[id(layer)] = (x, out[..., start:end])
+            start = end
+        return True
+
+    def _stack(self, group: list[torch.nn.Linear]) -> torch.Tensor:
+        key = tuple(id(layer) for layer in group)
+        identity = [(layer.weight.data_ptr(), layer.weight._version) for layer in group]
+        known = self._stacked.get(key)
+        if (
+            known is not None
+            and all(a is b for a, b in zip(known[0], group, strict=True))
+            and known[1] == identity
+        ):
+            return known[2]
+        self._stacked.pop(key, None)  # the stale copy goes before the new one is made
+        with torch.no_grad():
+            weight = torch.cat([layer.weight.detach() for layer in group])
+            packed: torch.Tensor = self._ops._reorder_linear_weight(weight, self._rows)
+            del weight
+            biases = [layer.bias for layer in group]
+            bias = (
+                torch.cat(
+                    [
+                        b.detach() if b is not None else layer.weight.new_zeros(layer.out_features)
+                        for b, layer in zip(biases, group, strict=True)
+                    ]
+                )
+                if any(b is not None for b in biases)
+                else None
+            )
+        self._stacked[key] = (list(group), identity, packed, bias)
+        return packed
 
     def _pack(self, layer: torch.nn.Linear) -> torch.Tensor:
         weight = layer.weight
@@ -113,10 +199,17 @@ class PackedLinears:
         return packed
 
 
-def _forward(ops: Any, weight: torch.Tensor) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
-    """A layer's forward pass through oneDNN with ``weight`` (packed, or the layer's own)."""
+def _forward(
+    ops: Any, weight: torch.Tensor, ready: dict[int, tuple[torch.Tensor, torch.Tensor]]
+) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
+    """A layer's forward pass through oneDNN with ``weight`` (packed, or the layer's own), or its slice of
+    a group's product for this very input (``ready``, :meth:`PackedLinears.multiply_group`)."""
 
     def forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if ready:
+            done = ready.pop(id(layer), None)
+            if done is not None and done[0] is x:
+                return done[1]
         if torch.is_grad_enabled() or x.dtype != torch.float32:  # not generation: PyTorch's own
             plain: torch.Tensor = torch.nn.functional.linear(x, layer.weight, layer.bias)
             return plain

@@ -52,7 +52,7 @@ from agl_core.policies import BASE
 from ..memory import release_free_memory
 from . import fast_linear
 from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode, attention_kernels
-from .direct_decode import DirectDecode, recognize
+from .direct_decode import DirectDecode, layer_groups, recognize
 from .kv_cache import PrefixCache, SlotCache, cache_shape
 
 __all__ = ["KV_CACHES", "HFBackend", "LogitsProcessor", "serve_with_transformers"]
@@ -352,26 +352,29 @@ class HFBackend:
             if static_decode and self._slots is not None and route is None
             else None
         )
-        #: On the CPU, generation multiplies the large float32 weights through oneDNN, with packed copies of
-        #: the largest within ``packed_weights_mb`` (:mod:`.fast_linear`); ``None``: wherever this PyTorch
-        #: has it.
-        on_cpu = shape is not None and shape.device.type == "cpu" and shape.dtype == torch.float32
-        if packed_linears is None:
-            packed_linears = on_cpu and fast_linear.available()
-        self._linears = (
-            fast_linear.PackedLinears(
-                lambda: self.model, rows=self.max_batch, budget_bytes=int(packed_weights_mb * 2**20)
-            )
-            if packed_linears
-            else None
-        )
         #: Decoding steps that run the model's modules directly, without its forward pass's per-call
         #: machinery (:mod:`.direct_decode`), for the architectures that recognizes; off with
         #: ``direct_decode=False`` (every step through the forward pass).
         unrecognized = recognize(model) if shape is not None and direct_decode else "off"
         if unrecognized not in (None, "off"):
             logger.info("agl: decoding steps go through the model's forward pass: %s", unrecognized)
-        self._direct = DirectDecode(lambda: self.model) if unrecognized is None else None
+        #: On the CPU, generation multiplies the large float32 weights through oneDNN, with packed copies of
+        #: the largest within ``packed_weights_mb`` (:mod:`.fast_linear`; with room for all of them, the
+        #: direct steps' grouped products); ``None``: wherever this PyTorch has it.
+        on_cpu = shape is not None and shape.device.type == "cpu" and shape.dtype == torch.float32
+        if packed_linears is None:
+            packed_linears = on_cpu and fast_linear.available()
+        self._linears = (
+            fast_linear.PackedLinears(
+                lambda: self.model,
+                rows=self.max_batch,
+                budget_bytes=int(packed_weights_mb * 2**20),
+                groups=layer_groups if unrecognized is None else None,
+            )
+            if packed_linears
+            else None
+        )
+        self._direct = DirectDecode(lambda: self.model, self._linears) if unrecognized is None else None
 
     @property
     def model_names(self) -> Sequence[str]:
