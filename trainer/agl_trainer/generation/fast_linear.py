@@ -18,10 +18,11 @@ memory beside a weight update's activations. A layer whose weight changed in pla
 Grouped products. Layers that always multiply the same input (a Llama layer's query, key and value
 projections; its gate and up projections) can share one product with their weights stacked: 4 products a
 layer instead of 7, which at 16 rows reads the stacked weight faster than the three or two apart. When the
-budget holds every weight (``groups`` given, ``packed_weights_mb`` of 600 for SmolLM2), each group gets one
-packed stacked copy instead of its members' own; :meth:`PackedLinears.multiply_group` computes it for an
-input and hands each member its slice, which the member's next call with that same input returns (a
-PEFT LoRA layer around it adds its own term as usual). Any other call of a member computes as before.
+budget holds every weight (``groups`` given; for SmolLM2's 513 MiB, ``packed_weights_mb`` of 520 or more),
+each group gets one packed stacked copy instead of its members' own; :meth:`PackedLinears.multiply_group`
+computes it for an input and hands each member its slice, which the member's next call with that same
+input returns (a PEFT LoRA layer around it adds its own term as usual). Any other call of a member
+computes as before.
 """
 
 from __future__ import annotations
