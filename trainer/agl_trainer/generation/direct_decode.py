@@ -124,19 +124,11 @@ class DirectDecode:
         self.enabled = True
         self._lora: set[int] | None = None
         self._owner: Any = None
-        self._groups: list[list[torch.nn.Linear]] | None = None
-        self._groups_owner: Any = None
 
     def reset(self) -> None:
         """The weights may change: the next step is checked again."""
         self._check = True
         self._lora = None
-        self._groups = None
-
-    def _layer_groups(self, model: Any) -> list[list[torch.nn.Linear]]:
-        if self._groups is None or self._groups_owner is not model:
-            self._groups, self._groups_owner = layer_groups(model), model
-        return self._groups
 
     @property
     def checking(self) -> bool:
@@ -197,7 +189,7 @@ class DirectDecode:
         x = inner.embed_tokens(ids[:, None])  # [rows, 1, hidden]
         cos, sin = inner.rotary_emb(x, positions[:, None])  # [rows, 1, head_dim]
         linears = self._linears
-        groups = self._layer_groups(model) if linears is not None else []
+        groups = linears.groups if linears is not None else []  # stacked while the batch runs
         grouped = len(groups) == 2 * len(inner.layers)
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn

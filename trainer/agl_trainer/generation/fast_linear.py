@@ -83,28 +83,28 @@ class PackedLinears:
         #: The model's groups of layers that multiply the same input (module docstring), or ``None``.
         self._groups = groups
         self._ops = _ops()
-        #: id(layer) -> (layer, weight identity when packed, packed weight)
-        self._packed: dict[int, tuple[torch.nn.Linear, tuple[int, int], torch.Tensor]] = {}
-        #: ids of a group's layers -> (the layers, their weights' identities, stacked packed weight, bias)
-        self._stacked: dict[
+        #: ids of the layers of a copy (one layer, or a stacked group) -> (the layers, their weights'
+        #: identities when packed, the packed weight, the group's stacked bias (``None``: a single layer,
+        #: whose forward passes its own, or a group without biases))
+        self._packed: dict[
             tuple[int, ...],
             tuple[list[torch.nn.Linear], list[tuple[int, int]], torch.Tensor, torch.Tensor | None],
         ] = {}
-        #: While entered: the groups multiplied together, by the ids of their layers.
-        self._active: dict[tuple[int, ...], torch.Tensor] = {}
+        #: While entered: each stacked group's packed weight and bias, by the ids of its layers.
+        self._active: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        #: While entered with the groups stacked: the groups, in the order ``groups`` gave them.
+        self.groups: list[list[torch.nn.Linear]] = []
         #: id(layer) -> (input, output) that layer's next call with that input returns.
         self._ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._patched: list[torch.nn.Linear] = []
 
     @property
     def nbytes(self) -> int:
-        own = sum(packed.numel() * packed.element_size() for _, _, packed in self._packed.values())
-        return own + sum(packed.numel() * packed.element_size() for _, _, packed, _ in self._stacked.values())
+        return sum(packed.numel() * packed.element_size() for _, _, packed, _ in self._packed.values())
 
     def release(self) -> None:
         """Drop every packed copy (the weights may change)."""
         self._packed.clear()
-        self._stacked.clear()
 
     def __enter__(self) -> PackedLinears:
         layers = [
@@ -119,15 +119,16 @@ class PackedLinears:
         sizes = {id(layer): layer.weight.numel() * layer.weight.element_size() for layer in layers}
         grouped: set[int] = set()
         if self._groups is not None and sum(sizes.values()) <= room:  # every weight fits: stack the groups
-            for group in self._groups(self._model()):
+            self.groups = self._groups(self._model())
+            for group in self.groups:
                 if len(group) > 1 and all(id(layer) in sizes for layer in group):
-                    self._active[tuple(id(layer) for layer in group)] = self._stack(group)
+                    self._active[tuple(id(layer) for layer in group)] = self._copy(group)
                     grouped.update(id(layer) for layer in group)
                     room -= sum(sizes[id(layer)] for layer in group)
         for layer in sorted(layers, key=lambda layer: -layer.weight.numel()):
             size = sizes[id(layer)]
             fits = id(layer) not in grouped and size <= room
-            weight = self._pack(layer) if fits else layer.weight
+            weight = self._copy([layer])[0] if fits else layer.weight
             room -= size if fits else 0
             forward = _forward(self._ops, weight, self._ready)
             layer.forward = types.MethodType(forward, layer)  # type: ignore[method-assign]
@@ -139,6 +140,7 @@ class PackedLinears:
             layer.__dict__.pop("forward", None)  # the class's forward again
         self._patched.clear()
         self._active.clear()
+        self.groups = []
         self._ready.clear()
 
     def multiply_group(self, layers: Sequence[torch.nn.Linear], x: torch.Tensor) -> bool:
@@ -149,8 +151,8 @@ class PackedLinears:
         if stacked is None or torch.is_grad_enabled() or x.dtype != torch.float32:
             return False
         self._ready.clear()
-        bias = self._stacked[tuple(id(layer) for layer in layers)][3]
-        out: torch.Tensor = self._ops._linear_pointwise(x, stacked, bias, "none", [], "")
+        weight, bias = stacked
+        out: torch.Tensor = self._ops._linear_pointwise(x, weight, bias, "none", [], "")
         start = 0
         for layer in layers:
             end = start + layer.out_features
@@ -158,21 +160,24 @@ class PackedLinears:
             start = end
         return True
 
-    def _stack(self, group: list[torch.nn.Linear]) -> torch.Tensor:
+    def _copy(self, group: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed copy of ``group``'s weights, stacked when there are several, and their stacked bias
+        (see ``_packed``); made again when any of the weights changed since (its version counter moved)."""
         key = tuple(id(layer) for layer in group)
         identity = [(layer.weight.data_ptr(), layer.weight._version) for layer in group]
-        known = self._stacked.get(key)
+        known = self._packed.get(key)
         if (
             known is not None
             and all(a is b for a, b in zip(known[0], group, strict=True))
             and known[1] == identity
         ):
-            return known[2]
-        self._stacked.pop(key, None)  # the stale copy goes before the new one is made
+            return known[2], known[3]
+        self._packed.pop(key, None)  # the stale copy goes before the new one is made
         with torch.no_grad():
-            weight = torch.cat([layer.weight.detach() for layer in group])
+            weights = [layer.weight.detach() for layer in group]
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             packed: torch.Tensor = self._ops._reorder_linear_weight(weight, self._rows)
-            del weight
+            del weight, weights
             biases = [layer.bias for layer in group]
             bias = (
                 torch.cat(
@@ -181,23 +186,11 @@ class PackedLinears:
                         for b, layer in zip(biases, group, strict=True)
                     ]
                 )
-                if any(b is not None for b in biases)
+                if len(group) > 1 and any(b is not None for b in biases)
                 else None
             )
-        self._stacked[key] = (list(group), identity, packed, bias)
-        return packed
-
-    def _pack(self, layer: torch.nn.Linear) -> torch.Tensor:
-        weight = layer.weight
-        identity = (weight.data_ptr(), weight._version)
-        known = self._packed.get(id(layer))
-        if known is not None and known[0] is layer and known[1] == identity:
-            return known[2]
-        self._packed.pop(id(layer), None)  # the stale copy goes before the new one is made
-        with torch.no_grad():
-            packed: torch.Tensor = self._ops._reorder_linear_weight(weight.detach(), self._rows)
-        self._packed[id(layer)] = (layer, identity, packed)
-        return packed
+        self._packed[key] = (list(group), identity, packed, bias)
+        return packed, bias
 
 
 def _forward(
