@@ -13,7 +13,12 @@ measured in the same run:
 - ``slots``: the preallocated cache written in place, prompt prefixes reused, and decoding steps that run
   the model's modules directly (the default);
 - ``slots, forward pass``: the same with every decoding step through the model's forward pass
-  (``direct_decode=False``), which shows what the direct steps gain.
+  (``direct_decode=False``), which shows what the direct steps gain;
+- on a CPU with oneDNN bfloat16 (``fast_linear.available(torch.bfloat16)``), for a float32 model:
+  ``slots, bfloat16 products`` (``matmul_dtype="bfloat16"``, every weight packed: the products round to
+  bfloat16, the rest stays float32) and, so that the precision's own gain is not credited to the slots,
+  ``today, bfloat16 model`` (today's path with a copy of the whole model in bfloat16). ``--no-bf16``
+  leaves both out.
 
 What it prints:
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import json
 import statistics
@@ -76,6 +82,8 @@ CALCULATOR = {
 
 #: ``serving.hf.packed_weights_mb``'s default.
 PACKED_MB = 128.0
+#: Room for every SmolLM2 weight packed in bfloat16 (260 MiB) or float32 (513 MiB).
+ALL_PACKED_MB = 700.0
 
 
 def agent_messages(question: str) -> list[dict[str, Any]]:
@@ -319,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", nargs="+", metavar="NAME", help="measure only these backends besides today (e.g. slots)"
     )
+    parser.add_argument(
+        "--no-bf16", action="store_true", help="leave out the bfloat16 rows on a CPU that has bfloat16"
+    )
     args = parser.parse_args(argv)
     for name in ("rows", "max_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -329,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows * (args.repeats + 1) > len(pool):
         parser.error(f"--rows x (--repeats + 1) must be at most {len(pool)} (the held-out questions)")
     torch.set_num_threads(args.threads)
+    from agl_trainer.cpu import release_openmp_threads
     from agl_trainer.generation.hf_backend import HFBackend
     from agl_trainer.generation.kv_cache import cache_shape, common_prefix
     from agl_trainer.model import load_policy, torch_device
@@ -360,6 +372,27 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and args.packed_mb != PACKED_MB:  # what the other packing budget gives
         backends[f"slots, {PACKED_MB:.0f} MiB packed"] = HFBackend(
             model, tokenizer, model_name="bench", max_batch=args.rows, packed_weights_mb=PACKED_MB
+        )
+    from agl_trainer.generation import fast_linear
+
+    bf16 = (
+        not args.no_bf16
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and fast_linear.available(torch.bfloat16)
+    )
+    if bf16:  # bfloat16 products, and today's path in bfloat16 for what the precision alone gives
+        backends["slots, bfloat16 products"] = HFBackend(
+            model,
+            tokenizer,
+            model_name="bench",
+            max_batch=args.rows,
+            packed_weights_mb=ALL_PACKED_MB,
+            matmul_dtype="bfloat16",
+        )
+        model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        backends["today, bfloat16 model"] = HFBackend(
+            model_bf16, tokenizer, model_name="bench", max_batch=args.rows, kv_cache="dynamic"
         )
     if device.type == "cuda":  # what the fixed-shape step and its graph each add on a GPU
         backends["slots, no CUDA graph"] = HFBackend(
@@ -402,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     warm = [backends["today"].render_prompt(request(pool[-1], 1).messages, [CALCULATOR])] * args.rows
     plain_generate(model, tokenizer, warm, args.max_tokens, static=True, width=width)  # compiles, if it does
+    release_openmp_threads()  # the backends' worker holds the only OpenMP pool (agl_trainer.cpu)
     results: dict[str, dict[str, list[float]]] = {name: {} for name in [*backends, "generate()"]}
 
     def record(name: str, key: str, value: float) -> None:
@@ -431,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             record(name, "end_to_end", d["generated_tokens"] / wall)
         prompts = [backends["today"].render_prompt(request(q, 1).messages, [CALCULATOR]) for q in batch]
         seconds = plain_generate(model, tokenizer, prompts, args.max_tokens, static=True, width=width)
+        release_openmp_threads()
         record("generate()", "end_to_end", args.rows * args.max_tokens / seconds)
     floor_s, products = products_s(model, args.rows, args.packed_mb)
     if args.profile:
@@ -515,6 +550,18 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "met" if ratio >= target else "MISSED"
         ok = ok and ratio >= target
         print(f"{what}: slots / today {ratio:.1f}x (target >= {target:.0f}x): {verdict}")
+    if "slots, bfloat16 products" in med:
+
+        def tps(name: str) -> float:
+            return med[name]["decoded"] / med[name]["decode_s"]
+
+        ratio = tps("slots, bfloat16 products") / today_tps
+        verdict = "met" if ratio >= 2.0 else "MISSED"
+        print(
+            f"decoding: slots with bfloat16 products / today {ratio:.1f}x (target >= 2x): {verdict};"
+            f" / today with the model in bfloat16"
+            f" {tps('slots, bfloat16 products') / tps('today, bfloat16 model'):.1f}x"
+        )
     return 0 if ok else 1
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, add_override_argument, load_config
-from .cpu import passive_openmp
 from .run.signals import received, stop_on_signals
 
 __all__ = ["TRAIN_COMMAND", "run_train"]
@@ -54,7 +53,6 @@ def run_train(
         else:
             print(yaml.safe_dump(dumped, sort_keys=False, allow_unicode=True), end="")
         return 0
-    passive_openmp()  # before anything imports torch
     from .requirements import check_requirements
 
     try:

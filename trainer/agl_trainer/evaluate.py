@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from agl_core.records import Span, Task
 
 from .config import ConfigError, PolicyConfig, TrainerConfig, add_override_argument, load_config
-from .cpu import passive_openmp
 from .reporting.display import held_out_line, paired_difference
 from .reporting.results import EvalResult, mean_se
 from .run.data import DatasetError, find_task_file, load_splits, load_tasks
@@ -481,7 +480,6 @@ class EvalCommand:
             config = load_config(args.config, args.overrides)
         except ConfigError as exc:
             return _fail(str(exc))
-        passive_openmp()  # before anything imports torch
         from .model import ModelNotFoundError
         from .requirements import check_requirements
 

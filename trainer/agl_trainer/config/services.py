@@ -132,6 +132,14 @@ class HFServingConfig(_Strict):
     #: in its layout within this many MiB (dropped while the weights are updated). SmolLM2's output layer
     #: takes 128 and gains most per byte; 700 packs every layer, which measured no faster on 2 cores.
     packed_weights_mb: float = pydantic.Field(128.0, ge=0.0, le=1_048_576.0)
+    #: The packed copies' dtype on the CPU. ``bfloat16``: copies rounded to bfloat16 (half the bytes, so
+    #: SmolLM2 needs 260 MiB of ``packed_weights_mb`` for all of them; a layer left out multiplies in
+    #: float32), each product's input and result rounded too, by oneDNN's bfloat16 kernels: 3-5x quicker
+    #: than float32 at 16 rows on CPUs with bfloat16 matrix units (AMX); norms, attention and the cache
+    #: stay float32. Tokens are then sampled by the rounded model and the recorded logprobs are its own,
+    #: which the update's importance ratio uses. Refused where the CPU or PyTorch has no oneDNN bfloat16,
+    #: or the model is not a float32 model on the CPU.
+    matmul_dtype: Literal["float32", "bfloat16"] = "float32"
     #: Decoding steps run the model's modules directly, without its forward pass's per-call machinery
     #: (Llama, Mistral and Qwen2; other architectures always use the forward pass). The first step after
     #: each weight change is checked against the forward pass. ``false``: every step through the forward

@@ -97,12 +97,14 @@ def layer_groups(model: Any) -> list[list[torch.nn.Linear]]:
     return groups
 
 
-def logits_match(fast: torch.Tensor, reference: torch.Tensor) -> bool:
+def logits_match(fast: torch.Tensor, reference: torch.Tensor, rounding: torch.dtype = torch.float32) -> bool:
     """Whether logits computed another way (the direct step, a replayed CUDA graph) are the reference's up
-    to the rounding of the less precise of their dtypes, compared in float32: within 1e-3, or within 4
+    to the rounding of the least precise of their dtypes and ``rounding`` (the dtype the products round
+    to on the way, :mod:`.fast_linear`'s bfloat16 copies), compared in float32: within 1e-3, or within 4
     units in the last place of the largest logit (bfloat16 keeps 8 bits of mantissa, so kernels that sum
-    in another order differ by a few tenths on logits of 30)."""
-    coarse = fast.dtype if torch.finfo(fast.dtype).eps > torch.finfo(reference.dtype).eps else reference.dtype
+    in another order, or inputs that round to the other side of a bfloat16 step, differ by a few tenths
+    on logits of 30)."""
+    coarse = max((fast.dtype, reference.dtype, rounding), key=lambda dtype: torch.finfo(dtype).eps)
     fast, reference = fast.float(), reference.float()
     scale = float(reference.abs().max()) if reference.numel() else 0.0
     ulps = 4 * torch.finfo(coarse).eps * max(scale, 1.0)
@@ -138,7 +140,8 @@ class DirectDecode:
         """Compare a step's logits with the forward pass's for the same step; ``False`` (and off from now on,
         with a warning) when they disagree."""
         self._check = False
-        if logits_match(logits, reference):
+        rounding = getattr(self._linears, "dtype", torch.float32)
+        if logits_match(logits, reference, rounding):
             return True
         logger.warning(
             "agl: the direct decoding step gave other logits than the model's forward pass (largest"

@@ -49,6 +49,7 @@ from agl_core.gateway.tools import ToolFormat, forced_prefix
 from agl_core.plugins import ServedBackend
 from agl_core.policies import BASE
 
+from ..cpu import release_openmp_threads
 from ..memory import release_free_memory
 from . import fast_linear
 from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode, attention_kernels
@@ -241,6 +242,7 @@ class HFBackend:
         packed_linears: bool | None = None,
         packed_weights_mb: float = 128.0,
         direct_decode: bool = True,
+        matmul_dtype: str = "float32",
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
@@ -249,6 +251,10 @@ class HFBackend:
         if packed_weights_mb < 0:
             raise ValueError(
                 f"packed_weights_mb must be 0 (no packed copies) or more, not {packed_weights_mb}"
+            )
+        if matmul_dtype not in fast_linear.DTYPES:
+            raise ValueError(
+                f"matmul_dtype must be one of {', '.join(fast_linear.DTYPES)}, not {matmul_dtype!r}"
             )
         self.model = model
         #: With ``seed``, requests without a seed of their own sample reproducibly (:class:`_Seeds`).
@@ -311,6 +317,7 @@ class HFBackend:
             packed_linears=packed_linears,
             packed_weights_mb=packed_weights_mb,
             direct_decode=direct_decode,
+            matmul_dtype=fast_linear.DTYPES[matmul_dtype],
         )
         self.lock.on_external_acquire = self._forget
 
@@ -325,6 +332,7 @@ class HFBackend:
         packed_linears: bool | None,
         packed_weights_mb: float,
         direct_decode: bool,
+        matmul_dtype: torch.dtype,
     ) -> None:
         """The key/value memory and the decoding paths for this model and device (``__init__``'s
         arguments of the same names)."""
@@ -361,7 +369,22 @@ class HFBackend:
         #: On the CPU, generation multiplies the large float32 weights through oneDNN, with packed copies of
         #: the largest within ``packed_weights_mb`` (:mod:`.fast_linear`; with room for all of them, the
         #: direct steps' grouped products); ``None``: wherever this PyTorch has it.
+        #: ``matmul_dtype`` bfloat16: those copies in bfloat16 (the sampler is the rounded model; see
+        #: :mod:`.fast_linear`), where the packed products run at all.
         on_cpu = shape is not None and shape.device.type == "cpu" and shape.dtype == torch.float32
+        if matmul_dtype != torch.float32:
+            if not on_cpu or packed_linears is False:
+                raise ValueError(
+                    "matmul_dtype bfloat16 rounds the packed copies of a float32 model generating on the"
+                    " CPU; this model is served in another way (a GPU, or a model loaded in another dtype:"
+                    " set the model's dtype instead), so set matmul_dtype to float32"
+                )
+            if not fast_linear.available(matmul_dtype):
+                raise ValueError(
+                    "matmul_dtype bfloat16 needs oneDNN's bfloat16 products, which this PyTorch or CPU"
+                    f" lacks (CPU capability {torch.backends.cpu.get_cpu_capability()}); set matmul_dtype"
+                    " to float32"
+                )
         if packed_linears is None:
             packed_linears = on_cpu and fast_linear.available()
         self._linears = (
@@ -370,11 +393,13 @@ class HFBackend:
                 rows=self.max_batch,
                 budget_bytes=int(packed_weights_mb * 2**20),
                 groups=layer_groups if unrecognized is None else None,
+                dtype=matmul_dtype,
             )
             if packed_linears
             else None
         )
         self._direct = DirectDecode(lambda: self.model, self._linears) if unrecognized is None else None
+        release_openmp_threads()  # the checks above ran parallel regions in the caller's thread
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -591,6 +616,8 @@ class HFBackend:
                 raise
             except Exception as exc:
                 raise BackendError(f"cannot load {update.kind} weights from {path}: {exc}") from exc
+            finally:  # this thread (asyncio's executor, often) computes nothing more for a while
+                release_openmp_threads()
             self.policy_version = update.version
 
     def _check_adapter_fits(self, path: Path) -> None:
@@ -753,6 +780,10 @@ class HFBackend:
                 self.generation_s += time.perf_counter() - started
                 self.lock.release()
             release_free_memory()  # the batch's KV caches, freed in this thread's arena
+            with self._wakeup:
+                idle = not self._queue
+            if idle:  # the next thread to compute (the update) holds the only OpenMP pool (agl_trainer.cpu)
+                release_openmp_threads()
 
     def new_row(self, job: _Job, index: int) -> _Row:
         return _Row(self, job, index)

@@ -33,12 +33,10 @@ def _load(path: str, overrides: list[str]) -> TrainerConfig:
 
 
 def _run(config: TrainerConfig) -> int:
-    from ..cpu import passive_openmp
     from ..run.signals import received, stop_on_signals
     from .service import ImproveError, ImproveService
     from .state import StateError
 
-    passive_openmp()
     with stop_on_signals():
         try:
             service = ImproveService(config, echo=lambda line: print(line, flush=True))

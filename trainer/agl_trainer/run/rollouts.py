@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 from agl_core.pipeline.transitions import episode_rewards
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 
+from ..cpu import release_openmp_threads
 from ..reporting.results import EvalResult, mean_se
 
 __all__ = [
@@ -203,6 +204,7 @@ class RolloutQueue:
 
     def run(self, label: str, requests: list[dict[str, Any]]) -> RolloutRound:
         """Enqueue ``requests``, wait until all are done or ``step_timeout_s`` passed, cancel the rest."""
+        release_openmp_threads()  # this thread waits while generation computes (agl_trainer.cpu)
         queued = self.client.enqueue_rollouts(self.tagged(requests))
         ids = [r.rollout_id for r in queued]
         self.note_inflight("round", ids)

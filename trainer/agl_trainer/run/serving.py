@@ -296,6 +296,7 @@ def start_serving(config: TrainerConfig, model: Any, tokenizer: Any) -> HFServin
                 prefix_block_tokens=hf.prefix_block_tokens,
                 packed_weights_mb=hf.packed_weights_mb,
                 direct_decode=hf.direct_decode,
+                matmul_dtype=hf.matmul_dtype,
             )
         )
 
