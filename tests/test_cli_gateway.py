@@ -50,8 +50,22 @@ from .fake_vllm import FakeVLLM
                 "--prefix-cache-mb",
                 "0",
             ],
-            "--prefix-cache-mb and --dtype only apply to --backend hf",
+            "--prefix-cache-mb, --packed-weights-mb, --matmul-dtype and --dtype only apply to --backend hf",
         ),
+        (
+            [
+                "--backend",
+                "openai",
+                "--upstream",
+                "http://h/v1",
+                "--upstream-model",
+                "m",
+                "--packed-weights-mb",
+                "0",
+            ],
+            "only apply to --backend hf",
+        ),
+        (["--matmul-dtype", "bfloat16", "--dtype", "bfloat16"], "drop one of them"),
     ],
 )
 def test_bad_flag_combinations_are_explained(argv, fragment, capsys):
@@ -68,6 +82,8 @@ def test_bad_flag_combinations_are_explained(argv, fragment, capsys):
         (["--prefix-cache-mb", "-1"], "between 0 (off) and 1048576 MiB"),
         (["--prefix-cache-mb", "lots"], "'lots' is not a number of MiB"),
         (["--dtype", "float16"], "invalid choice"),
+        (["--matmul-dtype", "float16"], "invalid choice"),
+        (["--packed-weights-mb", "-5"], "between 0 (off) and 1048576 MiB"),
     ],
 )
 def test_bad_flag_values_stop_argparse(argv, fragment, capsys):
@@ -188,3 +204,34 @@ def test_hf_serving_flags_reach_the_backend():
     finally:
         for backend in (default, off, half):
             backend.close()
+
+
+def test_hf_packing_flags_reach_the_backend():
+    """``--packed-weights-mb`` is the packed copies' budget and ``--matmul-dtype`` their dtype (bfloat16
+    where this CPU and PyTorch have oneDNN's bfloat16; refused with the reason where not)."""
+    import torch
+
+    from agl_core.cli import _parser
+    from agl_trainer.generation import fast_linear
+    from agl_trainer.generation.hf_backend import serve_with_transformers
+
+    def served(*flags: str) -> object:
+        args = _parser().parse_args(["gateway", "serve", "--model", "tiny", *flags])
+        return serve_with_transformers(args).backend
+
+    if not fast_linear.available():
+        pytest.skip("this PyTorch has no oneDNN packed linear")
+    small = served("--packed-weights-mb", "0")
+    try:
+        assert small._linears.budget_bytes == 0 and small._linears.dtype == torch.float32
+    finally:
+        small.close()
+    if fast_linear.available(torch.bfloat16):
+        rounded = served("--matmul-dtype", "bfloat16")
+        try:
+            assert rounded._linears.dtype == torch.bfloat16
+        finally:
+            rounded.close()
+    else:
+        with pytest.raises(ValueError, match="set matmul_dtype to float32"):
+            served("--matmul-dtype", "bfloat16")

@@ -949,9 +949,9 @@ def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
     A :class:`agl_core.plugins.GatewayBackendFactory` (entry point ``agl.gateway_backends: hf``). Reads
     ``--model`` (``smollm2``, ``tiny`` or a local model directory; default ``smollm2``), ``--served-name``
     (default ``agl-policy``), ``--max-tokens``, ``--max-batch``, ``--threads`` (torch CPU threads),
-    ``--prefix-cache-mb`` and ``--dtype``; the model moves to the GPU when CUDA is available. No drift
-    check: the backend renders prompts with the model's own tokenizer, so the check would compare it with
-    itself.
+    ``--prefix-cache-mb``, ``--packed-weights-mb``, ``--matmul-dtype`` and ``--dtype``; the model moves
+    to the GPU when CUDA is available. No drift check: the backend renders prompts with the model's own
+    tokenizer, so the check would compare it with itself.
     """
     from ..model import load_policy
 
@@ -971,5 +971,7 @@ def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
         default_max_tokens=args.max_tokens,
         max_batch=args.max_batch,
         prefix_cache_mb=getattr(args, "prefix_cache_mb", 128.0),
+        packed_weights_mb=getattr(args, "packed_weights_mb", 128.0),
+        matmul_dtype=getattr(args, "matmul_dtype", "float32"),
     )
     return ServedBackend(backend, f"{source} with transformers on {backend.device}")
