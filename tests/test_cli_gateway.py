@@ -52,19 +52,6 @@ from .fake_vllm import FakeVLLM
             ],
             "--prefix-cache-mb, --packed-weights-mb, --matmul-dtype and --dtype only apply to --backend hf",
         ),
-        (
-            [
-                "--backend",
-                "openai",
-                "--upstream",
-                "http://h/v1",
-                "--upstream-model",
-                "m",
-                "--packed-weights-mb",
-                "0",
-            ],
-            "only apply to --backend hf",
-        ),
         (["--matmul-dtype", "bfloat16", "--dtype", "bfloat16"], "drop one of them"),
     ],
 )
