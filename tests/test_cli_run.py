@@ -92,14 +92,14 @@ def test_agl_run_serves_rollouts_with_spans_and_kills_a_hung_agent(store, tmp_pa
 def test_agl_run_stops_gracefully_on_sigterm(store, tmp_path):
     url, client = store
     gate = tmp_path / "gate"  # the running rollout ends only once the test opens it: no race with SIGTERM
+    started = tmp_path / "started"  # the agent writes it first: the runner counts the rollout by then
     (running,) = client.enqueue_rollouts(
-        [{"task_id": "last", "input": {"wait_for": str(gate), "reward": 1.0}}]
+        [{"task_id": "last", "input": {"wait_for": str(gate), "pid_file": str(started), "reward": 1.0}}]
     )
     proc, log = _start(tmp_path, "--store", url, "--grace", "30")
     try:
-        _wait_for(
-            lambda: client.get_rollouts([running.rollout_id])[0].status == RolloutStatus.RUNNING, "it to run"
-        )
+        # the store marks it running when a worker claims it, a moment before the runner counts it
+        _wait_for(started.exists, "the agent to start")
         proc.send_signal(signal.SIGTERM)
         _wait_for(
             lambda: "SIGTERM: taking no more rollouts" in log.read_text(), "the runner to stop taking", 10
