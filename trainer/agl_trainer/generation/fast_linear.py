@@ -29,8 +29,8 @@ stacked layer comes from the one stacked copy.
 bfloat16 products (``dtype=torch.bfloat16``, ``serving.hf.matmul_dtype: bfloat16``). The copies are rounded
 to bfloat16 and each product's input with them; oneDNN sums in float32 and returns the result rounded to
 bfloat16 (its output takes the input's dtype), widened back to float32 here (a layer's bias is added
-after, in float32). On a CPU with bfloat16 matrix units (AMX, as on
-Sapphire Rapids Xeons) these products take a quarter to a third of the float32 packed ones at 16 rows.
+after, in float32). On a CPU with bfloat16 matrix units (AMX, as on Sapphire Rapids Xeons) these products
+take a quarter to a third of the float32 packed ones at 16 rows.
 Everything else generation computes (norms, attention, the key/value cache, logits' softmax) stays
 float32, and only the packed layers round: a layer left out of the budget multiplies in float32. The model
 that samples is then not the trained float32 model but its rounding; the logprobs the gateway records are
