@@ -7,9 +7,9 @@ asyncio's executor), so it soon holds two or three pools of ``torch.get_num_thre
 OpenMP manages more threads than the machine has cores, it *throttles*: a worker waits a hundred spins
 (about a microsecond) for the next parallel region and then sleeps, and every region afterwards wakes it
 through the kernel. Generation's decoding step is some 1,500 small parallel regions (products, attention,
-cache writes), so on a 2-core machine each step took twice its time: 88 against 44 ms for SmolLM2's step
-of 16 rows, the same step in the same process, only after another thread had run one parallel operation
-(``python bench/openmp.py``). :func:`release_openmp_threads` lets the calling thread's pool go (OpenMP 5's
+cache writes), so on a 2-core machine SmolLM2's step of 16 rows took 99.7 ms instead of 68.4 (92.5
+instead of 50.8 with bfloat16 products) once another thread had run one parallel operation (``python
+bench/openmp.py``, 2026-11-28). :func:`release_openmp_threads` lets the calling thread's pool go (OpenMP 5's
 ``omp_pause_resource_all``); a thread that is done computing for a while calls it (the backend's worker
 after a batch when no request waits, a thread that then waits for rollouts), so the thread computing next
 holds the only pool and its workers spin between regions.
