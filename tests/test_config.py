@@ -325,6 +325,10 @@ def test_gpu_backends_accept_hub_names_and_keep_them(folder):
         (GOOD + "serving: {hf: {prefix_cache_mb: -1}}\n", "'serving.hf.prefix_cache_mb'"),
         (GOOD + "serving: {hf: {prefix_block_tokens: 0}}\n", "'serving.hf.prefix_block_tokens'"),
         (GOOD + "serving: {hf: {packed_weights_mb: lots}}\n", "'serving.hf.packed_weights_mb'"),
+        (
+            GOOD + "serving: {hf: {matmul_dtype: float16}}\n",
+            "'serving.hf.matmul_dtype': Input should be 'float32' or 'bfloat16'",
+        ),
         (GOOD + "serving: {hf: {max_batch: 0}}\n", "'serving.hf.max_batch'"),
         (GOOD + "serving: {hf: {direct_decode: sometimes}}\n", "'serving.hf.direct_decode'"),
         (
