@@ -59,6 +59,36 @@ def test_the_reward_is_the_generator_s_scorer_on_the_tagged_or_last_number():
     )
 
 
+def test_the_curriculum_problems_are_the_generator_s_with_their_calculator_value():
+    """gsm/arith_*.jsonl: basic_arithmetic's problems, none held out that was trained on, each one's stated
+    answer what the agent's calculator gives for its expression; the one the generator gets wrong is
+    named in split.json, not kept."""
+    tool = _load("calc_tool")
+    train, val = _jsonl("arith_train.jsonl"), _jsonl("arith_val.jsonl")
+    assert (len(train), len(val)) == (400, 200)
+    assert {t["generator"] for t in train + val} == {"basic_arithmetic"}
+    expressions = [t["question"].removeprefix("Calculate ").removesuffix(".") for t in train + val]
+    assert all(t["question"].startswith("Calculate ") for t in train + val)
+    assert not set(expressions[:400]) & set(expressions[400:])
+    assert [tool.calculator(e) for e in expressions] == [t["answer"] for t in train + val]
+    excluded = json.loads((EXAMPLE / "gsm" / "split.json").read_text())["curriculum"]["excluded"]
+    assert [(p["index"], p["answer"]) for p in excluded] == [(535, "0")]
+    assert tool.calculator(excluded[0]["question"].removeprefix("Calculate ").removesuffix(".")) != "0"
+    assert 535 not in {t["index"] for t in train + val}
+
+
+def test_a_task_s_generator_chooses_the_scorer():
+    agent = _load("gsm_agent")
+    # basic_arithmetic's scorer: the exact answer string; partial credit for an answer containing it
+    assert agent.score("-1312", "-1312", "basic_arithmetic") == 1.0
+    assert agent.score("-1312.0", "-1312", "basic_arithmetic") == pytest.approx(5 / 7)
+    assert agent.score("-1311", "-1312", "basic_arithmetic") == 0.0
+    # gsm_symbolic's compares numbers: "1312.0" is right there
+    assert agent.score("1312.0", "1312") == 1.0
+    with pytest.raises(ValueError, match="unknown generator 'chain_sum'.*gsm_symbolic, basic_arithmetic"):
+        agent.solve({"question": "1 + 1", "answer": "2", "generator": "chain_sum"}, None)
+
+
 @pytest.mark.parametrize(
     ("replies", "evaluating", "expected", "calls"),
     [

@@ -7,8 +7,10 @@ model, and then answers in text (``reflect_on_tool_use=True``). The one agl line
 
 The answer is what the reply puts in ``<answer>`` tags (reasoning-gym's ``extract_answer``), else the last
 number of the reply; the reward is the generator's own scorer on it (``score_answer``: 1 for the right
-number, 0.01 for another number, 0 for no number). The held-out score counts only right answers (1 or 0),
-the benchmark's accuracy. Training rollouts sample (``TEMPERATURE``); validation rollouts
+number, 0.01 for another number, 0 for no number). A task that names another generator (the curriculum's
+``basic_arithmetic``, whose scorer wants the exact answer string and gives partial credit to an answer
+that contains it) is scored by that generator's scorer. The held-out score counts only right answers (1
+or 0), the benchmark's accuracy. Training rollouts sample (``TEMPERATURE``); validation rollouts
 (``llm.evaluating``) decode greedily.
 """
 
@@ -42,15 +44,21 @@ class Outcome:
     final_text: str
 
 
+#: The generators whose scorer a task may name (``task["generator"]``); gsm_symbolic when it names none.
+GENERATORS = ("gsm_symbolic", "basic_arithmetic")
+
+
 @functools.cache
-def _scorer() -> Any:
+def _scorer(generator: str = "gsm_symbolic") -> Any:
+    if generator not in GENERATORS:
+        raise ValueError(f"unknown generator {generator!r} in a task: use one of {', '.join(GENERATORS)}")
     try:
         import reasoning_gym
     except ImportError:
         raise RuntimeError(
             "reasoning-gym is not installed: pip install 'agl[gsm]' (reasoning-gym==0.1.25)"
         ) from None
-    return reasoning_gym.create_dataset("gsm_symbolic", seed=0, size=1)
+    return reasoning_gym.create_dataset(generator, seed=0, size=1)
 
 
 def answer_of(text: str) -> str | None:
@@ -66,12 +74,19 @@ def answer_of(text: str) -> str | None:
     return str(int(number)) if number.is_integer() else str(number)
 
 
-def score(answer: str | None, expected: str) -> float:
-    """reasoning-gym's ``gsm_symbolic`` scorer: 1.0 right, 0.01 another number, 0.0 no number."""
-    return float(_scorer().score_answer(answer, {"answer": expected}))
+def score(answer: str | None, expected: str, generator: str = "gsm_symbolic") -> float:
+    """The generator's own scorer; ``gsm_symbolic``'s: 1.0 right, 0.01 another number, 0.0 no number."""
+    return float(_scorer(generator).score_answer(answer, {"answer": expected}))
 
 
-async def run_agent(question: str, expected: str, llm: Any, *, temperature: float = TEMPERATURE) -> Outcome:
+async def run_agent(
+    question: str,
+    expected: str,
+    llm: Any,
+    *,
+    temperature: float = TEMPERATURE,
+    generator: str = "gsm_symbolic",
+) -> Outcome:
     """Run the agent on one problem against the endpoint in ``llm`` and score its answer."""
     from autogen_agentchat.agents import AssistantAgent
 
@@ -92,13 +107,21 @@ async def run_agent(question: str, expected: str, llm: Any, *, temperature: floa
     final = result.messages[-1]
     text = final.content if isinstance(final.content, str) else str(final.content)
     answer = answer_of(text)
-    return Outcome(answer, score(answer, expected), calls, text)
+    return Outcome(answer, score(answer, expected, generator), calls, text)
 
 
 def solve(task: dict, llm: Any) -> float:
     """One rollout: the scorer's reward while training; 1 or 0 when the trainer scores the held-out set."""
     evaluating = bool(getattr(llm, "evaluating", False))
+    generator = task.get("generator", "gsm_symbolic")
+    _scorer(generator)  # an unknown generator fails before any model call
     outcome = asyncio.run(
-        run_agent(task["question"], task["answer"], llm, temperature=0.0 if evaluating else TEMPERATURE)
+        run_agent(
+            task["question"],
+            task["answer"],
+            llm,
+            temperature=0.0 if evaluating else TEMPERATURE,
+            generator=generator,
+        )
     )
     return float(outcome.score == 1.0) if evaluating else outcome.score
