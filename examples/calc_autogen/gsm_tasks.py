@@ -130,21 +130,21 @@ def build() -> dict[str, str]:
     seen: set[str] = set()
     train = _tasks(TRAIN_SEED, TRAIN_SIZE, lambda t: t not in held_out, seen, "gsm-train")
     val = _tasks(VAL_SEED, VAL_SIZE, lambda t: t in held_out, seen, "gsm-val")
-    split: dict[str, Any] = {
-        "generator": f"reasoning-gym==0.1.25 {GENERATOR}",
-        "held_out_templates": held_out,
-    }
     arith = _generator(TRAIN_SEED, 2 * (ARITH_TRAIN_SIZE + ARITH_VAL_SIZE), ARITH_GENERATOR, **ARITH_CONFIG)
     seen_expressions: set[str] = set()
     excluded: list[dict[str, Any]] = []
     arith_train = _arith_tasks(arith, 0, ARITH_TRAIN_SIZE, seen_expressions, "arith-train", excluded)
     start = arith_train[-1]["index"] + 1
     arith_val = _arith_tasks(arith, start, ARITH_VAL_SIZE, seen_expressions, "arith-val", excluded)
-    split["curriculum"] = {
-        "generator": f"reasoning-gym==0.1.25 {ARITH_GENERATOR}",
-        "config": ARITH_CONFIG,
-        "seed": TRAIN_SEED,
-        "excluded": excluded,
+    split = {
+        "generator": f"reasoning-gym==0.1.25 {GENERATOR}",
+        "held_out_templates": held_out,
+        "curriculum": {
+            "generator": f"reasoning-gym==0.1.25 {ARITH_GENERATOR}",
+            "config": ARITH_CONFIG,
+            "seed": TRAIN_SEED,
+            "excluded": excluded,
+        },
     }
 
     def lines(tasks: list[dict[str, Any]]) -> str:
