@@ -128,14 +128,18 @@ def test_the_agent_calls_the_calculator_then_answers_and_is_scored(replies, eval
         )
         assert agent.solve(task, llm) == expected
     assert len(seen) == calls
+    # the calculator agent's worked examples come as earlier turns, between the system prompt and the problem
+    examples = [(m["role"], m["content"]) for m in seen[0][1:-1]]
+    assert examples == [(m["role"], m["content"]) for m in _load("gsm_gold").example_turns()]
+    assert len(examples) == 8 and all("<tool_call>" in c for r, c in examples if r == "assistant")
     if calls == 2:  # the calculator's result went back to the model
         assert seen[1][-1]["role"] == "tool" and seen[1][-1]["content"] == "253"
 
 
 def test_the_worked_solutions_become_the_agent_s_first_call_answered_as_it_should(tmp_path):
-    """gsm_gold.py: the same system prompt, question and calculator tool (JSON-identical) the AutoGen
-    agent sends, answered with the worked solution whose last line is the answer in tags, which the
-    agent reads as the right answer; held-out templates are refused."""
+    """gsm_gold.py: the same system prompt, worked examples, question and calculator tool (JSON-identical)
+    the AutoGen agent sends, answered with the worked solution whose last line is the answer in tags,
+    which the agent reads as the right answer; held-out templates are refused."""
     from agl_core.pipeline.sft import spans_to_sft_examples
     from agl_core.testing import AglTestStack
     from agl_trainer.run.traces import read_store
@@ -146,7 +150,7 @@ def test_the_worked_solutions_become_the_agent_s_first_call_answered_as_it_shoul
     assert gold.main(["--out", str(tmp_path / "gold"), "--tasks", str(tmp_path / "two.jsonl")]) == 0
     assert gold.main(["--out", str(tmp_path / "gold"), "--tasks", str(EXAMPLE / "gsm" / "val.jsonl")]) == 1
     spans, _ = read_store(str(tmp_path / "gold" / "store.sqlite"))
-    examples = sorted(spans_to_sft_examples(spans).examples, key=lambda e: e.messages[1]["content"])
+    examples = sorted(spans_to_sft_examples(spans).examples, key=lambda e: e.messages[-1]["content"])
     sent: list = []
 
     def script(messages, tools):

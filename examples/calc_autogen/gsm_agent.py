@@ -2,8 +2,11 @@
 
 The same kind of agent as ``agent.py``, for problems of several steps: one ``AssistantAgent`` with the
 ``calculator`` tool that may call it up to ``MAX_TOOL_ITERATIONS`` times, each result going back to the
-model, and then answers in text (``reflect_on_tool_use=True``). The one agl line is
-``agl_autogen.instrument()``, in ``agent.py``, whose model client this module shares.
+model, and then answers in text (``reflect_on_tool_use=True``). Before the problem it sees the calculator
+agent's four worked examples (``agent.EXAMPLES``: a question and the calculator call that answers it) as
+earlier turns: without them SmolLM2-135M never called the calculator (0 of 908 training rollouts) and
+computed in text. The one agl line is ``agl_autogen.instrument()``, in ``agent.py``, whose model client
+and examples this module shares.
 
 The answer is what the reply puts in ``<answer>`` tags (reasoning-gym's ``extract_answer``), else the last
 number of the reply; the reward is the generator's own scorer on it (``score_answer``: 1 for the right
@@ -21,7 +24,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from agent import model_client  # the calculator agent's module: it also calls agl_autogen.instrument()
+# The calculator agent's module, which also calls agl_autogen.instrument().
+from agent import example_messages, model_client
 from calc_tool import calculator, parse_answer
 
 SYSTEM_PROMPT = (
@@ -89,6 +93,7 @@ async def run_agent(
 ) -> Outcome:
     """Run the agent on one problem against the endpoint in ``llm`` and score its answer."""
     from autogen_agentchat.agents import AssistantAgent
+    from autogen_core.model_context import UnboundedChatCompletionContext
 
     client = model_client(llm, temperature=temperature, max_tokens=MAX_TOKENS)
     try:
@@ -99,6 +104,7 @@ async def run_agent(
             system_message=SYSTEM_PROMPT,
             reflect_on_tool_use=True,
             max_tool_iterations=MAX_TOOL_ITERATIONS,
+            model_context=UnboundedChatCompletionContext(initial_messages=example_messages()),
         )
         result = await agent.run(task=question)
     finally:

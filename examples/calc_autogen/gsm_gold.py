@@ -6,12 +6,12 @@ generator's worked solution, as traces the stored-traces SFT path learns from.
 
 ``gsm_symbolic`` gives each problem a worked solution (``answer_cot``: the steps in words and arithmetic,
 ending ``#### answer``). This writes, for each problem of ``gsm/train.jsonl`` (never a held-out
-template's), the agent's first call (its system prompt, the calculator tool, the question) answered with
-that solution, its last line written as the agent's answer format (``<answer>N</answer>``), with
-``agl_core.importer.write_demonstrations``, and imports them into ``OUT/store.sqlite``, one rollout per
-problem. The solutions compute in text: the warm start teaches the steps and the answer format, not the
-calculator calls (RL afterwards may). The held-out score stays the generator's accuracy on the held-out
-templates.
+template's), the agent's first call (its system prompt, the calculator tool, the worked examples as
+earlier turns, the question) answered with that solution, its last line written as the agent's answer
+format (``<answer>N</answer>``), with ``agl_core.importer.write_demonstrations``, and imports them into
+``OUT/store.sqlite``, one rollout per problem. The solutions compute in text: the warm start teaches the
+steps and the answer format, not the calculator calls (RL afterwards may). The held-out score stays the
+generator's accuracy on the held-out templates.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from agl_core.importer import Demonstration, import_traces, write_demonstrations
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from calc_tool import calculator  # noqa: E402
+from agent import EXAMPLES  # noqa: E402
+from calc_tool import calculator, call_text  # noqa: E402
 from gsm_agent import SYSTEM_PROMPT  # noqa: E402
 
 
@@ -46,11 +47,23 @@ def solution_text(task: dict[str, Any]) -> str:
     return f"{steps.strip()}\n<answer>{task['answer']}</answer>"
 
 
+def example_turns() -> list[dict[str, str]]:
+    """The agent's worked examples as the chat messages its client sends (``agent.example_messages``)."""
+    turns: list[dict[str, str]] = []
+    for question, expression in EXAMPLES:
+        turns += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": call_text(expression)},
+        ]
+    return turns
+
+
 def demonstration(task: dict[str, Any]) -> Demonstration:
     return Demonstration(
         id=f"gsm-gold:{task['id']}",
         messages=[
             {"role": "system", "content": SYSTEM_PROMPT},
+            *example_turns(),
             {"role": "user", "content": task["question"]},
         ],
         response=solution_text(task),
