@@ -26,8 +26,8 @@ from agl_core.importer import Demonstration, import_traces, write_demonstrations
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from agent import EXAMPLES  # noqa: E402
-from calc_tool import calculator, call_text  # noqa: E402
+from agent import example_messages  # noqa: E402
+from calc_tool import calculator  # noqa: E402
 from gsm_agent import SYSTEM_PROMPT  # noqa: E402
 
 
@@ -48,14 +48,14 @@ def solution_text(task: dict[str, Any]) -> str:
 
 
 def example_turns() -> list[dict[str, str]]:
-    """The agent's worked examples as the chat messages its client sends (``agent.example_messages``)."""
-    turns: list[dict[str, str]] = []
-    for question, expression in EXAMPLES:
-        turns += [
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": call_text(expression)},
-        ]
-    return turns
+    """The earlier turns the agent starts from (``agent.example_messages``) as the chat messages its
+    client sends them."""
+    from autogen_core.models import UserMessage
+
+    return [
+        {"role": "user" if isinstance(m, UserMessage) else "assistant", "content": m.content}
+        for m in example_messages()
+    ]
 
 
 def demonstration(task: dict[str, Any]) -> Demonstration:
