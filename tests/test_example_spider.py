@@ -312,6 +312,7 @@ def test_the_agent_writes_runs_revises_and_is_scored_by_execution_accuracy(spide
     while training."""
     from types import SimpleNamespace
 
+    from agl_core import semconv
     from agl_core.testing import AglTestStack
 
     agent = _import_with_data(spider_cache[0], monkeypatch, "agent")
@@ -344,6 +345,12 @@ def test_the_agent_writes_runs_revises_and_is_scored_by_execution_accuracy(spide
                 base_url=stack.base_url("ro-1"), api_key="x", model="scripted", evaluating=evaluating
             )
             assert agent.solve(task, llm) == expected, answers
+            stops = [
+                list(s.attributes[semconv.GEN_AI_REQUEST_STOP_SEQUENCES])
+                for s in stack.spans("ro-1")
+                if semconv.GEN_AI_REQUEST_STOP_SEQUENCES in s.attributes
+            ]
         assert len(seen) == calls, seen
+        assert stops and all(stop == [";"] for stop in stops), stops  # every call ends at its first statement
         if calls == 2:  # the reviser saw the question, the failed query and what happened
             assert "How many singers?" in seen[1] and "error" in seen[1]

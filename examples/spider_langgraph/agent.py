@@ -40,6 +40,9 @@ MAX_REVISIONS = 1
 #: Sampling temperature while training (the trainer evaluates greedily).
 TEMPERATURE = 0.8
 MAX_TOKENS = 96
+#: Each call stops at the end of its first statement: the answer is one query (``extract_sql`` cuts there
+#: too), and a reply cannot run on past it (RL without this stop learned to fill all 96 tokens).
+STOP = [";"]
 #: Partial credit for a wrong answer that ran, while training (module docstring).
 PARTIAL_RUNS = 0.1
 #: Seconds a query may run.
@@ -105,7 +108,7 @@ class State(TypedDict, total=False):
 def build_graph(model: ChatOpenAI):
     def ask(system: str, user: str, config: RunnableConfig) -> str:
         reply = model.invoke(
-            [SystemMessage(system), HumanMessage(user)], config=config, max_tokens=MAX_TOKENS
+            [SystemMessage(system), HumanMessage(user)], config=config, max_tokens=MAX_TOKENS, stop=STOP
         )
         return reply.content if isinstance(reply.content, str) else str(reply.content)
 
