@@ -297,6 +297,33 @@ def test_invalid_json_unknown_model_and_stream_errors(gw, oa):
     assert "context window" in err.value.message
 
 
+def test_close_fails_the_batch_being_decoded_and_waits_for_the_worker(tiny_policy):
+    """close() while a long generation decodes: the request fails with a 503 at the batch's next step, and
+    the worker has exited when close() returns (one left computing while the interpreter shuts down aborts
+    the process with status 134)."""
+    from agl_trainer.generation.hf_backend import HFBackend
+
+    model, tokenizer = tiny_policy
+    backend = HFBackend(model, tokenizer, model_name="tiny")
+    body = {"model": "tiny", "messages": HI, "max_tokens": 1000, "temperature": 1.0}
+    replies: list[httpx.Response] = []
+    running = set(threading.enumerate())  # other tests' backends have workers of their own
+    with GatewayServer(backend, renderer=TemplateRenderer(tokenizer)) as gateway:
+        url = gateway.v1 + "/chat/completions"
+        client = threading.Thread(target=lambda: replies.append(httpx.post(url, json=body, timeout=120)))
+        client.start()
+        deadline = time.monotonic() + 60
+        while backend.decode_steps < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.decode_steps >= 5, "the generation never started"
+        backend.close()
+        assert not [t for t in threading.enumerate() if t.name == "agl-hf-backend" and t not in running]
+        client.join(60)
+    assert backend.decode_steps < 1000  # stopped, not finished
+    (reply,) = replies
+    assert reply.status_code == 503 and "closed" in reply.json()["error"]["message"], reply.text
+
+
 def test_backend_down_is_503(tiny_policy):
     from agl_trainer.generation.hf_backend import HFBackend
 

@@ -579,15 +579,26 @@ class HFBackend:
         finally:
             job.cancelled = True
 
-    def close(self) -> None:
-        """Stop the worker; queued requests fail with ``BackendUnavailableError``."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the worker and wait up to ``timeout_s`` for it to exit; queued requests, and those being
+        decoded (at the batch's next step), fail with ``BackendUnavailableError``.
+
+        The wait matters at exit: a worker left computing while the interpreter shuts down aborts the
+        process (``terminate called without an active exception``, exit status 134), which is what a
+        trainer whose timed-out rollouts were still generating did after its last line."""
         with self._wakeup:
             self._closed = True
             pending = list(self._queue)
             self._queue.clear()
             self._wakeup.notify_all()
+            worker = self._worker
         for job in pending:
             job.sink(BackendUnavailableError("the transformers backend was closed"))
+        if worker is None or worker is threading.current_thread():
+            return
+        worker.join(timeout_s)
+        if worker.is_alive():
+            logger.warning("agl: the transformers backend's worker still computes after %.0f s", timeout_s)
 
     # -- new policy versions --------------------------------------------------------------------------
 
@@ -830,6 +841,11 @@ class HFBackend:
                 state.keep([r for r, row in enumerate(state.rows) if not row.done])
                 if not state.rows:
                     return  # requests queued meanwhile start the next batch (after any waiting weight update)
+                if self._closed:  # close() waits for this thread: fail what is left instead of finishing it
+                    for job in jobs:
+                        if job.open_choices and not job.cancelled:
+                            job.sink(BackendUnavailableError("the transformers backend was closed"))
+                    return
                 joining = self._join(len(state.rows))
                 started = time.perf_counter()
                 state.advance()
