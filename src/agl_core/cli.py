@@ -283,7 +283,7 @@ def _store_serve(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.db)
     except (StoreError, OSError, ImportError) as exc:
-        return fail(f"cannot open {args.db}: {exc}")
+        return fail(settings.masked_url(f"cannot open {args.db}: {exc}"))
     service = StoreService(
         store,
         token=token,
@@ -302,7 +302,7 @@ def _store_serve(args: argparse.Namespace) -> int:
                 raise OSError(f"{exc} (OTLP/gRPC: --grpc-port PORT, or --no-grpc)") from None
         service.start_maintenance()
         print(
-            f"agl store: {args.db}; OTLP/HTTP + API on http://{args.host}:{args.http_port},"
+            f"agl store: {settings.masked_url(args.db)}; OTLP/HTTP + API on http://{args.host}:{args.http_port},"
             f" OTLP/gRPC {grpc_note}"
             + (f"; redacting {len(args.redact)} rule(s)" if args.redact else "")
             + (f"; retention {', '.join(args.retention)}" if retention else ""),
@@ -316,14 +316,14 @@ def _store_serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise OSError(f"{exc} (OTLP/HTTP and the API: --http-port PORT)") from None
     except (OSError, ImportError) as exc:
-        return fail(str(exc))
+        return fail(settings.masked_url(str(exc)))
     finally:
         service.close()
         store.close()
     if stop.received is not None:
         print(
             f"agl store serve: stopped by {stop.name}; every span and rollout it acknowledged is in"
-            f" {args.db}",
+            f" {settings.masked_url(args.db)}",
             file=sys.stderr,
         )
     return stop.exit_code

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
 from pathlib import Path
 
 DEFAULT_STORE_URL = "http://127.0.0.1:4318"
@@ -94,3 +95,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]+@")
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|sslpassword)=)[^&\s]*", re.IGNORECASE)
+
+
+def masked_url(text: str) -> str:
+    """``text`` with the password of every URL in it masked: ``postgresql://user:***@host/db`` (and a
+    ``?password=`` query parameter). Whatever shows or stores a URL a user gave goes through this."""
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))

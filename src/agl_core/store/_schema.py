@@ -131,13 +131,47 @@ def schema(*, serial: str, blob: str, real: str, bigint: str) -> str:
     return _SCHEMA_TEMPLATE.format(serial=serial, blob=blob, real=real, bigint=bigint)
 
 
-def _json(value: Any) -> str:
+def _json(value: Any, what: str = "") -> str:
+    """``value`` as the JSON text a table holds; ``what`` names it in the errors (``input``)."""
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except ValueError:
         raise ValueError(
             "NaN and Infinity cannot be stored (JSON has no such numbers); send finite numbers or null"
         ) from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        where = lone_surrogate_at(value, what) or what or "the value"
+        raise ValueError(
+            f"{where} holds a lone UTF-16 surrogate, which is not text; send valid Unicode"
+        ) from None
+    return text
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path (``a.b.0``) of the first string or key in ``value`` that holds a lone UTF-16 surrogate
+    (which no UTF-8 database can store), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the value"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and lone_surrogate_at(key) is not None:
+                return f"a key in {path or 'the object'} ({key.encode('utf-8', 'backslashreplace')!r})"
+            found = lone_surrogate_at(item, here)
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for n, item in enumerate(value):
+            found = lone_surrogate_at(item, f"{path}.{n}" if path else str(n))
+            if found is not None:
+                return found
+    return None
 
 
 #: The columns :func:`attempt_from_row` and :func:`rollout_from_row` read, in their order.

@@ -51,6 +51,7 @@ from .formats.otlp import (
     records_to_request,
     resource_attributes,
     row_to_span,
+    span_shows_text,
     with_rollout_id,
 )
 
@@ -351,11 +352,11 @@ class SqlStore(Generic[_C]):
                 (
                     req.get("rollout_id") or f"ro-{uuid.uuid4().hex[:16]}",
                     str(req["task_id"]),
-                    _json(req.get("input")),
+                    _json(req.get("input"), "input"),
                     req.get("group_id"),
                     _Q,
                     now,
-                    _json(dict(req.get("metadata") or {})),
+                    _json(dict(req.get("metadata") or {}), "metadata"),
                     max_attempts,
                 )
             )
@@ -388,11 +389,11 @@ class SqlStore(Generic[_C]):
             rows[rollout_id] = (
                 rollout_id,
                 str(req.get("task_id") or rollout_id),
-                _json(req.get("input")),
+                _json(req.get("input"), "input"),
                 req.get("group_id"),
                 RolloutStatus.SUCCEEDED.value,
                 now,
-                _json(dict(req.get("metadata") or {})),
+                _json(dict(req.get("metadata") or {}), "metadata"),
                 1,
             )
         if not rows:
@@ -603,25 +604,28 @@ class SqlStore(Generic[_C]):
             )
             args.append(where.text.encode("utf-8", "surrogatepass"))
         matched = " AND ".join(clauses) or "1 = 1"
+        cap = COUNT_CAP if where.agent is None and where.text is None else AGENT_COUNT_CAP
         with self._reading() as conn:
-            page_where, page_args = matched, list(args)
-            if before is not None:
-                page_where += " AND seq < ?"
-                page_args.append(int(before))
-            rows = self._exec(
-                conn,
-                f"SELECT seq, rollout_id FROM rollouts WHERE {page_where} ORDER BY seq DESC LIMIT ?",
-                [*page_args, limit + 1],
-            ).fetchall()
+            if where.text is not None:
+                rows, total = self._text_matches(conn, matched, args, where.text, before, limit, cap)
+            else:
+                page_where, page_args = matched, list(args)
+                if before is not None:
+                    page_where += " AND seq < ?"
+                    page_args.append(int(before))
+                rows = self._exec(
+                    conn,
+                    f"SELECT seq, rollout_id FROM rollouts WHERE {page_where} ORDER BY seq DESC LIMIT ?",
+                    [*page_args, limit + 1],
+                ).fetchall()
+                total = self._exec(
+                    conn,
+                    f"SELECT COUNT(*) FROM (SELECT 1 FROM rollouts WHERE {matched} LIMIT ?) AS m",
+                    [*args, cap + 1],
+                ).fetchone()[0]
             more = len(rows) > limit
             rows = rows[:limit]
             ids = [r[1] for r in rows]
-            cap = COUNT_CAP if where.agent is None and where.text is None else AGENT_COUNT_CAP
-            total = self._exec(
-                conn,
-                f"SELECT COUNT(*) FROM (SELECT 1 FROM rollouts WHERE {matched} LIMIT ?) AS m",
-                [*args, cap + 1],
-            ).fetchone()[0]
             counts: dict[str, int] = {}
             if ids:
                 clause, values = self._in("rollout_id", ids)
@@ -642,6 +646,56 @@ class SqlStore(Generic[_C]):
             total=min(int(total), cap),
             total_capped=int(total) > cap,
         )
+
+    def _text_matches(
+        self,
+        conn: _C,
+        matched: str,
+        args: list[Any],
+        text: str,
+        before: int | None,
+        limit: int,
+        cap: int,
+    ) -> tuple[list[Any], int]:
+        """Rollouts matching ``matched`` (whose last clause finds ``text``'s bytes anywhere in a span's
+        encoding) that have a span showing ``text`` where a user reads it (:func:`span_shows_text`):
+        the page (``seq < before``, newest first, up to ``limit + 1``) and the count up to ``cap + 1``.
+        The bytes narrow the candidates in SQL; each candidate's spans are decoded to confirm."""
+        needle = text.encode("utf-8", "surrogatepass")
+        contains = self._contains_bytes("body")
+        page: list[Any] = []
+        total = 0
+        after: int | None = None  # candidates are read newest first, in chunks below this seq
+        while total <= cap or len(page) <= limit:
+            chunk_where, chunk_args = matched, list(args)
+            if after is not None:
+                chunk_where += " AND seq < ?"
+                chunk_args.append(after)
+            candidates = self._exec(
+                conn,
+                f"SELECT seq, rollout_id FROM rollouts WHERE {chunk_where} ORDER BY seq DESC LIMIT ?",
+                [*chunk_args, _MERGE_CHUNK],
+            ).fetchall()
+            if not candidates:
+                break
+            after = int(candidates[-1][0])
+            clause, values = self._in("rollout_id", [r[1] for r in candidates])
+            shown: set[str] = set()
+            for rollout_id, body in self._exec(
+                conn,
+                f"SELECT rollout_id, body FROM spans WHERE {clause} AND {contains}",
+                [*values, needle],
+            ).fetchall():
+                if rollout_id not in shown and span_shows_text(bytes(body), text):
+                    shown.add(rollout_id)
+            for seq, rollout_id in candidates:
+                if rollout_id in shown:
+                    total += 1
+                    if (before is None or seq < before) and len(page) <= limit:
+                        page.append((seq, rollout_id))
+            if len(candidates) < _MERGE_CHUNK:
+                break
+        return page, total
 
     def _load_attempt(self, conn: _C, attempt_id: str) -> Attempt:
         a = self._exec(
@@ -731,7 +785,7 @@ class SqlStore(Generic[_C]):
             self._exec(
                 conn,
                 "INSERT INTO resources (name, version, value, created_at) VALUES (?,?,?,?)",
-                [name, latest + 1, _json(value), time.time()],
+                [name, latest + 1, _json(value, "value"), time.time()],
             )
         return Resource(name, latest + 1, value)
 
@@ -797,6 +851,13 @@ class SqlStore(Generic[_C]):
             first = self._read("SELECT MIN(seq) FROM spans WHERE rollout_id IS NULL")[0][0]
             last = self._read("SELECT MAX(seq) FROM spans")[0][0]
             loose.after_seq = int(first) - 1 if first is not None else int(last or 0)
+            # spans stored before this pass (an exporter's backlog in the store's first seconds, or before
+            # a restart) that name a rollout with no record: each gets its observed record now
+            for (orphan,) in self._read(
+                "SELECT DISTINCT s.rollout_id FROM spans s WHERE s.rollout_id IS NOT NULL AND NOT EXISTS"
+                " (SELECT 1 FROM rollouts r WHERE r.rollout_id = s.rollout_id)"
+            ):
+                loose.saw_rollout(orphan, now - loose.quiet_s)
         for _ in range(_LOOSE_PAGES):
             rows = self._read(
                 "SELECT seq, trace_id, rollout_id FROM spans WHERE seq > ? ORDER BY seq LIMIT ?",

@@ -66,6 +66,7 @@ from starlette.routing import Route
 from .. import semconv
 from ..pipeline.rewards import EPISODE, MAX_REWARD_ID, MAX_ROLLOUT_ID, MAX_SOURCE, Reward
 from ..records import RolloutStatus
+from ._schema import lone_surrogate_at
 from .base import MAX_PAGE, NotFoundError, RolloutFilter, Store, StoreError, StoreUnavailableError
 from .formats import wire
 from .formats.otlp import OtlpDecodeError, encode_export_response
@@ -281,11 +282,20 @@ def _finite_json(body: bytes) -> Any:
     """Parse a JSON body, refusing NaN, Infinity and numbers too large for a double anywhere in it: JSON
     has no such numbers, and a stored one could never be sent back."""
     try:
-        return json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
+        data = json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise _HttpError(400, f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise _HttpError(400, "invalid JSON body: nested too deeply") from None
+    if b"\\u" in body:  # only an escape can spell a lone surrogate in valid UTF-8
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise _HttpError(
+                400,
+                f"invalid JSON body: {where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff"
+                " escape), which is not text; send valid Unicode",
+            )
+    return data
 
 
 async def _json_body(request: Request, model: type[pydantic.BaseModel]) -> Any:

@@ -31,6 +31,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agl_core.settings import masked_url
+
 if TYPE_CHECKING:
     from ..config import LoggingConfig, TrainerConfig
 
@@ -407,7 +409,6 @@ def _check_installed(settings: LoggingConfig) -> None:
 _SECRET_KEY = re.compile(
     r"(?:^|_)(?:token|secret|password|passwd|api_?key|access_key|private_key|credentials?)$"
 )
-_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]+@")
 
 
 def masked_config(config: Any) -> Any:
@@ -421,7 +422,7 @@ def masked_config(config: Any) -> Any:
     if isinstance(config, list | tuple):
         return [masked_config(v) for v in config]
     if isinstance(config, str):
-        return _URL_PASSWORD.sub(r"\1***@", config)
+        return masked_url(config)
     return config
 
 

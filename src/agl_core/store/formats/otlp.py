@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -39,6 +40,7 @@ __all__ = [
     "encode_export_response",
     "extract_rows",
     "row_to_span",
+    "span_shows_text",
     "span_slices",
     "span_to_proto",
     "with_rollout_id",
@@ -54,6 +56,10 @@ _MAX_DEPTH = 16
 _MAX_NAME = 1024
 _MAX_ID = 256
 _MAX_TIME_NS = 2**63 - 1
+#: How non-finite doubles read back (the OTLP JSON mapping's strings for them).
+_NON_FINITE_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+#: The name a stored span that cannot be decoded reads back under.
+UNREADABLE_SPAN = "agl.unreadable_span"
 #: Most spans accepted in one export request. OTLP exporters send batches of 512 by default; a request far
 #: beyond this costs the store hundreds of megabytes to decode, so it is refused (400) whole.
 MAX_SPANS_PER_REQUEST = 100_000
@@ -417,7 +423,10 @@ def any_value(value: AnyValue, depth: int = 0) -> Any:
     if kind == "int_value":
         return value.int_value
     if kind == "double_value":
-        return value.double_value
+        number = value.double_value
+        # JSON has no NaN or infinity: such a number reads back as the OTLP JSON mapping's string for it,
+        # so that no reader (the API's JSON, the dashboard, the trainer) fails on a stored span
+        return number if math.isfinite(number) else _NON_FINITE_TEXT[repr(number)]
     if kind == "array_value":
         return [any_value(v, depth + 1) for v in value.array_value.values]
     if kind == "kvlist_value":
@@ -436,7 +445,24 @@ def resource_attributes(resource_bytes: bytes) -> dict[str, Any]:
 
 
 def row_to_span(seq: int, body: bytes, resource: dict[str, Any]) -> Span:
-    proto = SpanProto.FromString(body)
+    """The stored span ``body`` as a record. A body that does not decode (a damaged row) reads back as a
+    placeholder span saying so, never as an error that would fail the whole page holding it."""
+    try:
+        proto = SpanProto.FromString(body)
+    except DecodeError as exc:
+        return Span(
+            trace_id="0" * 32,
+            span_id="0" * 16,
+            parent_span_id=None,
+            name=UNREADABLE_SPAN,
+            start_ns=0,
+            end_ns=0,
+            attributes={},
+            status_code="ERROR",
+            status_message=f"the stored span (seq {seq}) could not be decoded: {exc}",
+            resource=resource,
+            seq=seq,
+        )
     return Span(
         trace_id=proto.trace_id.hex(),
         span_id=proto.span_id.hex(),
@@ -454,6 +480,64 @@ def row_to_span(seq: int, body: bytes, resource: dict[str, Any]) -> Span:
         resource=resource,
         seq=seq,
     )
+
+
+def _value_shows(value: AnyValue, text: str, depth: int = 0) -> bool:
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return _string_shows(value.string_value, text)
+    if depth >= _MAX_DEPTH:
+        return False
+    if kind == "array_value":
+        return any(_value_shows(v, text, depth + 1) for v in value.array_value.values)
+    if kind == "kvlist_value":
+        return any(
+            text in kv.key or _value_shows(kv.value, text, depth + 1) for kv in value.kvlist_value.values
+        )
+    return False
+
+
+def _string_shows(value: str, text: str) -> bool:
+    """``text`` is in the string as a person reads it: inside a JSON document (the chat messages
+    instrumentations record as one JSON attribute), in its keys and strings rather than its quoting."""
+    if text not in value:
+        return False
+    if value[:1] not in ("[", "{"):
+        return True
+    try:
+        document = json.loads(value)
+    except (ValueError, RecursionError):
+        return True
+    return _json_shows(document, text)
+
+
+def _json_shows(value: Any, text: str, depth: int = 0) -> bool:
+    if isinstance(value, str):
+        return text in value
+    if depth >= _MAX_DEPTH:
+        return False
+    if isinstance(value, list):
+        return any(_json_shows(v, text, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return any(text in k or _json_shows(v, text, depth + 1) for k, v in value.items())
+    return False
+
+
+def span_shows_text(body: bytes, text: str) -> bool:
+    """Whether the stored span ``body`` shows ``text`` where a person reads it: its name, status message,
+    an attribute's key or text value (message contents inside JSON values included), an event's name or
+    attributes. Ids, times, numbers and the encoding's own bytes never match."""
+    try:
+        span = SpanProto.FromString(body)
+    except DecodeError:
+        return False
+    if text in span.name or text in span.status.message:
+        return True
+    for key_values in (span.attributes, *(e.attributes for e in span.events)):
+        for kv in key_values:
+            if text in kv.key or _value_shows(kv.value, text):
+                return True
+    return any(text in e.name for e in span.events)
 
 
 # --- records -> OTLP (for spans added through the Python API) --------------------------------------------
