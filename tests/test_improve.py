@@ -424,7 +424,10 @@ def test_status_rollback_and_a_gateway_that_refuses(tmp_path: Path) -> None:
         # a gateway serving another base model refuses the adapter: said, not retried, nothing lost
         with _CountingGateway(gateway_port, source="smollm2") as other:
             again = _agl("improve", "rollback", str(config), "1", timeout=300)
-            assert again.returncode == 0, again.stdout + again.stderr
+            # the serving version changed, but no gateway serves it: said, with a failing status
+            assert again.returncode == 1, again.stdout + again.stderr
+            assert "v1 is the serving version, but not every gateway serves it: prod (refused" in again.stderr
+            assert "v1 serves" not in again.stdout
             assert other.published == []
             target = _state(tmp_path)["targets"]["prod"]
             assert target["state"] == "refused" and "does not fit the served model" in target["message"]

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 from . import plugins, settings
 from ._store_reader import StoreReader, add_store_arguments
+from .pipeline.rewards import DEFAULT_REWARD_RANGE, RewardRange
 
 
 def _port(text: str) -> int:
@@ -79,6 +80,13 @@ def _version() -> str:
         return version("agl")
     except PackageNotFoundError:
         return "unknown (not installed as a package)"
+
+
+def _reward_range(text: str) -> RewardRange:
+    try:
+        return RewardRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 #: The options of ``agl store serve``: (flags, keyword arguments of ``add_argument``).
@@ -154,6 +162,16 @@ _STORE_SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
             help="spans that arrive without a rollout (an agent run outside agl's runner) become rollouts,"
             " grouped by rollout id, session or trace, once their trace has had no new span for SECONDS;"
             " 0 leaves them loose (default: %(default)s)",
+        ),
+    ),
+    (
+        ("--reward-range",),
+        dict(
+            type=_reward_range,
+            default=DEFAULT_REWARD_RANGE,
+            metavar="MIN:MAX",
+            help="rewards outside MIN:MAX (late rewards, and agl.reward spans over OTLP) are refused, and"
+            " so are NaN and infinities (default: %(default)s)",
         ),
     ),
 )
@@ -292,6 +310,7 @@ def _store_serve(args: argparse.Namespace) -> int:
         max_pending_spans=args.max_pending_spans,
         parse_workers=args.parse_workers,
         group_wait_s=args.group_wait or None,
+        reward_range=args.reward_range,
     )
     try:
         grpc_note = "off"
@@ -377,6 +396,14 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
     )
     parser.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
+    parser.add_argument(
+        "--reward-range",
+        type=_reward_range,
+        default=DEFAULT_REWARD_RANGE,
+        metavar="MIN:MAX",
+        help="refuse values outside MIN:MAX (a running store also applies its own --reward-range)"
+        " (default: %(default)s)",
+    )
 
 
 def _reward(args: argparse.Namespace) -> int:
@@ -391,7 +418,12 @@ def _reward(args: argparse.Namespace) -> int:
             print(f"agl reward: --file gives every reward's fields; drop {', '.join(given)}", file=sys.stderr)
             return 2
         return add_reward_file(
-            args.file, args.store or settings.store_url(), args.token, args.name, args.source
+            args.file,
+            args.store or settings.store_url(),
+            args.token,
+            args.name,
+            args.source,
+            reward_range=args.reward_range,
         )
     if args.rollout_id is None or args.value is None:
         print("agl reward: give ROLLOUT_ID and VALUE, or --file PATH", file=sys.stderr)
@@ -401,6 +433,10 @@ def _reward(args: argparse.Namespace) -> int:
         value = float(args.value)
     except ValueError:
         print(f"agl reward: VALUE {args.value!r} is not a number", file=sys.stderr)
+        return 2
+    problem = args.reward_range.problem(value)
+    if problem:
+        print(f"agl reward: VALUE: {problem}", file=sys.stderr)
         return 2
     try:
         reward = Reward(
@@ -420,7 +456,7 @@ def _reward(args: argparse.Namespace) -> int:
         print(f"agl reward: {flag.get(option, option)}:{str(exc).split(':', 1)[-1]}", file=sys.stderr)
         return 2
     try:
-        store = open_reward_store(args.store or settings.store_url(), args.token)
+        store = open_reward_store(args.store or settings.store_url(), args.token, args.reward_range)
     except ValueError as exc:
         print(f"agl reward: {exc}", file=sys.stderr)
         return 2

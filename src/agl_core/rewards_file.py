@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._bounded import bounded_lines
-from .pipeline.rewards import Reward, parse_time
+from .pipeline.rewards import DEFAULT_REWARD_RANGE, Reward, RewardRange, parse_time
 
 __all__ = ["add_reward_file", "open_reward_store", "read_reward_lines"]
 
@@ -84,19 +84,32 @@ def read_reward_lines(
         yield number, reward, None
 
 
-def open_reward_store(target: str, token: str | None) -> Any:
-    """The store rewards go to: a running store at the URL ``target`` (with ``token``), or the SQLite file
-    ``target``; ``ValueError`` when it is neither. The caller closes it."""
+def open_reward_store(
+    target: str, token: str | None, reward_range: RewardRange = DEFAULT_REWARD_RANGE
+) -> Any:
+    """The store rewards go to: a running store at the URL ``target`` (with ``token``; it applies its
+    own reward range), or the SQLite file ``target`` (taking ``reward_range``); ``ValueError`` when it is
+    neither. The caller closes it."""
     from .store import SqliteStore, StoreClient
 
     if target.startswith(("http://", "https://")):
         return StoreClient(target, token=token)
     if not Path(target).is_file():
         raise ValueError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
-    return SqliteStore(target)
+    store = SqliteStore(target)
+    store.reward_range = reward_range
+    return store
 
 
-def add_reward_file(path: str, target: str, token: str | None, name: str, source: str) -> int:
+def add_reward_file(
+    path: str,
+    target: str,
+    token: str | None,
+    name: str,
+    source: str,
+    *,
+    reward_range: RewardRange = DEFAULT_REWARD_RANGE,
+) -> int:
     """Attach the rewards of the file at ``path`` (``-``: stdin) to the store at ``target`` (a URL or a
     SQLite file); prints what happened. Exit status: 0 all attached, 1 some lines skipped or refused,
     2 the file or store could not be used at all."""
@@ -106,7 +119,7 @@ def add_reward_file(path: str, target: str, token: str | None, name: str, source
         print(f"agl reward: --file {path}: no such file", file=sys.stderr)
         return 2
     try:
-        store = open_reward_store(target, token)
+        store = open_reward_store(target, token, reward_range)
     except ValueError as exc:
         print(f"agl reward: {exc}", file=sys.stderr)
         return 2
@@ -143,6 +156,10 @@ def add_reward_file(path: str, target: str, token: str | None, name: str, source
         for number, reward, why in read_reward_lines(stream, name=name, source=source):
             if reward is None:
                 bad(number, why or "invalid")
+                continue
+            problem = reward_range.problem(reward.value)
+            if problem:
+                bad(number, f"value: {problem}")
                 continue
             batch.append((number, reward))
             if len(batch) >= BATCH:

@@ -37,7 +37,9 @@ from ..records import Span
 __all__ = [
     "DEFAULT_SOURCE",
     "EPISODE",
+    "DEFAULT_REWARD_RANGE",
     "Reward",
+    "RewardRange",
     "RewardSink",
     "StoredReward",
     "format_time",
@@ -63,6 +65,58 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _SPAN_ID = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardRange:
+    """The rewards a store (``agl store serve --reward-range``), ``agl reward`` and ``agl improve``
+    (``improve.reward_range``) take: finite numbers from ``low`` to ``high`` inclusive. One absurd value
+    (1e308, or an infinity sent over OTLP) would otherwise decide a mean, a gate or a rollback alone."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.low) and math.isfinite(self.high)) or self.low >= self.high:
+            raise ValueError(f"a reward range needs finite MIN < MAX, got {self.low:g}:{self.high:g}")
+        if max(abs(self.low), abs(self.high)) > 1e15:
+            raise ValueError(f"a reward range must lie within ±1e15, got {self.low:g}:{self.high:g}")
+
+    @classmethod
+    def parse(cls, text: str) -> RewardRange:
+        """``MIN:MAX`` (``-1e6:1e6``, ``0:1``)."""
+        low, sep, high = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            return cls(float(low), float(high))
+        except ValueError as exc:
+            detail = f" ({exc})" if str(exc) else ""
+            raise ValueError(f"reward range {text!r}: give MIN:MAX, e.g. -1:1 or 0:100{detail}") from None
+
+    def problem(self, value: Any) -> str:
+        """Why ``value`` is not a reward this range takes ('' when it is)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"a reward must be a number, got {type(value).__name__}"
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int beyond a double
+            finite = False
+        if not finite:
+            return f"must be a finite number, got {str(value)[:40]}"
+        if not self.low <= value <= self.high:
+            return (
+                f"reward {str(value)[:40]} is outside the accepted range {self.low:g} to {self.high:g}"
+                " (--reward-range MIN:MAX widens it)"
+            )
+        return ""
+
+    def __str__(self) -> str:
+        return f"{self.low:g}:{self.high:g}"
+
+
+#: What is taken unless the user says otherwise: any sane scale of reward, nothing that breaks a mean.
+DEFAULT_REWARD_RANGE = RewardRange(-1e6, 1e6)
 
 
 def _text(field: str, value: Any, max_length: int, *, control: bool = False) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic
 
 from .. import semconv
-from ..pipeline.rewards import EPISODE, Reward, StoredReward
+from ..pipeline.rewards import DEFAULT_REWARD_RANGE, EPISODE, Reward, RewardRange, StoredReward
 from ..pipeline.transitions import episode_rewards
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 from ._loose import SOURCE as LOOSE_SOURCE
@@ -70,6 +70,8 @@ class SqlStore(Generic[_C]):
 
     #: appended to the dequeue SELECT (PostgreSQL: ``FOR UPDATE SKIP LOCKED``)
     _lock_rows = ""
+    #: Rewards (late ones, and ``agl.reward`` spans) outside it are refused (``--reward-range``).
+    reward_range: RewardRange = DEFAULT_REWARD_RANGE
 
     def __init__(self) -> None:
         self._write_lock = threading.Lock()
@@ -247,7 +249,7 @@ class SqlStore(Generic[_C]):
         return added
 
     def add_spans(self, spans: Sequence[Span]) -> int:
-        batch = extract_rows(records_to_request(list(spans)))
+        batch = extract_rows(records_to_request(list(spans)), rewards=self.reward_range)
         if batch.rejected:
             raise StoreError(f"invalid span: {batch.error_message}")
         return self.add_span_rows(batch.rows, batch.scopes)
@@ -732,6 +734,10 @@ class SqlStore(Generic[_C]):
         reward by time."""
         if not rewards:
             return []
+        for n, reward in enumerate(rewards):
+            problem = self.reward_range.problem(reward.value)
+            if problem:
+                raise ValueError(f"rewards.{n}.value: {problem}")
         now_ns = time.time_ns()
         with self._write() as conn:
             placer = RewardPlacer(lambda sql, args: self._exec(conn, sql, args).fetchall(), now_ns)
@@ -744,7 +750,7 @@ class SqlStore(Generic[_C]):
                     spans.append(span)
             if not spans:
                 return out
-            batch = extract_rows(records_to_request(spans))
+            batch = extract_rows(records_to_request(spans), rewards=self.reward_range)
             if batch.rejected:
                 raise StoreError(f"invalid reward span: {batch.error_message}")
             conn.executemany(
@@ -777,7 +783,10 @@ class SqlStore(Generic[_C]):
         return out
 
     # --- resources -----------------------------------------------------------------------------------
-    def put_resource(self, name: str, value: Any) -> Resource:
+    def put_resource(self, name: str, value: Any, *, keep: int | None = None) -> Resource:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 (the version being written), got {keep}")
+        text = _json(value, "value")
         with self._write() as conn:
             (latest,) = self._exec(
                 conn, "SELECT COALESCE(MAX(version), 0) FROM resources WHERE name = ?", [name]
@@ -785,8 +794,12 @@ class SqlStore(Generic[_C]):
             self._exec(
                 conn,
                 "INSERT INTO resources (name, version, value, created_at) VALUES (?,?,?,?)",
-                [name, latest + 1, _json(value, "value"), time.time()],
+                [name, latest + 1, text, time.time()],
             )
+            if keep is not None:
+                self._exec(
+                    conn, "DELETE FROM resources WHERE name = ? AND version <= ?", [name, latest + 1 - keep]
+                )
         return Resource(name, latest + 1, value)
 
     def get_resource(self, name: str) -> Resource | None:

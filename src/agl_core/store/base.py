@@ -185,8 +185,9 @@ class Store(Protocol):
         """A page of the rollouts matching ``where``, newest first, starting below store order
         ``before`` (keyset paging: a page costs the same on a store of any size)."""
 
-    def put_resource(self, name: str, value: Any) -> Resource:
-        """Publish a new version of a named resource (versions count up from 1)."""
+    def put_resource(self, name: str, value: Any, *, keep: int | None = None) -> Resource:
+        """Publish a new version of a named resource (versions count up from 1); with ``keep``, only the
+        latest ``keep`` versions are kept (older ones are deleted in the same transaction)."""
 
     def get_resource(self, name: str) -> Resource | None: ...
 

@@ -140,10 +140,9 @@ def _ids_call(path: str, rollout_ids: Sequence[str], parse: Callable[[Any], _T])
     return _Call("POST", path, {"rollout_ids": list(rollout_ids)}, parse)
 
 
-def _put_resource(name: str, value: Any) -> _Call[Resource]:
-    return _Call(
-        "PUT", f"/api/resources/{name}", {"value": value}, lambda d: wire.resource_from_json(d["resource"])
-    )
+def _put_resource(name: str, value: Any, keep: int | None) -> _Call[Resource]:
+    body = {"value": value} if keep is None else {"value": value, "keep": keep}
+    return _Call("PUT", f"/api/resources/{name}", body, lambda d: wire.resource_from_json(d["resource"]))
 
 
 def _get_resource(name: str) -> _Call[Resource]:
@@ -293,8 +292,8 @@ class StoreClient:
                 return rollouts
             time.sleep(poll_s)
 
-    def put_resource(self, name: str, value: Any) -> Resource:
-        return self._run(_put_resource(name, value))
+    def put_resource(self, name: str, value: Any, *, keep: int | None = None) -> Resource:
+        return self._run(_put_resource(name, value, keep))
 
     def get_resource(self, name: str) -> Resource | None:
         try:
@@ -433,8 +432,8 @@ class AsyncStoreClient:
                 return rollouts
             await asyncio.sleep(poll_s)
 
-    async def put_resource(self, name: str, value: Any) -> Resource:
-        return await self._run(_put_resource(name, value))
+    async def put_resource(self, name: str, value: Any, *, keep: int | None = None) -> Resource:
+        return await self._run(_put_resource(name, value, keep))
 
     async def get_resource(self, name: str) -> Resource | None:
         try:

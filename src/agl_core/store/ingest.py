@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from ..pipeline.rewards import DEFAULT_REWARD_RANGE, RewardRange
 from .base import StoreError, StoreUnavailableError
 from .formats.otlp import ParsedBatch, decode_json, decode_protobuf, extract_rows
 from .redact import Redactor
@@ -49,20 +50,24 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
-def _parse(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBatch:
+def _parse(
+    body: bytes, json_body: bool, redactor: Redactor | None, rewards: RewardRange = DEFAULT_REWARD_RANGE
+) -> ParsedBatch:
     if json_body:
-        return extract_rows(decode_json(body), redactor)
-    return extract_rows(decode_protobuf(body), redactor, raw=body)
+        return extract_rows(decode_json(body), redactor, rewards=rewards)
+    return extract_rows(decode_protobuf(body), redactor, raw=body, rewards=rewards)
 
 
-def _parse_elsewhere(body: bytes, json_body: bool, redactor: Redactor | None) -> ParsedBatch:
+def _parse_elsewhere(
+    body: bytes, json_body: bool, redactor: Redactor | None, rewards: RewardRange
+) -> ParsedBatch:
     """:func:`_parse` in a parse worker: a span kept as the bytes it arrived as comes back as its place
     in ``body`` (which the store process still holds), not as a copy sent back over the pipe (on two
     cores that took ingest from 72-74k to 79k spans/s, bench/RESULTS.md); :func:`_with_bodies` puts the
     bytes back."""
     if json_body:
-        return extract_rows(decode_json(body), redactor)
-    return extract_rows(decode_protobuf(body), redactor, raw=body, offsets=True)
+        return extract_rows(decode_json(body), redactor, rewards=rewards)
+    return extract_rows(decode_protobuf(body), redactor, raw=body, offsets=True, rewards=rewards)
 
 
 def _with_bodies(batch: ParsedBatch, body: bytes) -> ParsedBatch:
@@ -91,12 +96,12 @@ _worker_stores: dict[tuple[str, str], Any] = {}
 
 
 def _write_elsewhere(
-    body: bytes, json_body: bool, redactor: Redactor | None, target: tuple[str, str]
+    body: bytes, json_body: bool, redactor: Redactor | None, rewards: RewardRange, target: tuple[str, str]
 ) -> Ingested:
     """In a worker process: decode ``body`` and commit its spans into the SQLite file ``target``
     (path, synchronous), taking turns with the store process and the other workers
     (:meth:`SqliteStore.share_writes`). Any failure to write comes back as a :class:`StoreError`."""
-    batch = _parse(body, json_body, redactor)
+    batch = _parse(body, json_body, redactor, rewards)
     if batch.rows:
         try:
             store = _worker_stores.get(target)
@@ -137,6 +142,7 @@ class IngestPipeline:
         store: Any,
         *,
         redactor: Redactor | None = None,
+        reward_range: RewardRange = DEFAULT_REWARD_RANGE,
         max_pending_spans: int = 200_000,
         max_commit_spans: int = 20_000,
         parse_workers: int = 0,
@@ -149,6 +155,8 @@ class IngestPipeline:
             raise ValueError("parse_workers must be >= 0")
         self.store = store
         self.redactor = redactor if redactor else None
+        #: ``agl.reward`` spans whose value lies outside it are refused (OTLP partial success).
+        self.reward_range = reward_range
         self.parse_workers = parse_workers
         # Workers that write what they decode (a SQLite store): the rows never cross back to this
         # process, and two workers decode and write at once, taking turns only on the write itself.
@@ -186,7 +194,7 @@ class IngestPipeline:
 
     def parse(self, body: bytes, *, json_body: bool = False) -> ParsedBatch:
         """Decode and validate a request body (raises ``OtlpDecodeError``) in the calling thread."""
-        return _parse(body, json_body, self.redactor)
+        return _parse(body, json_body, self.redactor, self.reward_range)
 
     def parse_admitted(self, body: bytes, *, json_body: bool = False) -> ParsedBatch:
         """:meth:`parse` in the calling thread, within the write backlog and decode budget: refused with
@@ -237,7 +245,7 @@ class IngestPipeline:
             finally:
                 self._release(size)
             return done
-        inner = self._ship(pool, size, _parse_elsewhere, body, json_body, self.redactor)
+        inner = self._ship(pool, size, _parse_elsewhere, body, json_body, self.redactor, self.reward_range)
         return self._answered(inner, size, lambda parsed: _with_bodies(parsed, body))
 
     def _answered(self, inner: Future[Any], size: int, result: Callable[[Any], Any]) -> Future[Any]:
@@ -272,7 +280,9 @@ class IngestPipeline:
         if pool is None or target is None or size < _SHIP_BYTES:
             return self._then(self.parse_async(body, json_body=json_body), self.write_async)
         self.admit(size)
-        inner = self._ship(pool, size, _write_elsewhere, body, json_body, self.redactor, target)
+        inner = self._ship(
+            pool, size, _write_elsewhere, body, json_body, self.redactor, self.reward_range, target
+        )
         return self._answered(inner, size, self._written_elsewhere)
 
     def _written_elsewhere(self, ingested: Ingested) -> Ingested:

@@ -189,6 +189,8 @@ class _SpanQueryIn(_Strict):
 
 class _ResourceIn(_Strict):
     value: Any
+    #: Keep only this many latest versions of the resource (older ones are deleted); unset: all.
+    keep: int | None = pydantic.Field(None, ge=1, le=1_000_000)
 
 
 class _RewardIn(_Strict):
@@ -533,6 +535,9 @@ class _StoreAPI:
                 reward = Reward.from_json(item.model_dump())
             except ValueError as exc:
                 raise _HttpError(400, f"invalid request body: rewards.{n}.{exc}") from None
+            problem = self.ingest.reward_range.problem(reward.value)
+            if problem:
+                raise _HttpError(400, f"invalid request body: rewards.{n}.value: {problem}")
             if self.clean is not None:  # ids are never redacted; the name and source are
                 kept = self.clean.redact_json(
                     {semconv.REWARD_NAME: reward.name, semconv.REWARD_SOURCE: reward.source}
@@ -552,7 +557,9 @@ class _StoreAPI:
         name = _path_id(request, "name")
         if request.method == "PUT":
             body = await _json_body(request, _ResourceIn)
-            published = await run_in_threadpool(self.store.put_resource, name, self.redacted(body.value))
+            published = await run_in_threadpool(
+                lambda: self.store.put_resource(name, self.redacted(body.value), keep=body.keep)
+            )
             return JSONResponse({"resource": wire.resource_to_json(published)})
         found = await run_in_threadpool(self.store.get_resource, name)
         if found is None:

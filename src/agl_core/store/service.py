@@ -8,6 +8,7 @@ import logging
 import threading
 from typing import Any
 
+from ..pipeline.rewards import DEFAULT_REWARD_RANGE, RewardRange
 from ..server import BackgroundServer
 from ._grpc import start_grpc_server
 from ._loose import LooseSpans
@@ -76,13 +77,17 @@ class StoreService:
         maintenance_interval_s: float = 5.0,
         parse_workers: int = 0,
         group_wait_s: float | None = None,
+        reward_range: RewardRange = DEFAULT_REWARD_RANGE,
     ) -> None:
         self.store = store
+        if isinstance(store, SqlStore):  # late rewards written through the store's own API
+            store.reward_range = reward_range
         self.token = token
         self.retention = retention
         self.pipeline = IngestPipeline(
             store,
             redactor=redactor,
+            reward_range=reward_range,
             max_pending_spans=max_pending_spans,
             parse_workers=parse_workers,
             workers_write=isinstance(store, SqliteStore),

@@ -3,7 +3,6 @@ gated, where a promoted version is published, and when a live version is rolled 
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 import pydantic
@@ -43,8 +42,19 @@ class GatewayTargetConfig(_Strict):
 
     @pydantic.model_validator(mode="after")
     def _token_off_loopback(self) -> GatewayTargetConfig:
-        host = re.sub(r"^https?://", "", self.url).split("/")[0].rsplit(":", 1)[0].strip("[]")
-        if self.admin_token_env is None and host not in ("127.0.0.1", "localhost", "::1"):
+        import httpx
+
+        # the host as the HTTP client that publishes will connect to it (not as a regex reads the text)
+        try:
+            parsed = httpx.URL(self.url)
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"gateway url {self.url!r} is not a valid URL: {exc}") from None
+        if parsed.userinfo:
+            raise ValueError(
+                f"gateway url {self.url!r} holds user info before an '@' (it would connect to"
+                f" {parsed.host}); give http://host:port, and the admin token with admin_token_env"
+            )
+        if self.admin_token_env is None and parsed.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(
                 f"gateway {self.url} is not on loopback: name the environment variable holding its admin"
                 " token (admin_token_env: AGL_GATEWAY_ADMIN_TOKEN), the token it was started with"
@@ -62,6 +72,16 @@ class RollbackConfig(_Strict):
     min_sessions: int = pydantic.Field(20, ge=2)
     #: ... by more than this many standard errors of the difference of the two means.
     k_se: _FiniteFloat = pydantic.Field(2.0, gt=0.0)
+    #: Live rewards outside [low, high] (and NaN or infinities) are left out of the comparison, and
+    #: counted in the status: one absurd value must not decide a rollback.
+    reward_range: tuple[_FiniteFloat, _FiniteFloat] = (-1e6, 1e6)
+
+    @pydantic.model_validator(mode="after")
+    def _range_ordered(self) -> RollbackConfig:
+        low, high = self.reward_range
+        if not low < high:
+            raise ValueError(f"rollback.reward_range [{low:g}, {high:g}]: give [low, high] with low < high")
+        return self
 
 
 class ImproveConfig(_Strict):

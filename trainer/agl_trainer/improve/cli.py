@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any
 
+from agl_core.settings import masked_url
+
 from ..config import ConfigError, TrainerConfig, add_override_argument, load_config
 
 __all__ = ["IMPROVE_COMMAND"]
@@ -42,7 +44,7 @@ def _run(config: TrainerConfig) -> int:
             service = ImproveService(config, echo=lambda line: print(line, flush=True))
             service.run()
         except (ImproveError, StateError) as exc:
-            print(f"agl improve: {exc}", file=sys.stderr)
+            print(masked_url(f"agl improve: {exc}"), file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             how = 143 if received and received[-1] == 15 else 130
@@ -71,42 +73,44 @@ def _status(config: TrainerConfig, as_json: bool) -> int:
             lineage = read_lineage(config.traces.store, config.improve.name)
         except Exception as exc:
             print(
-                f"agl improve status: no state in {config.output_dir}, and the store: {exc}", file=sys.stderr
+                masked_url(f"agl improve status: no state in {config.output_dir}, and the store: {exc}"),
+                file=sys.stderr,
             )
             return 1
         if lineage is None:
             print(
                 f"agl improve status: service {config.improve.name!r} has not run: no {source}, no lineage in"
-                f" {config.traces.store}; start it with: agl improve CONFIG",
+                f" {masked_url(config.traces.store)}; start it with: agl improve CONFIG",
                 file=sys.stderr,
             )
             return 1
         lineage.setdefault("consumed", [])
         lineage.pop("consumed_count", None)
         state = ImproveState.from_json(lineage)
-        source = f"the store {config.traces.store}"
-    live = _live_rewards(config)
+        source = f"the store {masked_url(config.traces.store)}"
+    live, ignored = _live_rewards(config)
     if as_json:
         data: dict[str, Any] = state.to_json(with_consumed=False)
         data["live_rewards"] = {str(k): v for k, v in (live or {}).items()}
+        data["live_rewards_left_out"] = {str(k): n for k, n in ignored.items()}
         print(json.dumps(data, indent=2, default=str))
         return 0
     print(f"(from {source})")
-    for line in status_lines(state, live):
+    for line in status_lines(state, live, ignored):
         print(line)
     return 0
 
 
-def _live_rewards(config: TrainerConfig) -> dict[int, list[float]] | None:
+def _live_rewards(config: TrainerConfig) -> tuple[dict[int, list[float]] | None, dict[int, int]]:
     from .watch import StoreWatcher
 
-    assert config.traces is not None
+    assert config.traces is not None and config.improve is not None
     watcher = StoreWatcher(config.traces)
     try:
         watcher.refresh()
-        return watcher.live_rewards()
+        return watcher.live_rewards(config.improve.rollback.reward_range), watcher.ignored_rewards
     except Exception:
-        return None  # the store is down: status shows what the state knows
+        return None, {}  # the store is down: status shows what the state knows
     finally:
         watcher.close()
 
@@ -128,7 +132,24 @@ def _rollback(config: TrainerConfig, version: str) -> int:
     except (ImproveError, StateError) as exc:
         print(f"agl improve rollback: {exc}", file=sys.stderr)
         return 2
-    print(f"v{state.serving} serves")
+    assert config.improve is not None
+    labels = [g.label for g in config.improve.gateways]
+    missing = [
+        f"{label} ({t.state}{': ' + t.message if t.message else ''})"
+        if t is not None
+        else f"{label} (not asked)"
+        for label in labels
+        for t in [state.targets.get(label)]
+        if t is None or t.state != "ok" or t.serving != state.serving
+    ]
+    if missing:
+        print(
+            f"v{state.serving} is the serving version, but not every gateway serves it: {'; '.join(missing)}."
+            " (a gateway that is down gets it when it answers; one that refused it is not sent it again)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"v{state.serving} serves" + (f" on {', '.join(labels)}" if labels else " (no gateway configured)"))
     return 0
 
 
@@ -169,7 +190,7 @@ class _ImproveCommand:
         try:
             config = _load(path, args.overrides)
         except ConfigError as exc:
-            print(f"agl improve: {exc}", file=sys.stderr)
+            print(masked_url(f"agl improve: {exc}"), file=sys.stderr)
             return 2
         if verb == "status":
             return _status(config, args.json)

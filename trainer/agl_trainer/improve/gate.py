@@ -27,9 +27,30 @@ def gate_decision(
     of 0 (every task changed by the same amount) a negative change is refused and, with ``min_gain_se``, so
     is no change.
     """
-    common = sorted(set(serving) & set(candidate))
+    both = sorted(set(serving) & set(candidate))
+    # a score that is not a finite number (a scorer's NaN) says nothing about the task: left out, counted
+    common = [t for t in both if math.isfinite(serving[t]) and math.isfinite(candidate[t])]
+    left_out = len(both) - len(common)
     if not common:
-        return GateRecord("refused", "no held-out task was scored for both versions", seconds=seconds)
+        return GateRecord(
+            "refused",
+            "no held-out task was scored for both versions"
+            + (f" with finite scores ({left_out} scored NaN or infinite)" if left_out else ""),
+            seconds=seconds,
+        )
+    record = _decide(gate, serving, candidate, common, seconds)
+    if left_out:
+        record.reason += f"; {left_out} tasks left out (a score was NaN or infinite)"
+    return record
+
+
+def _decide(
+    gate: GateConfig,
+    serving: Mapping[str, float],
+    candidate: Mapping[str, float],
+    common: list[str],
+    seconds: float,
+) -> GateRecord:
     diffs = [candidate[t] - serving[t] for t in common]
     change, se = mean_se(diffs)
     base_mean = sum(serving[t] for t in common) / len(common)

@@ -11,6 +11,7 @@ with.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -21,6 +22,11 @@ from ..config import GatewayTargetConfig
 __all__ = ["PublishResult", "publish_version", "served_version"]
 
 _TIMEOUT = httpx.Timeout(10.0, read=300.0)  # loading an adapter can take a while on a busy machine
+#: Asking which version a gateway serves is quick for a gateway that works: one that does not answer in
+#: this long is recorded as down (and asked again at the next look), and the other gateways are served on.
+_ASK_TIMEOUT = httpx.Timeout(5.0)
+#: The most of a gateway's answer that is read.
+_MAX_ANSWER = 65_536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,26 +51,46 @@ def _policy_url(target: GatewayTargetConfig) -> str:
     return target.url.rstrip("/") + "/agl/v1/policy"
 
 
-def _message(response: httpx.Response) -> str:
+def _json(response: httpx.Response) -> object:
+    """The answer's JSON, or ``None`` when it is not JSON (not UTF-8, nested too deeply, too long)."""
+    if len(response.content) > _MAX_ANSWER:
+        return None
     try:
-        body = response.json()
+        return json.loads(response.content.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+
+
+def _message(response: httpx.Response) -> str:
+    body = _json(response)
+    if body is None:
+        text = response.content[:300].decode("utf-8", "replace")
+    else:
         error = body.get("error", body) if isinstance(body, dict) else body
-        text = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-    except ValueError:
-        text = response.text[:500]
+        text = str(error.get("message", error) if isinstance(error, dict) else error)[:500]
     return f"HTTP {response.status_code}: {text}"
 
 
 def served_version(target: GatewayTargetConfig) -> PublishResult:
-    """The version ``target`` serves now (``ok``), or ``down`` with why it could not be asked."""
+    """The version ``target`` serves now (``ok``), or ``down`` with why it could not be asked: it could not
+    be reached in :data:`_ASK_TIMEOUT`, or it answered something other than agl's policy document."""
     try:
-        response = httpx.get(_policy_url(target), timeout=_TIMEOUT)
+        response = httpx.get(_policy_url(target), timeout=_ASK_TIMEOUT)
     except httpx.HTTPError as exc:
         return PublishResult("down", f"cannot reach {target.url}: {exc or type(exc).__name__}")
     if response.status_code != 200:
         return PublishResult("down", f"{target.url} answered {_message(response)}")
-    version = response.json().get("policy_version")
-    return PublishResult("ok", "", version if isinstance(version, int) else None)
+    body = _json(response)
+    version = body.get("policy_version", False) if isinstance(body, dict) else False
+    # null: a gateway whose backend has no versions (it refuses a publish, with its reason)
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        shown = response.content[:120].decode("utf-8", "replace")
+        return PublishResult(
+            "down",
+            f"{target.url} answered GET /agl/v1/policy with {shown!r}, not agl's policy document"
+            ' ({"policy_version": N, ...}); is it an agl gateway?',
+        )
+    return PublishResult("ok", "", version)
 
 
 def publish_version(

@@ -67,6 +67,22 @@ class TrainerRoundWork:
             raise RuntimeError(f"the round in {round_dir} saved no LoRA adapter (is model.lora set?)")
         return adapter
 
+    def check_held_out(self) -> int:
+        """Read the held-out tasks the gate scores on, before any round trains: a missing or malformed
+        task file is found at the start, not after a round's training. How many tasks there are; raises
+        ``ValueError`` (a ``DatasetError``) saying what is wrong."""
+        from ..run.data import load_splits
+
+        if self.config.tasks is None:
+            raise ValueError("the gate scores the held-out tasks of tasks.val, and the config has no tasks:")
+        held_out = load_splits(self.config.tasks)[1]
+        if not held_out:
+            raise ValueError(
+                "the gate scores the held-out tasks, and the config has none (set tasks.val or"
+                " tasks.val_fraction)"
+            )
+        return len(held_out)
+
     def score(self, candidate: Path, serving: Path | None) -> tuple[dict[str, float], dict[str, float]]:
         from ..evaluate import evaluate
 

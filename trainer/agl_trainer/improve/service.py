@@ -30,7 +30,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ..config import GatewayTargetConfig, ImproveConfig, TrainerConfig
+from agl_core.settings import masked_url
+
+from ..config import GateConfig, GatewayTargetConfig, ImproveConfig, TrainerConfig
 from .gate import compare_live, gate_decision
 from .publish import PublishResult, publish_version
 from .rounds import RoundWork, TrainerRoundWork, copy_adapter
@@ -53,6 +55,8 @@ LOCK_FILE = "improve.lock"
 ROLLBACK_FILE = "improve.rollback.json"
 #: At most this often is a changed "waiting" line mirrored to the store (every other change at once).
 _MIRROR_WAITING_S = 30.0
+#: Versions of the lineage resource the store keeps (each change writes one; older ones are deleted).
+LINEAGE_VERSIONS = 200
 
 
 class ImproveError(ValueError):
@@ -63,8 +67,14 @@ class ImproveError(ValueError):
 def service_lock(out: Path, *, wait: bool = False) -> Iterator[IO[str] | None]:
     """Hold ``OUTPUT_DIR/improve.lock`` (one service per output folder); yields ``None`` when another
     process holds it and ``wait`` is false."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / LOCK_FILE, "a+")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / LOCK_FILE, "a+")  # noqa: SIM115  # held until the service stops
+    except OSError as exc:
+        raise ImproveError(
+            f"cannot open the lock file {out / LOCK_FILE} ({exc.strerror or exc}); it must be a file this"
+            " user can write (move away what is there)"
+        ) from None
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -100,11 +110,17 @@ class ImproveService:
         self.watcher = StoreWatcher(
             config.traces, timed_out_too=config.algorithm.rewards.timeout_episode_reward is not None
         )
+        if isinstance(self.work, TrainerRoundWork) and isinstance(self.improve.gate, GateConfig):
+            try:
+                self.work.check_held_out()
+            except ValueError as exc:
+                raise ImproveError(f"the held-out gate cannot run: {exc}") from None
         self.out.mkdir(parents=True, exist_ok=True)
         self.state_path = self.out / STATE_FILE
         loaded = ImproveState.load(self.state_path, self.improve.name)
         self.state = loaded or ImproveState.new(self.improve.name, self._initial_adapter())
         self._mirrored_at = 0.0
+        self._mirrored_text = ""
         self._mirror_failed = False
         self._mirror_due = loaded is None
         self._last_round_at = time.time()
@@ -191,10 +207,12 @@ class ImproveService:
         try:
             self.watcher.refresh()
         except Exception as exc:  # the store is down or refusing: wait, say so, lose nothing
-            why = f"waiting for the store {self.config.traces.store if self.config.traces else ''}: {exc}"
+            store = self.config.traces.store if self.config.traces else ""
+            # a PostgreSQL URL's password never reaches the state, the lineage or the log
+            why = masked_url(f"waiting for the store {store}: {exc}")
             if self.state.waiting != why:
                 self.echo(why)
-                self.state.event("store_down", str(exc))
+                self.state.event("store_down", masked_url(str(exc)))
             self.state.waiting = why
             self._save()
             return False
@@ -208,19 +226,28 @@ class ImproveService:
             self._mirror()
 
     def _mirror(self) -> None:
-        """The lineage in the store (a new version of the resource); retried at the next save if the
-        store cannot take it now."""
+        """The lineage in the store (a new version of the resource, the latest :data:`LINEAGE_VERSIONS`
+        kept), written only when it changed; retried at the next save if the store cannot take it now."""
+        document = self.state.to_json(with_consumed=False)
+        compared = json.dumps(
+            {k: v for k, v in document.items() if k != "updated_at"}, sort_keys=True, default=str
+        )
+        if compared == self._mirrored_text:
+            self._mirror_due = False
+            self._mirrored_at = time.time()
+            return
         try:
             backend = self.watcher.backend()
-            backend.put_resource(lineage_resource(self.improve.name), self.state.to_json(with_consumed=False))
+            backend.put_resource(lineage_resource(self.improve.name), document, keep=LINEAGE_VERSIONS)
         except Exception as exc:
             if not self._mirror_failed:
-                self.echo(f"lineage not written to the store yet ({exc}); retrying at each look")
+                self.echo(masked_url(f"lineage not written to the store yet ({exc}); retrying at each look"))
             self._mirror_failed = True
             return
         self._mirror_failed = False
         self._mirror_due = False
         self._mirrored_at = time.time()
+        self._mirrored_text = compared
 
     # -- rounds ----------------------------------------------------------------------------------------
 
@@ -318,7 +345,8 @@ class ImproveService:
 
     def _close_round(self, pending: RoundInProgress, version: Version | None, reason: str) -> None:
         state = self.state
-        state.consumed.extend(r for r in pending.rollouts if r not in set(state.consumed))
+        already = set(state.consumed)  # once: a set built per rollout made a round quadratic
+        state.consumed.extend(r for r in dict.fromkeys(pending.rollouts) if r not in already)
         state.pending = None
         self._last_round_at = time.time()
         self._last_progress = time.monotonic()
@@ -427,7 +455,7 @@ class ImproveService:
             return
         if current.status != "serving" or (current.note or "").startswith("serving again"):
             return  # only a version a round promoted, never one a rollback brought back
-        live = self.watcher.live_rewards()
+        live = self.watcher.live_rewards(rollback.reward_range)
         worse, comparison = compare_live(
             live.get(current.version, []),
             live.get(current.parent, []),
@@ -435,7 +463,12 @@ class ImproveService:
             k_se=rollback.k_se,
         )
         if worse:
-            why = f"automatic rollback: {comparison.describe()}, below -{rollback.k_se:g} SE"
+            ignored = sum(self.watcher.ignored_rewards.get(v, 0) for v in (current.version, current.parent))
+            why = f"automatic rollback: {comparison.describe()}, below -{rollback.k_se:g} SE" + (
+                f" ({ignored} rewards left out: not finite, or outside rollback.reward_range)"
+                if ignored
+                else ""
+            )
             self.roll_back(current.parent, why)
 
     def roll_back(self, number: int, why: str) -> None:
@@ -465,8 +498,14 @@ class ImproveService:
             return
         try:
             asked = json.loads(request.read_text())
-            self.roll_back(int(asked["version"]), str(asked.get("why") or "rolled back by hand"))
-        except (KeyError, ValueError, TypeError) as exc:
+            version = asked.get("version") if isinstance(asked, dict) else None
+            if isinstance(version, bool) or not isinstance(version, int):
+                raise ValueError(
+                    f'{request.name} must be a JSON object with an integer version ({{"version": 2}}),'
+                    f" got {str(asked)[:80]}"
+                )
+            self.roll_back(version, str(asked.get("why") or "rolled back by hand")[:500])
+        except (KeyError, ValueError, TypeError, OSError, RecursionError) as exc:
             message = exc.args[0] if exc.args else str(exc)
             self.state.event("rollback_refused", f"rollback request refused: {message}")
             self.echo(f"rollback request refused: {message}")
@@ -526,9 +565,14 @@ def _fmt(value: float | None, pattern: str = "{:.3f}") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else pattern.format(value)
 
 
-def status_lines(state: ImproveState, live: dict[int, list[float]] | None = None) -> list[str]:
+def status_lines(
+    state: ImproveState,
+    live: dict[int, list[float]] | None = None,
+    ignored: dict[int, int] | None = None,
+) -> list[str]:
     """``agl improve status``: the serving version, what the service waits for, each version's lineage
-    and gate numbers, each gateway, the latest events."""
+    and gate numbers (``live``: its live rewards; ``ignored``: how many were left out), each gateway, the
+    latest events."""
     from ..reporting.results import mean_se
 
     lines = [
@@ -556,6 +600,9 @@ def status_lines(state: ImproveState, live: dict[int, list[float]] | None = None
         if rewards:
             mean, se = mean_se(rewards)
             live_text = f"; live {mean:.3f} ± {se:.3f} over {len(rewards)} sessions"
+        left_out = (ignored or {}).get(v.version, 0)
+        if left_out:
+            live_text += f" ({left_out} rewards left out: not finite, or outside rollback.reward_range)"
         where = ", ".join(sorted(v.published)) or "-"
         lines.append(
             f"  v{v.version} {v.status}"

@@ -128,12 +128,16 @@ class ImproveState:
     @classmethod
     def load(cls, path: Path, name: str) -> ImproveState | None:
         """The state at ``path``, or ``None`` when there is none yet."""
-        if not path.is_file():
+        if not path.exists():
             return None
+        if not path.is_file():
+            raise StateError(f"{path} is not a file; move it away (the lineage in the store is kept)")
         try:
             data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"a JSON object was expected, got {type(data).__name__}")
             state = cls.from_json(data)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise StateError(
                 f"{path} is not a readable agl improve state ({exc}); move it away to start over (the"
                 " lineage in the store is kept)"
@@ -153,6 +157,12 @@ class ImproveState:
             versions.append(Version(**{**v, "gate": gate}))
         pending = RoundInProgress(**data["pending"]) if data.get("pending") else None
         targets = {k: TargetStatus(**t) for k, t in data.get("targets", {}).items()}
+        if not versions or not all(type(v.version) is int and isinstance(v.status, str) for v in versions):
+            raise ValueError("'versions' must list at least one version, each with an integer 'version'")
+        if not isinstance(data["name"], str):
+            raise ValueError("'name' must be a string")
+        if int(data["serving"]) not in {v.version for v in versions}:
+            raise ValueError(f"'serving' names v{data['serving']}, which 'versions' does not hold")
         return cls(
             data["name"],
             versions,

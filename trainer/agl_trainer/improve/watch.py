@@ -7,6 +7,7 @@ Late rewards are spans too, so a rollout rewarded after the last look arrives wi
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -37,6 +38,8 @@ class StoreWatcher:
         self.records: dict[str, Rollout] = {}
         self._cursor = 0
         self._backend: Any = None
+        #: Version -> live rewards :meth:`live_rewards` left out (not finite, or outside the range).
+        self.ignored_rewards: dict[int, int] = {}
 
     def backend(self) -> Any:
         """The store's client (opened on first use; reopened after a failed look)."""
@@ -88,12 +91,16 @@ class StoreWatcher:
             wanted = wanted.model_copy(update={"reward_min": None})
         traces = self.traces.model_copy(update={"filter": wanted})
         chosen = select(traces, self.spans, self.records, timed_out_too=self.timed_out_too)
+        # only rollouts the store holds a record of: spans can name any rollout id
+        known = tuple(r for r in chosen.rollouts if r.rollout_id in self.records)
+        narrowing = (*chosen.narrowing, ("known to the store", len(known)))
         skip = set(exclude)
-        if not skip:
-            return chosen
-        kept = tuple(r for r in chosen.rollouts if r.rollout_id not in skip)
-        narrowing = (*chosen.narrowing, ("not trained on by an earlier round", len(kept)))
-        return Selection(kept, chosen.spans, chosen.total, narrowing)
+        kept = tuple(r for r in known if r.rollout_id not in skip)
+        if skip:
+            narrowing = (*narrowing, ("not trained on by an earlier round", len(kept)))
+        ids = {r.rollout_id for r in kept}
+        spans = tuple(s for s in chosen.spans if s.rollout_id in ids)
+        return Selection(kept, spans, chosen.total, narrowing)
 
     def versions_of_rollouts(self) -> dict[str, set[int]]:
         """Rollout id -> the policy versions that served its gateway calls."""
@@ -106,17 +113,27 @@ class StoreWatcher:
                 versions[span.rollout_id].add(version)
         return dict(versions)
 
-    def live_rewards(self) -> dict[int, list[float]]:
+    def live_rewards(
+        self, reward_range: tuple[float, float] = (-math.inf, math.inf)
+    ) -> dict[int, list[float]]:
         """Policy version -> the episode rewards of the rollouts the filter matches (whatever their reward)
         whose every gateway call that version served (a session served by two versions counts for
-        neither)."""
+        neither). A reward that is not a finite number within ``reward_range`` is left out, and counted
+        in :attr:`ignored_rewards` (version -> how many)."""
         versions = self.versions_of_rollouts()
         matched = {r.rollout_id for r in self.selection(any_reward=True).rollouts}
+        low, high = reward_range
         out: dict[int, list[float]] = defaultdict(list)
+        ignored: dict[int, int] = defaultdict(int)
         for rollout, reward in episode_rewards(self.spans).items():
             served = versions.get(rollout)
             if rollout in matched and served is not None and len(served) == 1:
-                out[next(iter(served))].append(reward)
+                version = next(iter(served))
+                if low <= reward <= high:  # NaN and the infinities fail too
+                    out[version].append(reward)
+                else:
+                    ignored[version] += 1
+        self.ignored_rewards = dict(ignored)
         return dict(out)
 
     def calls_by_version(self) -> list[tuple[int, int]]:

@@ -27,7 +27,8 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
     mean = sum(values) / n
     if n < 2:
         return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    # (v - mean) * (v - mean): a huge value gives inf, where ** 2 raises OverflowError
+    var = sum((v - mean) * (v - mean) for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
 
 

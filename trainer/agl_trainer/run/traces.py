@@ -182,8 +182,12 @@ def select(
             last = record.attempts[-1].attempt_id
             by_rollout[rollout_id] = [s for s in group if s.attempt_id is None or s.attempt_id == last]
     rewards = episode_rewards(s for group in by_rollout.values() for s in group)
+    # a rollout id that only reward spans name (a reward sent over OTLP for a rollout that never ran) is
+    # no rollout: nothing to train on, and no session anyone served
     rollouts = [
-        _stored(rid, group, records.get(rid), rewards.get(rid)) for rid, group in by_rollout.items() if group
+        _stored(rid, group, records.get(rid), rewards.get(rid))
+        for rid, group in by_rollout.items()
+        if any(s.name != semconv.SPAN_REWARD for s in group)
     ]
     total = len(rollouts)
     f = traces.filter

@@ -28,6 +28,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from ... import semconv
+from ...pipeline.rewards import DEFAULT_REWARD_RANGE, RewardRange
 from ...records import Span
 from ._otlp_json import build_request
 
@@ -182,6 +183,16 @@ def _span_problem(span: SpanProto) -> str:
     return problem
 
 
+def _reward_problem(span: SpanProto, rewards: RewardRange) -> str:
+    """Why the ``agl.reward`` span's value is not one the store takes ('' when it is, or has none)."""
+    for kv in span.attributes:
+        if kv.key == semconv.REWARD_VALUE:
+            kind = kv.value.WhichOneof("value")
+            if kind in ("double_value", "int_value"):
+                return rewards.problem(getattr(kv.value, kind))
+    return ""
+
+
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
@@ -285,6 +296,7 @@ def extract_rows(
     raw: bytes | None = None,
     *,
     offsets: bool = False,
+    rewards: RewardRange | None = DEFAULT_REWARD_RANGE,
 ) -> ParsedBatch:
     """Validate each span and turn it into a :class:`SpanRow`.
 
@@ -293,6 +305,7 @@ def extract_rows(
     the protobuf body ``request`` was decoded from, lets unredacted spans keep the bytes they arrived as;
     with ``offsets`` such a span's row holds, in place of those bytes, their ``(start, end)`` in ``raw``
     (for a process that sends the rows to one that holds ``raw``: not rows a store can write).
+    An ``agl.reward`` span whose value lies outside ``rewards`` (non-finite values always do) is rejected.
     """
     total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
     if total > MAX_SPANS_PER_REQUEST:
@@ -336,6 +349,12 @@ def extract_rows(
                     rejected += 1
                     first_error = first_error or f"span {span.name[:100]!r}: {_span_problem(span)}"
                     continue
+                if rewards is not None and span.name == semconv.SPAN_REWARD:
+                    problem = _reward_problem(span, rewards)
+                    if problem:
+                        rejected += 1
+                        first_error = first_error or f"span {span.name!r}: {problem}"
+                        continue
                 if where is not None:
                     start, end = where[n]
                     if offsets:
