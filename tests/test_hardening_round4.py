@@ -208,3 +208,454 @@ def test_masked_url_masks_the_password_forms():
         == "x postgresql://u@h/db?sslmode=a&password=*** y"
     )
     assert masked_url("runs/a.sqlite") == "runs/a.sqlite"
+
+
+# --- agl improve: rewards, gateways, state ----------------------------------------------------------------
+def _sessions(store, versions_and_rewards, *, legacy=()):
+    """Gateway sessions each served by one version and rated late; ``legacy``: (version, value) ratings
+    stored as an older store let them in (an OTLP reward span of any double)."""
+    from agl_core.pipeline.rewards import Reward
+    from agl_core.records import Span
+    from agl_core.store.formats.otlp import extract_rows, records_to_request
+
+    spans, rewards, raw = [], [], []
+    everything = [(v, r, False) for v, r in versions_and_rewards] + [(v, r, True) for v, r in legacy]
+    for i, (version, value, old) in enumerate(everything):
+        rid = f"imp-s-{i:04d}"
+        attrs = {
+            semconv.SOURCE: semconv.SOURCE_GATEWAY,
+            semconv.POLICY_VERSION: version,
+            semconv.ROLLOUT_ID: rid,
+        }
+        spans.append(
+            Span(f"{i + 1:032x}", f"{i + 1:016x}", None, "chat policy", 10**18 + i, 10**18 + i + 1, attrs)
+        )
+        if old:
+            reward = {semconv.ROLLOUT_ID: rid, semconv.REWARD_VALUE: value, semconv.REWARD_NAME: "episode"}
+            raw.append(
+                Span(
+                    f"{i + 1:032x}",
+                    f"{i + 7000:016x}",
+                    None,
+                    semconv.SPAN_REWARD,
+                    2 * 10**18,
+                    2 * 10**18,
+                    reward,
+                )
+            )
+        else:
+            rewards.append(Reward(f"u-{i}", value, rollout_id=rid))
+    store.add_spans(spans)
+    store.add_observed_rollouts(
+        [{"rollout_id": s.rollout_id, "metadata": {"source": "gateway"}} for s in spans]
+    )
+    store.add_rewards(rewards)
+    if raw:
+        batch = extract_rows(records_to_request(raw), rewards=None)
+        store.add_span_rows(batch.rows, batch.scopes)
+
+
+def _improve_config(tmp_path, store: str, **improve):
+    from agl_trainer.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "output_dir": str(tmp_path / "service"),
+            "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
+            "traces": {"store": store, "filter": {"source": "gateway"}},
+            "algorithm": {"name": "sft"},
+            "improve": {
+                "name": "t",
+                "gate": "none",
+                "min_new_rollouts": 1000,
+                "rollback": {"min_sessions": 20, "k_se": 2.0},
+                **improve,
+            },
+        },
+        required=(),
+    )
+
+
+def _promoted_v1(tmp_path):
+    from agl_trainer.improve.state import STATE_FILE, GateRecord, ImproveState, Version
+
+    out = tmp_path / "service"
+    out.mkdir(exist_ok=True)
+    state = ImproveState.new("t", None)
+    state.versions[0].status = "retired"
+    state.versions.append(Version(1, "serving", parent=0, round=1, gate=GateRecord("promoted", "ok")))
+    state.serving, state.rounds = 1, 1
+    state.save(out / STATE_FILE)
+    return out / STATE_FILE
+
+
+@pytest.mark.parametrize(
+    ("v1_mean", "legacy", "rolled_back"),
+    [
+        (0.7, [(1, -math.inf)], False),  # one -inf among equal ratings decided a rollback
+        (0.2, [(1, math.nan), (1, math.inf)], True),  # one NaN or +inf kept a worse version
+        (0.7, [(1, 1e308), (0, -1e200)], False),  # finite but absurd: crashed the service and status
+    ],
+)
+def test_one_bad_rating_never_decides_a_rollback(tmp_path, v1_mean, legacy, rolled_back):
+    from agl_core.store import open_store
+    from agl_trainer.improve.service import ImproveService, status_lines
+    from agl_trainer.improve.state import ImproveState
+
+    db = tmp_path / "prod.sqlite"
+    store = open_store(str(db))
+    good_v1 = round(v1_mean * 10)
+    ratings = [(0, float(i % 10 < 7)) for i in range(30)] + [(1, float(i % 10 < good_v1)) for i in range(30)]
+    _sessions(store, ratings, legacy=legacy)
+    store.close()
+    state_file = _promoted_v1(tmp_path)
+    lines: list[str] = []
+    service = ImproveService(_improve_config(tmp_path, str(db)), echo=lines.append)
+    service.tick()
+    live = service.watcher.live_rewards(service.improve.rollback.reward_range)
+    ignored = dict(service.watcher.ignored_rewards)
+    service.watcher.close()
+    after = ImproveState.load(state_file, "t")
+    assert after is not None and after.serving == (0 if rolled_back else 1), lines
+    assert len(live[1]) == 30 and len(live[0]) == 30
+    finite_legacy = [v for _, v in legacy if math.isfinite(v)]
+    assert sum(ignored.values()) == len(finite_legacy)  # non-finite ones never read back as numbers
+    text = "\n".join(status_lines(after, live, ignored))
+    if finite_legacy:
+        assert "rewards left out: not finite, or outside rollback.reward_range" in text
+
+
+def test_reward_spans_for_rollouts_the_store_does_not_know_never_count(tmp_path):
+    from agl_core.records import Span
+    from agl_core.store import open_store
+    from agl_trainer.improve.service import ImproveService
+
+    db = tmp_path / "prod.sqlite"
+    store = open_store(str(db))
+    _sessions(store, [(0, 1.0)] * 12)
+    ghosts = [
+        Span(
+            f"{900 + i:032x}",
+            f"{900 + i:016x}",
+            None,
+            semconv.SPAN_REWARD,
+            1,
+            2,
+            {semconv.ROLLOUT_ID: f"ghost-{i}", semconv.REWARD_VALUE: 1.0, semconv.REWARD_NAME: "episode"},
+        )
+        for i in range(8)
+    ]
+    store.add_spans(ghosts)  # what OTLP accepts: reward spans naming rollouts that never ran
+    store.close()
+    service = ImproveService(_improve_config(tmp_path, str(db), min_new_rollouts=20), echo=lambda _: None)
+    try:
+        service.watcher.refresh()
+        new, described = service._new_rollouts()
+        assert len(new) == 12 and not any(r.startswith("ghost") for r in new), described
+        assert not service._round_due()
+        assert "12 of 20 new rewarded rollouts" in service.state.waiting
+    finally:
+        service.watcher.close()
+
+
+def test_the_store_refuses_absurd_rewards_at_every_door(store_server, client):
+    from agl_core.pipeline.rewards import Reward
+    from agl_core.store import StoreError
+
+    client.enqueue_rollouts([{"task_id": "t", "rollout_id": "ro-1"}])
+    r = httpx.post(
+        store_server.url + "/api/rewards",
+        json={"rewards": [{"reward_id": "a", "value": 1e308, "rollout_id": "ro-1"}]},
+    )
+    assert r.status_code == 400 and "rewards.0.value" in r.json()["error"]["message"]
+    with pytest.raises(StoreError, match="outside the accepted range"):
+        client.add_rewards([Reward("x", -2e6, rollout_id="ro-1")])
+    request = ExportTraceServiceRequest()
+    spans = request.resource_spans.add().scope_spans.add()
+    for n, value in enumerate([1e308, math.inf, math.nan, 0.5], start=1):
+        span = spans.spans.add(trace_id=bytes([n]) * 16, span_id=bytes([n]) * 8, name=semconv.SPAN_REWARD)
+        span.attributes.add(key=semconv.ROLLOUT_ID).value.string_value = "ro-1"
+        span.attributes.add(key=semconv.REWARD_VALUE).value.double_value = value
+    r = httpx.post(
+        store_server.url + "/v1/traces",
+        content=json.dumps(
+            {
+                "resourceSpans": [
+                    {
+                        "scopeSpans": [
+                            {
+                                "spans": [
+                                    {
+                                        "traceId": "05" * 16,
+                                        "spanId": "05" * 8,
+                                        "name": semconv.SPAN_REWARD,
+                                        "attributes": [
+                                            {"key": semconv.REWARD_VALUE, "value": {"intValue": str(10**18)}}
+                                        ],
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                ]
+            }
+        ),
+        headers={"content-type": "application/json"},
+    )
+    assert r.json()["partialSuccess"]["rejectedSpans"] == "1"
+    from agl_core.store.formats.otlp import decode_protobuf, extract_rows
+
+    batch = extract_rows(decode_protobuf(request.SerializeToString()))
+    assert batch.rejected == 3 and "outside the accepted range" in batch.error_message
+    assert len(batch.rows) == 1
+
+
+def test_agl_reward_and_store_serve_take_a_reward_range(tmp_path, capsys):
+    from agl_core.cli import main
+    from agl_core.store import SqliteStore
+
+    db = tmp_path / "s.sqlite"
+    store = SqliteStore(db)
+    store.enqueue_rollouts([{"task_id": "t", "rollout_id": "ro-1"}])
+    store.close()
+    assert main(["reward", "ro-1", "1e308", "--store", str(db)]) == 2
+    assert "outside the accepted range -1e+06 to 1e+06" in capsys.readouterr().err
+    assert main(["reward", "ro-1", "5e6", "--store", str(db), "--reward-range=-1e7:1e7"]) == 0
+    lines = tmp_path / "r.jsonl"
+    lines.write_text('{"rollout_id": "ro-1", "value": 2}\n{"rollout_id": "ro-1", "value": 1e300}\n')
+    assert main(["reward", "--file", str(lines), "--store", str(db), "--reward-range", "0:10"]) == 1
+    assert "r.jsonl:2: value: reward 1e+300 is outside" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["store", "serve", "--reward-range", "1:0"])
+    assert exit_.value.code == 2 and "MIN < MAX" in capsys.readouterr().err
+
+
+class _Answers:
+    """A fake gateway answering GET /agl/v1/policy with what a test sets (or slowly)."""
+
+    def __init__(self) -> None:
+        import time
+
+        from starlette.applications import Starlette
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        from agl_core.server import BackgroundServer
+
+        self.body, self.delay = b"", 0.0
+
+        def policy(request):
+            time.sleep(self.delay)
+            return Response(self.body, media_type="application/json")
+
+        self.server = BackgroundServer(Starlette(routes=[Route("/agl/v1/policy", policy)]))
+
+    def __enter__(self):
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.delay = 0.0
+        self.server.stop()
+
+
+def test_a_bad_or_slow_gateway_is_down_with_the_reason(tmp_path):
+    import time
+
+    from agl_trainer.config import GatewayTargetConfig
+    from agl_trainer.improve.publish import served_version
+
+    with _Answers() as fake:
+        target = GatewayTargetConfig(url=fake.server.url)
+        for body in [
+            b"hello",
+            b"[1, 2]",
+            b"[" * 100_000,
+            b"",
+            b"\xff\xfe\x00",
+            b'{"policy_version": true}',
+            b"{}",
+        ]:
+            fake.body = body
+            result = served_version(target)
+            assert result.state == "down" and "not agl's policy document" in result.message, body[:20]
+        fake.body = b'{"policy_version": 3}'
+        assert served_version(target).serving == 3
+        fake.body, fake.delay = b'{"policy_version": 3}', 8.0
+        started = time.monotonic()
+        slow = served_version(target)
+        assert slow.state == "down" and time.monotonic() - started < 7.5
+
+
+def test_a_bad_gateway_does_not_stop_the_service_serving_the_others(tmp_path):
+    from agl_core.store import open_store
+    from agl_trainer.improve.service import ImproveService
+    from agl_trainer.improve.state import ImproveState
+
+    db = tmp_path / "prod.sqlite"
+    open_store(str(db)).close()
+    with _Answers() as bad, _Answers() as good:
+        bad.body, good.body = b"[[[[", b'{"policy_version": 0}'
+        gateways = [{"url": bad.server.url, "name": "bad"}, {"url": good.server.url, "name": "good"}]
+        service = ImproveService(_improve_config(tmp_path, str(db), gateways=gateways), echo=lambda _: None)
+        service.tick()
+        service.watcher.close()
+    state = ImproveState.load(tmp_path / "service" / "improve.json", "t")
+    assert state is not None
+    assert (
+        state.targets["bad"].state == "down" and "not agl's policy document" in state.targets["bad"].message
+    )
+    assert state.targets["good"].state == "ok" and state.targets["good"].serving == 0
+
+
+def test_an_unreachable_postgres_store_never_shows_its_password(tmp_path):
+    from agl_trainer.improve.service import ImproveService
+
+    secret = "s3cr3t-pw"
+    lines: list[str] = []
+    service = ImproveService(
+        _improve_config(tmp_path, f"postgresql://agl:{secret}@127.0.0.1:1/prod"), echo=lines.append
+    )
+    service.tick()
+    service.watcher.close()
+    assert "agl:***@127.0.0.1:1" in service.state.waiting
+    written = (tmp_path / "service" / "improve.json").read_text()
+    assert (
+        secret not in written
+        and secret not in "\n".join(lines)
+        and secret not in json.dumps(service.state.to_json(with_consumed=False))
+    )
+
+
+def test_an_idle_service_writes_its_lineage_on_change_only(tmp_path, monkeypatch):
+    from agl_core.store import open_store
+    from agl_trainer.improve import service as service_module
+    from agl_trainer.improve.service import ImproveService
+    from agl_trainer.improve.state import lineage_resource
+
+    monkeypatch.setattr(service_module, "_MIRROR_WAITING_S", 0.0)
+    db = tmp_path / "prod.sqlite"
+    open_store(str(db)).close()
+    service = ImproveService(_improve_config(tmp_path, str(db)), echo=lambda _: None)
+    for _ in range(5):
+        service.tick()
+    service.watcher.close()
+    store = open_store(str(db))
+    try:
+        written = store.get_resource(lineage_resource("t"))
+        assert written is not None and written.version <= 2  # the start, then the first "waiting" line
+        for n in range(5):
+            store.put_resource("r", {"n": n}, keep=3)
+        assert [v for (v,) in store._read("SELECT version FROM resources WHERE name = 'r'")] == [3, 4, 5]
+        assert store.get_resource("r").value == {"n": 4}
+    finally:
+        store.close()
+
+
+def test_resource_keep_is_validated_over_http(store_server):
+    r = httpx.put(store_server.url + "/api/resources/x", json={"value": 1, "keep": 0})
+    assert r.status_code == 400 and "keep" in r.json()["error"]["message"]
+
+
+def test_a_bad_rollback_request_is_refused_and_the_service_goes_on(tmp_path):
+    from agl_core.store import open_store
+    from agl_trainer.improve.service import ROLLBACK_FILE, ImproveService
+
+    db = tmp_path / "prod.sqlite"
+    open_store(str(db)).close()
+    _promoted_v1(tmp_path)
+    service = ImproveService(_improve_config(tmp_path, str(db)), echo=lambda _: None)
+    try:
+        for body in ['{"version": 1e999}', '{"version": true}', "[0]", '"v0"', '{"version": "0"}']:
+            (tmp_path / "service" / ROLLBACK_FILE).write_text(body)
+            service.tick()
+            assert service.state.serving == 1
+            assert service.state.events[-1]["kind"] == "rollback_refused", body
+            assert not (tmp_path / "service" / ROLLBACK_FILE).exists()
+    finally:
+        service.watcher.close()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '"x"',
+        '{"name": "t"}',
+        '{"name": "t", "versions": [], "serving": 0, "rounds": 0}',
+        '{"name": "t", "versions": ["v0"], "serving": 0, "rounds": 0}',
+        '{"name": "t", "versions": [{"version": 0, "status": "serving"}], "serving": 3, "rounds": 0}',
+        '{"name": "t", "versions": [{"version": 0, "status": "serving"}], "serving": null, "rounds": 0}',
+        '{"name": 5, "versions": [{"version": "0", "status": "serving"}], "serving": 0, "rounds": 0}',
+        '{"name": "t", "versions": [{"version": 0, "status": "serving"}], "serving": 0, "rounds": 0,'
+        ' "targets": {"g": 1}}',
+    ],
+)
+def test_a_state_file_of_the_wrong_shape_is_a_message(tmp_path, text):
+    from agl_trainer.improve.state import ImproveState, StateError
+
+    path = tmp_path / "improve.json"
+    path.write_text(text)
+    with pytest.raises(StateError, match="is not a readable agl improve state"):
+        ImproveState.load(path, "t")
+
+
+def test_a_lock_or_state_that_is_a_directory_is_a_message(tmp_path):
+    from agl_core.store import open_store
+    from agl_trainer.improve.service import ImproveError, ImproveService
+    from agl_trainer.improve.state import StateError
+
+    db = tmp_path / "prod.sqlite"
+    open_store(str(db)).close()
+    (tmp_path / "service" / "improve.lock").mkdir(parents=True)
+    service = ImproveService(_improve_config(tmp_path, str(db), rounds=1), echo=lambda _: None)
+    with pytest.raises(ImproveError, match="cannot open the lock file"):
+        service.run()
+    (tmp_path / "service" / "improve.lock").rmdir()
+    (tmp_path / "service" / "improve.json").unlink()
+    (tmp_path / "service" / "improve.json").mkdir()
+    with pytest.raises(StateError, match="is not a file"):
+        ImproveService(_improve_config(tmp_path, str(db)), echo=lambda _: None)
+
+
+def test_a_malformed_held_out_file_is_found_before_any_round(tmp_path):
+    from agl_core.store import open_store
+    from agl_trainer.config import config_from_dict
+    from agl_trainer.improve.service import ImproveError, ImproveService
+
+    db = tmp_path / "prod.sqlite"
+    open_store(str(db)).close()
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1"}\n')
+    (tmp_path / "val.jsonl").write_text('{"question": "2+2"}\nnot json\n')
+    config = config_from_dict(
+        {
+            "agent": "agent:solve",
+            "tasks": {"train": str(tmp_path / "train.jsonl"), "val": str(tmp_path / "val.jsonl")},
+            "output_dir": str(tmp_path / "service"),
+            "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
+            "traces": {"store": str(db), "filter": {"source": "gateway"}},
+            "algorithm": {"name": "sft"},
+            "improve": {"name": "t", "gate": {"max_drop_se": 1.0}},
+        },
+        required=(),
+    )
+    with pytest.raises(ImproveError, match=r"the held-out gate cannot run: .*val\.jsonl"):
+        ImproveService(config, echo=lambda _: None)
+    assert not (tmp_path / "service" / "improve.json").exists()
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8000\\@10.1.2.3", "http://localhost@10.1.2.3:80", "http://u:p@127.0.0.1:1"]
+)
+def test_a_gateway_url_is_checked_as_the_client_parses_it(url):
+    from agl_trainer.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="user info before an '@'"):
+        config_from_dict(
+            {
+                "model": {"source": "tiny"},
+                "traces": {"store": "s.sqlite"},
+                "improve": {"gate": "none", "gateways": [{"url": url}]},
+            },
+            required=(),
+        )

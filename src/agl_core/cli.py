@@ -171,7 +171,8 @@ _STORE_SERVE_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
             default=DEFAULT_REWARD_RANGE,
             metavar="MIN:MAX",
             help="rewards outside MIN:MAX (late rewards, and agl.reward spans over OTLP) are refused, and"
-            " so are NaN and infinities (default: %(default)s)",
+            " so are NaN and infinities; a negative MIN needs the = form, --reward-range=-5:5"
+            " (default: %(default)s)",
         ),
     ),
 )
@@ -401,8 +402,8 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         type=_reward_range,
         default=DEFAULT_REWARD_RANGE,
         metavar="MIN:MAX",
-        help="refuse values outside MIN:MAX (a running store also applies its own --reward-range)"
-        " (default: %(default)s)",
+        help="refuse values outside MIN:MAX (a running store also applies its own --reward-range); a"
+        " negative MIN needs the = form, --reward-range=-5:5 (default: %(default)s)",
     )
 
 
