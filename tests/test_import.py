@@ -956,6 +956,21 @@ def test_a_zstd_file_of_zeros_stops_at_the_first_empty_length_prefix(tmp_path, c
     assert "record 0 (byte 0): a length prefix of 0 bytes" in capsys.readouterr().err
 
 
+def test_a_zstd_bomb_is_read_within_bounded_memory(tmp_path):
+    """32 KB of zstd holding 1 GiB of zeros once took 2.1 GB resident (the whole 1 MiB of input it read
+    was decompressed at once); it is now fed in pieces, like gzip."""
+    import zstandard
+
+    path = tmp_path / "bomb.zst"
+    with path.open("wb") as f, zstandard.ZstdCompressor(level=19).stream_writer(f) as writer:
+        for _ in range(1024):
+            writer.write(b"\x00" * (1 << 20))
+    assert path.stat().st_size < 64 * 1024
+    done, peak = _child_peak_rss_mib(["import", str(path), "--store", str(tmp_path / "s.sqlite")])
+    assert done.returncode == 1 and "a length prefix of 0 bytes" in done.stderr, done.stderr
+    assert peak < 400, f"peak RSS {peak:.0f} MiB"
+
+
 def test_a_truncated_gzip_with_no_whole_record_reports_the_cut_and_exits_1(
     tmp_path, served_store, capsys, monkeypatch
 ):

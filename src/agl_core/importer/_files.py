@@ -175,7 +175,13 @@ def _looks_like_json(head: bytes) -> bool:
 
 class _ZstdFrames(io.RawIOBase):
     """The decompressed bytes of a file of zstd frames, one after another (a frame per write of the
-    Collector's exporter); a file that ends inside a frame raises ``zstandard.ZstdError``."""
+    Collector's exporter); a file that ends inside a frame raises ``zstandard.ZstdError``.
+
+    zstd's decompressor has no output bound, and one block of a few bytes can stand for 128 KiB (a
+    kilobyte of a hostile file for a gigabyte), so the compressed bytes are fed in pieces sized from the
+    ratio seen so far: each piece yields about :data:`_ZSTD_TARGET` bytes, never more than
+    :data:`_ZSTD_MIN_PIECE` times zstd's largest ratio (about 11 MB). What is held stays bounded, as
+    with gzip."""
 
     def __init__(self, raw: BinaryIO, zstandard: Any) -> None:
         self._raw = raw
@@ -183,6 +189,8 @@ class _ZstdFrames(io.RawIOBase):
         self._decompressor = zstandard.ZstdDecompressor()
         self._frame = self._decompressor.decompressobj()
         self._in_frame = False
+        self._in = b""
+        self._piece = _ZSTD_MIN_PIECE
         self._out = bytearray()
 
     def readable(self) -> bool:
@@ -190,26 +198,37 @@ class _ZstdFrames(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         while not self._out:
-            chunk = self._raw.read(1 << 20)
-            if not chunk:
-                if self._in_frame:
-                    raise self._zstd.ZstdError("the file ends inside a zstd frame")
-                return 0
-            self._feed(chunk)
+            if not self._in:
+                self._in = self._raw.read(1 << 20)
+                if not self._in:
+                    if self._in_frame:
+                        raise self._zstd.ZstdError("the file ends inside a zstd frame")
+                    return 0
+            piece, self._in = self._in[: self._piece], self._in[self._piece :]
+            made = self._feed(piece)
+            ratio = max(made / len(piece), 1.0)
+            self._piece = int(min(max(_ZSTD_TARGET / ratio, _ZSTD_MIN_PIECE), 1 << 20))
         n = min(len(buffer), len(self._out))
         buffer[:n] = self._out[:n]
         del self._out[:n]
         return n
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes) -> int:
+        """Decompress ``data`` (crossing into the next frame where one ends); how many bytes it made."""
+        before = len(self._out)
         while data:
             self._in_frame = True
             self._out += self._frame.decompress(data)
             if not self._frame.eof:
-                return
+                break
             data = self._frame.unused_data  # the next frame starts here
             self._frame = self._decompressor.decompressobj()
             self._in_frame = False
+        return len(self._out) - before
+
+
+#: Decompressed bytes a piece of a zstd file aims to make, and the smallest piece fed.
+_ZSTD_TARGET, _ZSTD_MIN_PIECE = 4 << 20, 256
 
 
 def _bounded_lines(stream: Any, start: int = 1) -> Iterator[tuple[int, bytes | None]]:
