@@ -63,6 +63,7 @@ class _Worker:
             self.played[rollout.task_id] = k + 1
             if spec.get("hang"):
                 continue  # never completed: late at the deadline
+            self._stop.wait(spec.get("sleep", 0))  # a slow agent (or a busy machine)
             if spec.get("fail"):
                 self.store.complete_attempt(attempt.attempt_id, RolloutStatus.FAILED, error="Traceback\nboom")
                 continue
@@ -293,6 +294,34 @@ def test_held_out_score_counts_failed_rollouts_as_zero(tmp_path, stack):
     )
     # spans kept for the succeeded rollouts (the failed ones wrote none)
     assert sorted(len(v) for v in scored.spans.values()) == [3, 3, 3, 3]
+
+
+def test_a_held_out_pass_waits_while_rollouts_finish_and_never_scores_an_unfinished_one(tmp_path, stack):
+    """On a busy machine held-out rollouts once still running at runner.step_timeout_s were cancelled and
+    scored 0, so a published score depended on the machine's speed. The pass now waits while rollouts keep
+    finishing (8 rollouts of 0.3 s one after another take 2.4 s, past the 1.5 s limit); one that stalls is
+    cancelled after the limit without progress and left unscored, and the result says the pass is
+    incomplete."""
+    from agl_trainer.reporting.display import held_out_line
+
+    store, client = stack
+    progress = _Lines()
+    queue = RolloutQueue(client, progress, step_timeout_s=1.5)
+    slow = [_task(f"t{i}", rewards=[1.0], sleep=0.3) for i in range(8)]
+    with _Worker(store):
+        complete = score_tasks(queue, slow, step=0, rollouts_per_task=1, max_attempts=1).result
+        stalled = score_tasks(
+            queue, [*slow[:2], _task("stuck", hang=True)], step=1, rollouts_per_task=1, max_attempts=1
+        ).result
+    assert complete.n == 8 and complete.mean == 1.0 and complete.unfinished == 0
+    assert "INCOMPLETE" not in complete.describe()
+    assert stalled.task_scores == {"t0": 1.0, "t1": 1.0} and stalled.unfinished == 1
+    assert stalled.rollouts_failed == 0 and stalled.mean == 1.0
+    line = held_out_line(complete, stalled)
+    assert "INCOMPLETE: 1 rollouts did not finish and are not scored" in line
+    assert "1 rollouts were not done with none finishing for runner.step_timeout_s=1.5s" in " ".join(
+        progress.lines
+    )
 
 
 def test_the_step_machinery_imports_no_torch():

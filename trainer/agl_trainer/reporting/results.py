@@ -100,8 +100,10 @@ class StepMetrics:
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
-    """Score on the validation split: the mean over tasks of each task's mean reward (a failed or late
-    rollout scores 0), its standard error, and the number of tasks."""
+    """Score on the validation split: the mean over tasks of each task's mean reward (a failed rollout
+    scores 0), its standard error, and the number of tasks. A rollout that never finished (cancelled after
+    ``runner.step_timeout_s`` with no rollout of the pass finishing) is not scored at all: it is counted
+    in ``unfinished``, and a task none of whose rollouts finished is left out of ``n``."""
 
     step: int
     mean: float
@@ -109,10 +111,15 @@ class EvalResult:
     n: int
     rollouts_failed: int
     task_scores: dict[str, float]
+    #: Rollouts of the pass that did not finish and are not scored (0: the pass is complete).
+    unfinished: int = 0
 
     def describe(self) -> str:
         failed = f", {self.rollouts_failed} rollouts failed" if self.rollouts_failed else ""
-        return f"{self.mean:.3f} ± {self.se:.3f} (SE, n={self.n} tasks{failed})"
+        text = f"{self.mean:.3f} ± {self.se:.3f} (SE, n={self.n} tasks{failed})"
+        if self.unfinished:
+            text += f" INCOMPLETE: {self.unfinished} rollouts did not finish and are not scored"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,18 +202,26 @@ class RolloutQueue:
         else:
             self._inflight.unlink(missing_ok=True)
 
-    def run(self, label: str, requests: list[dict[str, Any]]) -> RolloutRound:
-        """Enqueue ``requests``, wait until all are done or ``step_timeout_s`` passed, cancel the rest."""
+    def run(
+        self, label: str, requests: list[dict[str, Any]], *, while_progressing: bool = False
+    ) -> RolloutRound:
+        """Enqueue ``requests``, wait until all are done or ``step_timeout_s`` passed, cancel the rest.
+        ``while_progressing`` (a held-out pass, whose score must not depend on the machine's speed): wait
+        as long as rollouts keep finishing, and cancel the rest only after ``step_timeout_s`` in which
+        none did."""
         release_openmp_threads()  # this thread waits while generation computes (agl_trainer.cpu)
         queued = self.client.enqueue_rollouts(self.tagged(requests))
         ids = [r.rollout_id for r in queued]
         self.note_inflight("round", ids)
         deadline = time.monotonic() + self.step_timeout_s
+        seen = 0
         while True:
             rollouts = self.client.get_rollouts(ids)
             ok = sum(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
             bad = sum(r.status.finished and r.status != RolloutStatus.SUCCEEDED for r in rollouts)
             self.progress.rollouts(label, ok, bad, len(ids))
+            if while_progressing and ok + bad > seen:
+                seen, deadline = ok + bad, time.monotonic() + self.step_timeout_s
             if ok + bad == len(ids) or time.monotonic() >= deadline:
                 break
             time.sleep(0.25)
@@ -231,8 +239,9 @@ class RolloutQueue:
         if len(failed) > 3:
             self.progress.line(f"  ... and {len(failed) - 3} more failed rollouts (agl inspect ROLLOUT_ID)")
         if late:
+            waited = "with none finishing for" if while_progressing else "after"
             self.progress.line(
-                f"  {len(late)} rollouts were not done after runner.step_timeout_s={self.step_timeout_s:g}s"
+                f"  {len(late)} rollouts were not done {waited} runner.step_timeout_s={self.step_timeout_s:g}s"
                 " and were cancelled"
             )
         return RolloutRound(done, failed, late)
@@ -294,8 +303,10 @@ def score_tasks(
     keep_spans: bool = False,
 ) -> Scored:
     """Roll out each task ``rollouts_per_task`` times and score the policy on them: a task's score is the
-    mean reward of its rollouts (a failed or late rollout scores 0), the result the mean over tasks with
-    its standard error.
+    mean reward of its rollouts (a failed rollout scores 0), the result the mean over tasks with its
+    standard error. The pass waits while rollouts keep finishing (a busy machine is slow, not wrong); a
+    rollout cancelled after ``runner.step_timeout_s`` without progress is not scored, and the result
+    counts it as ``unfinished`` (its task is left out when none of its rollouts finished).
 
     The rollouts carry ``metadata["split"] = split``: agents see it as ``llm.split`` (``"val"`` makes
     ``llm.evaluating`` true, so they decode greedily) and group ids ``val<step>:<task id>``.
@@ -312,11 +323,11 @@ def score_tasks(
         for _ in range(rollouts_per_task)
     ]
     client = queue.client
-    finished = queue.run(label or f"validation @ step {step}", requests)
+    finished = queue.run(label or f"validation @ step {step}", requests, while_progressing=True)
     rewards = rollout_rewards(finished.done, client.all_spans)
     per_task: dict[str, list[float]] = {t.task_id: [] for t in tasks}
     scored: dict[str, list[ScoredRollout]] = {t.task_id: [] for t in tasks}
-    for r in [*finished.done, *finished.failed, *finished.late]:
+    for r in [*finished.done, *finished.failed]:
         reward = rewards.get(r.rollout_id, 0.0) if r.status == RolloutStatus.SUCCEEDED else 0.0
         per_task[r.task_id or ""].append(reward)
         scored[r.task_id or ""].append(ScoredRollout(r.rollout_id, r.task_id, r.status, reward))
@@ -328,7 +339,7 @@ def score_tasks(
         for span in client.all_spans(ids):
             spans.setdefault(span.rollout_id or "", []).append(span)
     client.mark_consumed(finished.finished_ids)
-    result = EvalResult(step, mean, se, len(scores), len(finished.failed) + len(finished.late), scores)
+    result = EvalResult(step, mean, se, len(scores), len(finished.failed), scores, len(finished.late))
     return Scored(result, [r for rows in scored.values() for r in rows], spans)
 
 
