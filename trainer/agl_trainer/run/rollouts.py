@@ -240,10 +240,8 @@ class RolloutQueue:
             self.progress.line(f"  ... and {len(failed) - 3} more failed rollouts (agl inspect ROLLOUT_ID)")
         if late:
             waited = "with none finishing for" if while_progressing else "after"
-            self.progress.line(
-                f"  {len(late)} rollouts were not done {waited} runner.step_timeout_s={self.step_timeout_s:g}s"
-                " and were cancelled"
-            )
+            limit = f"runner.step_timeout_s={self.step_timeout_s:g}s"
+            self.progress.line(f"  {len(late)} rollouts were not done {waited} {limit} and were cancelled")
         return RolloutRound(done, failed, late)
 
     def cancel_inflight(self) -> None:
