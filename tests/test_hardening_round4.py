@@ -659,3 +659,42 @@ def test_a_gateway_url_is_checked_as_the_client_parses_it(url):
             },
             required=(),
         )
+
+
+# --- a new user's first minutes ---------------------------------------------------------------------------
+def test_a_busy_port_is_one_line_before_anything_loads(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        started = time.monotonic()
+        train = subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "train", str(root / "examples/calc_autogen/config.yaml")]
+            + ["--set", f"gateway.port={port}", "--set", f"output_dir={tmp_path / 'run'}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        took = time.monotonic() - started
+        gateway = subprocess.run(
+            [sys.executable, "-m", "agl_core.cli", "gateway", "serve", "--backend", "hf", "--model", "tiny"]
+            + ["--port", port],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert train.returncode == 2, train.stdout + train.stderr
+    assert train.stderr.strip().splitlines() == [
+        f"agl train: cannot listen on 127.0.0.1:{port}: Address already in use; pick another port"
+        " (gateway.port in the config, or --set gateway.port=0 for any free port)"
+    ]
+    assert "Traceback" not in train.stderr and took < 60
+    assert gateway.returncode == 2 and "(--port PORT)" in gateway.stderr
+    assert "serving" not in gateway.stdout and "Traceback" not in gateway.stderr

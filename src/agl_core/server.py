@@ -159,16 +159,42 @@ class StopSignals:
         return 128 + self.received if self.received is not None else 0
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound and listening on ``host:port`` (for :func:`serve_forever`'s ``sock``): a command
+    binds before its slow start-up (loading a model), so a port in use is said at once. Raises
+    :class:`OSError` naming the address."""
+    return _bind(host, port)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (``None``: it can; port 0 always can). The port is let go
+    again at once: a check before a slow start, not a reservation."""
+    if port == 0:
+        return None
+    try:
+        _bind(host, port).close()
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
 def serve_forever(
-    app: Any, host: str, port: int, *, log_level: str = "info", on_bound: Callable[[int], None] | None = None
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "info",
+    on_bound: Callable[[int], None] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve ``app`` on ``host:port`` in the foreground; returns once SIGINT / SIGTERM stopped uvicorn.
+    """Serve ``app`` on ``host:port`` (or on ``sock``, from :func:`listen`) in the foreground; returns once
+    SIGINT / SIGTERM stopped uvicorn.
 
     Raises :class:`OSError` naming the address when it cannot be bound. uvicorn installs its own
     handlers for SIGINT / SIGTERM while it runs and re-raises the signal to the handlers it found
     afterwards, so install a handler that returns first if the caller must clean up after it.
     """
-    sock = _bind(host, port)
+    sock = sock if sock is not None else _bind(host, port)
     if on_bound is not None:  # the port chosen, when 0 asked for any
         on_bound(sock.getsockname()[1])
     uvicorn.Server(_config(app, log_level)).run(sockets=[sock])

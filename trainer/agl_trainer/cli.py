@@ -60,8 +60,30 @@ def run_train(
     except ValueError as exc:
         print(f"agl train: {exc}", file=sys.stderr)
         return 2
+    taken = _ports_taken(config)
+    if taken:
+        print(f"agl train: {taken}", file=sys.stderr)
+        return 2
     with stop_on_signals():
         return _train_until_stopped(config, config_path, resume=resume, overwrite=overwrite)
+
+
+def _ports_taken(config: Any) -> str | None:
+    """Why a port the run listens on is taken (``None``: all free), said before the model loads."""
+    from agl_core.server import port_problem
+
+    wanted = []
+    if config.traces is None or config.validation.before or config.validation.after:
+        wanted.append((config.gateway.host, config.gateway.port, "gateway.port"))
+    if config.logging.dashboard:
+        wanted.append(
+            (config.logging.dashboard_host, config.logging.dashboard_port, "logging.dashboard_port")
+        )
+    for host, port, key in wanted:
+        problem = port_problem(host, port)
+        if problem is not None:
+            return f"{problem} ({key} in the config, or --set {key}=0 for any free port)"
+    return None
 
 
 def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwrite: bool) -> int:
@@ -81,6 +103,9 @@ def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwri
             return _interrupted(config, config_path, terminated=signal.SIGTERM in received)
         if isinstance(exc, (ModelNotFoundError, CheckpointError, ValueError)):
             print(f"agl train: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, OSError) and str(exc).startswith("cannot listen on"):  # taken since the check
+            print(f"agl train: {exc} (gateway.port or logging.dashboard_port in the config)", file=sys.stderr)
             return 2
         if isinstance(exc, NothingTrainedError):
             print(f"agl train: {exc}", file=sys.stderr)

@@ -374,7 +374,7 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from ..server import StopSignals, serve_forever
+    from ..server import StopSignals, listen, serve_forever
     from ..tracing import make_otlp_exporter
     from .app import create_gateway_app
     from .backend import BackendError
@@ -382,11 +382,22 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
 
     try:
         _check(args)
-        served = _factory(args.backend)(args)
     except (_UsageError, PluginError) as exc:
         print(f"agl gateway serve: {exc}", file=sys.stderr)
         return 2
+    try:  # before the model loads: a port in use is said at once, and nothing claims to serve
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        print(f"agl gateway serve: {exc} (--port PORT)", file=sys.stderr)
+        return 2
+    try:
+        served = _factory(args.backend)(args)
+    except (_UsageError, PluginError) as exc:
+        sock.close()
+        print(f"agl gateway serve: {exc}", file=sys.stderr)
+        return 2
     except (BackendError, OSError, RuntimeError, ValueError) as exc:
+        sock.close()
         print(f"agl gateway serve: cannot start the {args.backend} backend: {exc}", file=sys.stderr)
         return 2
     if args.admin_token is None and not settings.is_loopback(args.host):
@@ -416,8 +427,9 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
         span_exporter=exporter,
         max_recorded_prompt_bytes=int(args.max_recorded_prompt_mb * 1024 * 1024),
     )
+    port = sock.getsockname()[1]
     print(
-        f"agl gateway: http://{args.host}:{args.port}/v1 serving {', '.join(backend.model_names)!s}"
+        f"agl gateway: http://{args.host}:{port}/v1 serving {', '.join(backend.model_names)!s}"
         f" ({description});"
         f" spans to {store}"
         + ("" if capture is None else "; capturing sessions as rollouts")
@@ -428,7 +440,7 @@ def run_gateway_serve(args: argparse.Namespace) -> int:
     # that returns lets this function flush the spans still buffered instead of dying with them.
     stop = StopSignals()
     try:
-        serve_forever(app, args.host, args.port)
+        serve_forever(app, args.host, args.port, sock=sock)
     except OSError as exc:
         print(f"agl gateway serve: {exc} (--port PORT)", file=sys.stderr)
         return 2
