@@ -267,10 +267,13 @@ def test_sigterm_ends_a_run_cleanly_saying_what_was_kept(job, tmp_path):
         assert proc.returncode == 143, err[-2000:]
         assert "agl train: terminated (SIGTERM); run.json says interrupted" in err
         assert json.loads((out / "run.json").read_text())["status"] == "interrupted"
+        # the way on is the interrupted command itself, its --set overrides kept (they once were dropped:
+        # "nothing to resume" in the config's own output_dir)
+        again = f"agl train {job / 'config.yaml'} --set output_dir={out}"
         if latest_checkpoint(out / "checkpoints") is None:
-            assert "no checkpoint was written yet; start again with:" in err and "--overwrite" in err
+            assert f"no checkpoint was written yet; start again with: {again} --overwrite" in err, err[-500:]
         else:
-            assert "--resume" in err and "continue from step-" in err
+            assert f"with: {again} --resume" in err and "continue from step-" in err, err[-500:]
 
 
 def test_a_signal_surfacing_wrapped_in_another_exception_still_ends_the_run_as_interrupted(
@@ -290,9 +293,15 @@ def test_a_signal_surfacing_wrapped_in_another_exception_still_ends_the_run_as_i
         raise ValueError("Error calling function `ser_path`: Terminated: ")
 
     monkeypatch.setattr(agl_trainer.run.loop, "train", train)
-    assert cli.run_train(str(job / "config.yaml"), [f"output_dir={out}"]) == 143
+    assert cli.run_train(str(job / "config.yaml"), [f"output_dir={out}", "train.steps=3"]) == 143
     err = capsys.readouterr().err
     assert "terminated (SIGTERM); run.json says interrupted" in err and "Error calling" not in err
+    command = err.split("start again with: ", 1)[1].split()
+    assert command == ["agl", "train", str(job / "config.yaml"), "--set", f"output_dir={out}"] + [
+        "--set",
+        "train.steps=3",
+        "--overwrite",
+    ]
     assert json.loads((out / "run.json").read_text())["status"] == "interrupted"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import signal
 import sys
 from typing import Any
@@ -65,7 +66,7 @@ def run_train(
         print(f"agl train: {taken}", file=sys.stderr)
         return 2
     with stop_on_signals():
-        return _train_until_stopped(config, config_path, resume=resume, overwrite=overwrite)
+        return _train_until_stopped(config, config_path, overrides, resume=resume, overwrite=overwrite)
 
 
 def _ports_taken(config: Any) -> str | None:
@@ -86,7 +87,9 @@ def _ports_taken(config: Any) -> str | None:
     return None
 
 
-def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwrite: bool) -> int:
+def _train_until_stopped(
+    config: Any, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool
+) -> int:
     from .learning.checkpoint import CheckpointError
     from .model import ModelNotFoundError
     from .run.loop import NothingTrainedError, train
@@ -100,7 +103,7 @@ def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwri
         # A signal's exception can surface wrapped (raised inside a library callback, pydantic's
         # serializers say "Error calling function ..."): what was received decides, not its shape.
         if received or isinstance(exc, KeyboardInterrupt):
-            return _interrupted(config, config_path, terminated=signal.SIGTERM in received)
+            return _interrupted(config, config_path, overrides, terminated=signal.SIGTERM in received)
         if isinstance(exc, (ModelNotFoundError, CheckpointError, ValueError)):
             print(f"agl train: {exc}", file=sys.stderr)
             return 2
@@ -114,7 +117,7 @@ def _train_until_stopped(config: Any, config_path: str, *, resume: bool, overwri
     return 0
 
 
-def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:
+def _interrupted(config: Any, config_path: str, overrides: list[str], *, terminated: bool) -> int:
     """The closing line of a run stopped by Ctrl-C or SIGTERM, run.json marked ``interrupted``; the exit
     status (130, or 143 for SIGTERM)."""
     from .learning.checkpoint import latest_checkpoint
@@ -131,10 +134,12 @@ def _interrupted(config: Any, config_path: str, *, terminated: bool) -> int:
         pass
     how = "terminated (SIGTERM)" if terminated else "interrupted"
     newest = latest_checkpoint(config.output_dir / CHECKPOINTS_DIR)
+    # the same command as the interrupted run's, its --set overrides included (output_dir among them)
+    command = shlex.join(["agl", "train", config_path, *(f for o in overrides for f in ("--set", o))])
     if newest is not None:
-        then = f"continue from {newest.name} with: agl train {config_path} --resume"
+        then = f"continue from {newest.name} with: {command} --resume"
     else:
-        then = f"no checkpoint was written yet; start again with: agl train {config_path} --overwrite"
+        then = f"no checkpoint was written yet; start again with: {command} --overwrite"
     print(f"agl train: {how}; run.json says interrupted; {then}", file=sys.stderr)
     return 143 if terminated else 130
 
