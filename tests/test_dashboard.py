@@ -123,6 +123,17 @@ def test_runs_list_and_one_run_show_status_curves_and_held_out_results(app_clien
         assert t["change"] == pytest.approx(t["after"] - t["before"])
     assert detail["config"]["train"]["steps"] == 2
     assert app_client.get("/api/runs/nope").status_code == 404
+    # the name its rollouts carry (metadata["run"]): the run page's step links filter on it
+    assert detail["rollouts_run"] == "run"
+    step_rows = app_client.get("/api/rollouts", params={"run": "run", "step": 1, "limit": 500}).json()[
+        "rollouts"
+    ]
+    assert step_rows and all(r["run"] == "run" and r["step"] == 1 for r in step_rows)
+    assert app_client.get("/api/rollouts", params={"run": "other", "step": 1}).json()["rollouts"] == []
+    # what a browser asks for by itself is served (it was a 404 on every load)
+    icon = app_client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+    assert app_client.get("/static/icon.svg").status_code == 200
 
 
 def test_a_running_run_shows_what_it_is_doing(tmp_path):
@@ -467,6 +478,9 @@ def test_browser_run_page_draws_curves_and_held_out_results(page, run, tmp_path)
     held = page.locator("text=tasks changed").inner_text()
     assert "before (step 0)" in held
     assert page.locator("table[data-test='steps'] tr").count() == 1 + len(train)
+    # each step's rollouts link lists this run's rollouts of that step (it once listed every run's)
+    links = page.locator("[data-test='steps-link']").evaluate_all("ns => ns.map(n => n.getAttribute('href'))")
+    assert sorted(links) == sorted(f"#/rollouts?run=run&step={row['step']}" for row in train)
     # axes: round ticks, from zero for series that never go below it, every label inside the chart
     for title in ("Tokens/s", "Step time (s)", "Peak RSS (MB)", "KL", "Loss"):
         chart = page.locator(f"[data-chart='{title}'] svg")

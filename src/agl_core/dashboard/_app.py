@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "agl_dashboard_token"
-_ASSETS = {"app.js": "text/javascript", "app.css": "text/css"}
+_ASSETS = {"app.js": "text/javascript", "app.css": "text/css", "icon.svg": "image/svg+xml"}
 _STATUSES = {s.value for s in RolloutStatus}
 _IMPROVE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _HEADERS = {
@@ -219,6 +219,10 @@ class _DashboardAPI:
             return _error(404, f"no asset {name[:40]!r}")
         return FileResponse(STATIC / name, media_type=_ASSETS[name], headers=_HEADERS)
 
+    async def icon(self, request: Request) -> Response:
+        """What a browser asks for by itself (the page also names the icon): the same SVG, not a 404."""
+        return FileResponse(STATIC / "icon.svg", media_type="image/svg+xml", headers=_HEADERS)
+
     async def list_runs(self, request: Request) -> Response:
         found = await run_in_threadpool(lambda: [run_summary(n, p) for n, p in self.runs_now().items()])
         return _json({"runs": found, "store": self.store is not None})
@@ -282,6 +286,7 @@ class _DashboardAPI:
         return [
             Route("/", self.page, methods=["GET"]),
             Route("/static/{name}", self.asset, methods=["GET"]),
+            Route("/favicon.ico", self.icon, methods=["GET"]),
             Route("/api/runs", self.api(self.list_runs), methods=["GET"]),
             Route("/api/runs/{name:path}", self.api(self.one_run), methods=["GET"]),
             Route("/api/rollouts", self.api(self.rollouts), methods=["GET"]),

@@ -191,6 +191,9 @@ def run_summary(
     summary: dict[str, Any] = _finite(
         {
             "name": name,
+            # what its rollouts carry as metadata["run"] (the output folder's name; ``name`` may also
+            # hold the parent's), for links to the rollouts of this run alone
+            "rollouts_run": path.name,
             "path": str(path),
             "title": info.get("title") or name,
             "status": status,

@@ -317,7 +317,7 @@ async function viewRun(name) {
   for (const r of train.slice().reverse().slice(0, 100)) {
     steps.append(el("tr", {}, el("td", {}, r.step), el("td", { class: "num" }, fmt(r.mean_reward)), el("td", { class: "num" }, fmt(r.loss)),
       el("td", { class: "num" }, `${fmt(r.trained_transitions)} / ${fmt(r.transitions)}`), el("td", { class: "num" }, fmt(r.rollouts_failed)),
-      el("td", { class: "num" }, fmt(r.seconds, 3)), el("td", {}, el("a", { href: `#/rollouts?step=${r.step}` }, "rollouts"))));
+      el("td", { class: "num" }, fmt(r.seconds, 3)), el("td", {}, el("a", { href: `#/rollouts?run=${encodeURIComponent(run.rollouts_run)}&step=${r.step}`, "data-test": "steps-link" }, "rollouts"))));
   }
   parts.push(el("h2", {}, "Steps"), steps);
   if (run.config) parts.push(el("h2", {}, "Config"), el("details", {}, el("summary", {}, "show"), el("pre", { class: "config" }, JSON.stringify(run.config, null, 2))));
