@@ -698,3 +698,43 @@ def test_a_busy_port_is_one_line_before_anything_loads(tmp_path):
     assert "Traceback" not in train.stderr and took < 60
     assert gateway.returncode == 2 and "(--port PORT)" in gateway.stderr
     assert "serving" not in gateway.stdout and "Traceback" not in gateway.stderr
+
+
+def test_inspect_says_where_the_gateway_recorded_a_hand_run_agents_call(tmp_path, capsys):
+    from agl_core.cli import main
+    from agl_core.store import SqliteStore
+
+    db = tmp_path / "s.sqlite"
+    store = SqliteStore(db)
+    agent = make_span(
+        "agent run", {semconv.ROLLOUT_ID: "imp-t-mine", semconv.GEN_AI_OPERATION_NAME: "invoke_agent"}
+    )
+    call = make_span(
+        "chat smollm2",
+        {
+            semconv.ROLLOUT_ID: "imp-t-mine",
+            semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT,
+            semconv.GEN_AI_RESPONSE_ID: "chatcmpl-42",
+        },
+        parent=agent,
+    )
+    gateway = make_span(
+        "chat agl-policy",
+        {
+            semconv.ROLLOUT_ID: "imp-s-session",
+            semconv.SOURCE: semconv.SOURCE_GATEWAY,
+            semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT,
+            semconv.GEN_AI_RESPONSE_ID: "chatcmpl-42",
+            semconv.PROMPT_TOKEN_IDS: [1, 2, 3],
+            semconv.RESPONSE_TOKEN_IDS: [4],
+            semconv.POLICY_VERSION: 0,
+        },
+    )
+    store.add_spans([agent, call, gateway])
+    store.add_observed_rollouts([{"rollout_id": "imp-t-mine"}, {"rollout_id": "imp-s-session"}])
+    store.close()
+    assert main(["inspect", "imp-t-mine", "--store", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "LLM call has no gateway span with token ids" in out
+    assert "it did go through the gateway, which recorded it in rollout imp-s-session" in out
+    assert "agl inspect imp-s-session" in out

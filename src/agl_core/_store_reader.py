@@ -4,8 +4,9 @@ behind (``agl inspect``, ``agl store stats``, ``agl rollouts list``)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
-from . import settings
+from . import semconv, settings
 from .records import Rollout, Span
 
 __all__ = ["StoreReader", "add_store_arguments"]
@@ -59,6 +60,31 @@ class StoreReader:
         except NotFoundError:
             return None
         return found[0] if found else None
+
+    def gateway_records(self, response_ids: Sequence[str], besides: str) -> dict[str, str]:
+        """Response id -> the rollout (other than ``besides``) holding the gateway's record of that call:
+        an agent run by hand sends its own spans to one rollout while the gateway records the calls it
+        served in the session's (or its own trace's) rollout. At most 20 calls are looked up."""
+        from .pipeline.spantree import GATEWAY, kind_of
+        from .store import RolloutFilter
+
+        found: dict[str, str] = {}
+        for response_id in list(dict.fromkeys(response_ids))[:20]:
+            if not response_id or len(response_id) > 512:
+                continue
+            where = RolloutFilter(text=response_id)
+            page = (self.store or self.client).list_rollouts(where, limit=5)  # type: ignore[union-attr]
+            for rollout in page.rollouts:
+                if rollout.rollout_id == besides:
+                    continue
+                spans = self.spans(rollout.rollout_id)
+                if any(
+                    kind_of(s) == GATEWAY and s.attributes.get(semconv.GEN_AI_RESPONSE_ID) == response_id
+                    for s in spans
+                ):
+                    found[response_id] = rollout.rollout_id
+                    break
+        return found
 
     def stats(self) -> dict[str, int]:
         if self.store is not None:

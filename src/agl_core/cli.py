@@ -535,13 +535,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_import(args)
     if args.command == "inspect":
-        from .pipeline.report import format_rollout
+        from .pipeline.report import format_rollout, unjoined_response_ids
         from .store import StoreError
 
         try:
             reader = StoreReader(args.store, args.token)
             try:
                 spans, rollout = reader.spans(args.rollout_id), reader.rollout(args.rollout_id)
+                mine = [s for s in spans if s.rollout_id == args.rollout_id]
+                missing = unjoined_response_ids(mine)
+                recorded_in = reader.gateway_records(missing, args.rollout_id) if missing else {}
             finally:
                 reader.close()
         except StoreError as exc:
@@ -554,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(format_rollout(args.rollout_id, spans, rollout=rollout))
+        print(format_rollout(args.rollout_id, spans, rollout=rollout, recorded_in=recorded_in))
         return 0
     return 2
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from .. import semconv
 from ..records import Rollout, Span, Transition
 from .spantree import AGENT, GATEWAY, LLM, TOOL, SpanTree, kind_of, own_agent_name, source_of, tool_name
-from .transitions import TransitionResult, spans_to_transitions
+from .transitions import NOT_JOINED, TransitionResult, spans_to_transitions
 
-__all__ = ["count_llm_calls", "format_rollout", "span_outcomes"]
+__all__ = ["count_llm_calls", "format_rollout", "span_outcomes", "unjoined_response_ids"]
 
 
 def _describe(span: Span, tree: SpanTree, transition_of: dict[str, int], problem_of: dict[str, str]) -> str:
@@ -80,9 +80,28 @@ def span_outcomes(result: TransitionResult) -> tuple[dict[str, int], dict[str, s
     return transition_of, problem_of
 
 
-def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout | None = None) -> str:
+def unjoined_response_ids(spans: Sequence[Span]) -> list[str]:
+    """The response ids of the LLM calls among ``spans`` that no gateway span of theirs records (where to
+    look for the gateway's record elsewhere)."""
+    result = spans_to_transitions(spans)
+    unjoined = {p.span_id for p in result.problems if p.reason == NOT_JOINED}
+    return [
+        str(s.attributes[semconv.GEN_AI_RESPONSE_ID])
+        for s in spans
+        if s.span_id in unjoined and isinstance(s.attributes.get(semconv.GEN_AI_RESPONSE_ID), str)
+    ]
+
+
+def format_rollout(
+    rollout_id: str,
+    spans: Sequence[Span],
+    *,
+    rollout: Rollout | None = None,
+    recorded_in: dict[str, str] | None = None,
+) -> str:
     """The report of ``rollout_id`` from its spans (as the store returns them); with its ``rollout``
-    record, how it ended (status, error, stored traceback) comes first."""
+    record, how it ended (status, error, stored traceback) comes first. ``recorded_in``: response id ->
+    the other rollout where the gateway recorded that call (said beside the call's problem)."""
     spans = [s for s in spans if s.rollout_id == rollout_id]
     head = _outcome_lines(rollout) + [""] if rollout is not None else []
     if not spans:
@@ -119,4 +138,14 @@ def format_rollout(rollout_id: str, spans: Sequence[Span], *, rollout: Rollout |
     for p in result.problems:
         where = f"span {p.span_id} ({tree.by_id[p.span_id].name})" if p.span_id in tree.by_id else "rollout"
         lines.append(f"  {where}: {p.reason}" + (f" ({p.detail})" if p.detail else ""))
+        span = tree.by_id.get(p.span_id or "")
+        elsewhere = (
+            (recorded_in or {}).get(str(span.attributes.get(semconv.GEN_AI_RESPONSE_ID))) if span else None
+        )
+        if p.reason == NOT_JOINED and elsewhere:
+            lines.append(
+                f"    it did go through the gateway, which recorded it in rollout {elsewhere} (the agent ran"
+                " outside agl's runner, so the gateway could not tell which rollout the call was for):"
+                f" agl inspect {elsewhere}"
+            )
     return "\n".join(lines)
