@@ -65,3 +65,34 @@ def test_the_check_finds_keys():
     used = {key for doc in DOCS for key, _ in _used_keys(doc.read_text())}
     assert {"algorithm.agents", "train.steps"} <= used
     assert not _known("select_agents") and not _known("algorithm.select_agents")
+
+
+_LINK = re.compile(r"\[`?([\w./-]+\.(?:md|py|yaml|yml|sh|toml|json|jsonl))`?\]\(([^)\s]+)\)")
+
+
+def _markdown_files() -> list[Path]:
+    skip = {".venv", "runs", ".git", "node_modules"}
+    return [p for p in ROOT.rglob("*.md") if not skip & set(p.relative_to(ROOT).parts)]
+
+
+def test_a_link_named_after_a_file_points_at_that_file():
+    """A link whose text names a page names the page it opens (``[store.md](import.md)`` sent readers of
+    the quickstart to another page than the one it named), and the file it opens exists."""
+    wrong = []
+    for path in _markdown_files():
+        for text, target in _LINK.findall(path.read_text(encoding="utf-8")):
+            file = target.split("#")[0]
+            if not file or "://" in file:
+                continue
+            if Path(file.rstrip("/")).name != Path(text).name:
+                wrong.append(f"{path.relative_to(ROOT)}: [{text}]({target})")
+            elif not (path.parent / file).exists():
+                wrong.append(f"{path.relative_to(ROOT)}: [{text}]({target}) opens nothing")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_docs_say_which_config_paths_are_relative_to_what():
+    text = (ROOT / "docs" / "training.md").read_text()
+    assert (
+        "relative to **the config file's folder**" in text and "relative to **the working directory**" in text
+    )
