@@ -500,63 +500,19 @@ def test_the_per_agent_baseline_trains_sessions_that_never_repeat_a_task(tmp_pat
 def test_a_promoted_version_users_rate_worse_is_rolled_back_automatically(tmp_path: Path) -> None:
     """Sessions each served by one version (the gateway's spans say which), rated late: v1 serves 30
     rated 0.2 on average, its predecessor v0 served 30 rated 0.7 -> back to v0, the numbers recorded."""
-    from agl_core import semconv
-    from agl_core.pipeline.rewards import Reward
-    from agl_core.records import Span
     from agl_core.store import open_store
     from agl_trainer.improve.service import ImproveService
-    from agl_trainer.improve.state import STATE_FILE, GateRecord
+    from agl_trainer.improve.state import STATE_FILE
+
+    from ._improve import improve_config, promoted_v1, sessions
 
     db = tmp_path / "prod.sqlite"
     store = open_store(str(db))
-    spans, rewards = [], []
-    for i in range(60):
-        version, rid = (0 if i < 30 else 1), f"imp-s-{i:04d}"
-        good = (i % 10) < (7 if version == 0 else 2)
-        spans.append(
-            Span(
-                f"{i + 1:032x}",
-                f"{i + 1:016x}",
-                None,
-                "chat policy",
-                10**18 + i * 10**9,
-                10**18 + i * 10**9 + 1,
-                {
-                    semconv.SOURCE: semconv.SOURCE_GATEWAY,
-                    semconv.POLICY_VERSION: version,
-                    semconv.ROLLOUT_ID: rid,
-                },
-            )
-        )
-        rewards.append(Reward(f"u-{i}", 1.0 if good else 0.0, rollout_id=rid))
-    store.add_spans(spans)
-    store.add_observed_rollouts(
-        [{"rollout_id": s.rollout_id, "metadata": {"source": "gateway"}} for s in spans]
-    )
-    store.add_rewards(rewards)
+    ratings = [(0 if i < 30 else 1, float((i % 10) < (7 if i < 30 else 2))) for i in range(60)]
+    sessions(store, ratings)
     store.close()
-    config = config_from_dict(
-        {
-            "output_dir": str(tmp_path / "service"),
-            "model": {"source": "tiny", "lora": {"r": 4, "alpha": 8}},
-            "traces": {"store": str(db), "filter": {"source": "gateway"}},
-            "algorithm": {"name": "sft"},
-            "improve": {
-                "name": "t",
-                "gate": "none",
-                "min_new_rollouts": 1000,
-                "rollback": {"min_sessions": 20, "k_se": 2.0},
-            },
-        },
-        required=(),
-    )
-    out = tmp_path / "service"
-    out.mkdir()
-    state = ImproveState.new("t", None)
-    state.versions[0].status = "retired"
-    state.versions.append(Version(1, "serving", parent=0, round=1, gate=GateRecord("promoted", "ok")))
-    state.serving, state.rounds = 1, 1
-    state.save(out / STATE_FILE)
+    config = improve_config(tmp_path, str(db))
+    out = promoted_v1(tmp_path).parent
     lines: list[str] = []
     service = ImproveService(config, echo=lines.append)
     service.tick()

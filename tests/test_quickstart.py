@@ -117,9 +117,9 @@ def test_the_install_lines_pin_the_cpu_build_of_torch_and_install_the_model_with
 def _installed_by(extras: set[str]) -> set[str]:
     """The distributions ``pip install 'agl[EXTRAS]'`` brings (normalised names): agl's own requirements
     and extras from pyproject.toml, everything below them from the installed packages' metadata."""
-    import tomllib
     from importlib.metadata import PackageNotFoundError, distribution
 
+    import tomllib
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
