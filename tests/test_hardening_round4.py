@@ -663,3 +663,26 @@ def test_inspect_says_where_the_gateway_recorded_a_hand_run_agents_call(tmp_path
     assert "LLM call has no gateway span with token ids" in out
     assert "it did go through the gateway, which recorded it in rollout imp-s-session" in out
     assert "agl inspect imp-s-session" in out
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["import", "{file}", "--store", "{db}"],
+        ["dashboard", "--store", "{db}", "--port", "0"],
+    ],
+)
+def test_commands_that_open_a_postgres_store_never_print_its_password(tmp_path, command):
+    import subprocess
+    import sys
+
+    secret = "pw-4f1c9"
+    file = tmp_path / "t.jsonl"
+    file.write_text("{}\n")
+    db = f"postgresql://agl:{secret}@127.0.0.1:1/prod"
+    args = [a.format(file=file, db=db) for a in command]
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_core.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "agl:***@127.0.0.1:1" in done.stderr and secret not in done.stdout + done.stderr

@@ -98,10 +98,10 @@ def run_dashboard(args: argparse.Namespace) -> int:
     try:
         store = _open(target, store_token)
     except (StoreError, OSError, ImportError) as exc:
-        return fail(f"cannot open the store {target}: {exc}")
+        return fail(settings.masked_url(f"cannot open the store {target}: {exc}"))
     try:
         app = create_dashboard_app(store, run_dirs, token=token)
-        print(f"agl dashboard: store {target}; {len(runs)} run(s)", flush=True)
+        print(f"agl dashboard: store {settings.masked_url(target)}; {len(runs)} run(s)", flush=True)
         host = f"[{args.host}]" if ":" in args.host else args.host
 
         def bound(port: int) -> None:

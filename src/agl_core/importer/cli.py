@@ -92,7 +92,7 @@ def run_import(args: argparse.Namespace) -> int:
     from ._run import import_traces
 
     def fail(message: str) -> int:
-        print(f"agl import: {message}", file=sys.stderr)
+        print(f"agl import: {settings.masked_url(message)}", file=sys.stderr)
         return 2
 
     missing = [p for p in args.paths if not Path(p).is_file()]
@@ -137,7 +137,8 @@ def run_import(args: argparse.Namespace) -> int:
     already = summary.spans - summary.new_spans
     print(
         f"imported {summary.spans:,} spans ({summary.new_spans:,} new, {max(already, 0):,} already stored) in"
-        f" {summary.rollouts:,} rollout(s) from {summary.files} file(s) into {args.store} in {elapsed:.1f} s;"
+        f" {summary.rollouts:,} rollout(s) from {summary.files} file(s)"
+        f" into {settings.masked_url(args.store)} in {elapsed:.1f} s;"
         f" skipped: {len(summary.problems)} line(s)/record(s)"
         + (f", {summary.refused_spans} span(s) refused" if summary.refused_spans else "")
         + (

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from agl_core.pipeline.sft import SftResult
 from agl_core.records import Task, Transition
+from agl_core.settings import masked_url
 
 from ..config import TracesConfig, TrainerConfig
 from ..learning.checkpoint import load_checkpoint, save_checkpoint
@@ -82,7 +83,9 @@ def _trace_data(config: TrainerConfig, traces: TracesConfig) -> _TraceData:
     timed_out = config.algorithm.rewards.timeout_episode_reward is not None
     selection = select(traces, spans, records, timed_out_too=timed_out)
     if not selection.rollouts:
-        raise NothingSelectedError(f"{selection.describe()} (in {traces.store}); nothing to train on")
+        raise NothingSelectedError(
+            f"{selection.describe()} (in {masked_url(traces.store)}); nothing to train on"
+        )
     if config.algorithm.name == "sft":
         sft = prepare_sft(config, selection)
         problems = sft.reasons()
@@ -332,7 +335,10 @@ class _TracesJob:
                     "policy_version": step,
                     "before": None if before is None else before.__dict__,
                     "config": config.model_dump(mode="json"),
-                    "traces": {"store": self.traces.store, "rollouts": len(data.selection.rollouts)},
+                    "traces": {
+                        "store": masked_url(self.traces.store),
+                        "rollouts": len(data.selection.rollouts),
+                    },
                 },
                 keep=config.checkpoint.keep,
             )
