@@ -59,7 +59,7 @@ def _parse(
 
 
 def _parse_elsewhere(
-    body: bytes, json_body: bool, redactor: Redactor | None, rewards: RewardRange
+    body: bytes, json_body: bool, redactor: Redactor | None, rewards: RewardRange = DEFAULT_REWARD_RANGE
 ) -> ParsedBatch:
     """:func:`_parse` in a parse worker: a span kept as the bytes it arrived as comes back as its place
     in ``body`` (which the store process still holds), not as a copy sent back over the pipe (on two
