@@ -29,7 +29,7 @@ from typing import Any
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bfcl_check import check  # noqa: E402
+from bfcl_check import check, offered_calls, tool_name  # noqa: E402
 
 #: Sampling temperature while training (the trainer evaluates greedily).
 TEMPERATURE = 0.8
@@ -73,11 +73,6 @@ def _schema(node: Any) -> Any:
     return out
 
 
-def tool_name(name: str) -> str:
-    """The name a BFCL function is offered under: OpenAI's names hold no dots."""
-    return name.replace(".", "_")
-
-
 def tools_of(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The entry's functions as OpenAI chat tools."""
     return [
@@ -96,15 +91,14 @@ def tools_of(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def read_calls(message: Any, functions: list[dict[str, Any]]) -> list[tuple[str, Any]]:
     """The reply's tool calls as (BFCL's function name, arguments); arguments that are not a JSON
     object stay as their text, which no ground truth accepts."""
-    names = {tool_name(f["name"]): f["name"] for f in functions}
     calls = []
     for call in message.tool_calls or ():
         try:
             arguments = json.loads(call.function.arguments or "{}")
         except ValueError:
             arguments = call.function.arguments
-        calls.append((names.get(call.function.name, call.function.name), arguments))
-    return calls
+        calls.append((call.function.name, arguments))
+    return offered_calls(calls, functions)
 
 
 def score(task: dict[str, Any], calls: list[tuple[str, Any]], *, training: bool) -> Outcome:

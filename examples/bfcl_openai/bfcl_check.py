@@ -8,9 +8,13 @@ this module implements them:
 - the call names a function of the entry; every ``required`` parameter is given; no parameter is given
   that the function does not declare or that the ground truth does not list; every parameter the ground
   truth lists and does not mark optional is given;
+- the call names the function as it was offered: BFCL's dotted names (``math.factorial``) are offered
+  as ``math_factorial`` (OpenAI's names hold no dots), and a call to the dotted name is a call to a
+  function that was not offered (:func:`offered_calls`);
 - a value has the declared type (``string``, ``integer``, ``float``, ``boolean``, ``array``/``tuple``,
-  ``dict``, ``any`` as a string); an integer is accepted for a float; ``True`` is not an integer. A value of
-  the type the accepted values have (a variable's name written as a string) is compared as it is;
+  ``dict``, ``any`` as a string); an integer is accepted for a float, but not inside a list (nor a float
+  for an integer); ``True`` is not an integer. A value of the type the accepted values have (a variable's
+  name written as a string) is compared as it is;
 - strings compare after removing spaces and ``,./-_*^``, lower-cased, ``'`` read as ``"``; so do the
   strings inside lists and dicts; other values compare with ``==``;
 - ``simple`` and ``multiple``: exactly one call, checked against the one expected function;
@@ -70,10 +74,18 @@ def _typed(name: str, value: Any, spec: Mapping[str, Any], accepted: Sequence[An
     if type(value) is expected:
         if expected is not list or "items" not in spec:
             return "", variable
-        inner = TYPES.get(str(spec["items"].get("type", "string")), str)
-        # the items are checked only against accepted values that are lists: an accepted "" passes
-        if any(not isinstance(a, list) or all(type(i) is inner for i in value) for a in accepted):
-            return "", variable
+        declared_items = str(spec["items"].get("type", "string"))
+        inner = TYPES.get(declared_items, str)
+        # the items are checked only against accepted values that are lists (an accepted "" passes), each
+        # of the declared type or of the type that accepted list's values have (variables); no int for a
+        # float inside a list, nor a float for an int
+        for a in accepted:
+            if not isinstance(a, list):
+                return "", variable
+            item_kind = _accepted_type(a)
+            if all(type(i) is inner or (item_kind is not None and type(i) is item_kind) for i in value):
+                return "", variable
+        return f"{name}: {value!r} holds items that are not {declared_items}", False
     if kind is type(value):
         return "", True
     return f"{name}: {value!r} is {type(value).__name__}, expected {declared}", False
@@ -129,6 +141,20 @@ def check_call(function: Mapping[str, Any], arguments: Mapping[str, Any], expect
         if name not in arguments and "" not in accepted:
             return f"missing parameter {name!r}"
     return ""
+
+
+def tool_name(name: str) -> str:
+    """The name a BFCL function is offered under: OpenAI's names hold no dots."""
+    return name.replace(".", "_")
+
+
+def offered_calls(
+    calls: Sequence[tuple[str, Any]], functions: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, Any]]:
+    """Calls as the model made them (the offered tool names) as calls to BFCL's functions: a name that was
+    not offered (BFCL's own dotted name among them) stays what it was, marked so that it matches none."""
+    names = {tool_name(str(f["name"])): str(f["name"]) for f in functions}
+    return [(names.get(called, f"{called} (not offered)"), arguments) for called, arguments in calls]
 
 
 def _function(functions: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:

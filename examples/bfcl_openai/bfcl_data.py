@@ -12,10 +12,14 @@ accepts). Entries are checked as they are read: an entry whose ground truth name
 offer, or whose ground truth's own first accepted values fail ``bfcl_check.check``, is counted and
 excluded with its id (none is, in this wheel).
 
-The split is by entry id and committed (``split.json``): a quarter of each category is held out (the
-entries whose number within the category is a multiple of 4: 250 of 1,000). This writes ``train.jsonl``
-and ``val.jsonl`` next to this file; ``--check`` rebuilds them in memory and says whether the committed
-files are exactly what the wheel gives.
+The split is committed (``split.json``) and keeps the held-out set unseen: BFCL reuses questions across
+categories (``multiple`` repeats ``simple_python`` questions, often with the same expected call), so
+entries that share a user question, or an expected call (the same function, BFCL's dotted name or the
+offered one, with the same first accepted values), are one group, and a group goes whole to one side.
+A group is held out when its first entry in BFCL's order has a number within its category that is a
+multiple of 4: 291 of 1,000 entries, and no held-out question or expected call appears in training
+(``--check`` verifies it). This writes ``train.jsonl`` and ``val.jsonl`` next to this file; ``--check``
+rebuilds them in memory and says whether the committed files are exactly what the wheel gives.
 """
 
 from __future__ import annotations
@@ -46,8 +50,13 @@ FILES = {
     "parallel": "BFCL_v4_parallel",
     "parallel_multiple": "BFCL_v4_parallel_multiple",
 }
-#: A quarter of each category is held out: entries whose number is a multiple of this.
+#: A group of entries is held out when its first entry's number within its category is a multiple of this.
 HOLD_OUT_EVERY = 4
+#: The rule ``split.json`` was written by; a file written by another rule is written again.
+RULE = (
+    f"groups of entries sharing a user question or an expected call go whole to one side; a group is held"
+    f" out when its first entry's number within its category % {HOLD_OUT_EVERY} == 0"
+)
 
 
 class DataError(Exception):
@@ -114,9 +123,48 @@ def split(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dic
     return [e for e in entries if e["id"] not in held_out], [e for e in entries if e["id"] in held_out]
 
 
+def shared_keys(entry: dict[str, Any]) -> set[str]:
+    """What makes two entries the same question for a held-out set: the user's text (case and spacing
+    aside), each expected call as BFCL gives it, and each expected call as a name (dots read as
+    underscores, as the offered tools spell them) with the first value each parameter accepts."""
+    text = " ".join(m["content"] for m in entry["messages"] if m.get("role") == "user")
+    keys = {"question:" + " ".join(text.lower().split())}
+    for call in entry["ground_truth"]:
+        ((name, params),) = call.items()
+        keys.add("call:" + json.dumps(call, sort_keys=True))
+        first = {k: (v[0] if isinstance(v, list) and v else v) for k, v in params.items()}
+        keys.add("value:" + json.dumps([name.replace(".", "_"), first], sort_keys=True))
+    return keys
+
+
 def held_out_ids(entries: list[dict[str, Any]]) -> list[str]:
-    """The ids the split rule holds out (how ``split.json`` was written)."""
-    return [e["id"] for e in entries if e["number"] % HOLD_OUT_EVERY == 0]
+    """The ids the split rule holds out (how ``split.json`` was written): entries are grouped by the keys
+    they share (:func:`shared_keys`, transitively), and a group is held out when its first entry (in
+    BFCL's order, ``entries``' order) has a number that is a multiple of :data:`HOLD_OUT_EVERY`."""
+    parent = list(range(len(entries)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        for key in shared_keys(entry):
+            if key in first:
+                a, b = root(i), root(first[key])
+                parent[max(a, b)] = min(a, b)
+            else:
+                first[key] = i
+    # the smallest index of a group is its root: the group's first entry
+    return [e["id"] for i, e in enumerate(entries) if entries[root(i)]["number"] % HOLD_OUT_EVERY == 0]
+
+
+def overlap(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> list[str]:
+    """The held-out ids whose question or an expected call also appears in training (none, by the rule)."""
+    seen = set().union(*(shared_keys(e) for e in train)) if train else set()
+    return [e["id"] for e in val if shared_keys(e) & seen]
 
 
 def _lines(tasks: list[dict[str, Any]]) -> str:
@@ -138,22 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, OSError, zipfile.BadZipFile, KeyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if not SPLIT.exists():
-        SPLIT.write_text(
-            json.dumps(
-                {
-                    "rule": f"number within category % {HOLD_OUT_EVERY} == 0",
-                    "held_out_ids": held_out_ids(entries),
-                },
-                indent=1,
-            )
-            + "\n"
-        )
+    if not SPLIT.exists() or json.loads(SPLIT.read_text()).get("rule") != RULE:
+        if args.check:
+            print(f"error: {SPLIT.name} was not written by this rule; run {COMMAND}", file=sys.stderr)
+            return 1
+        SPLIT.write_text(json.dumps({"rule": RULE, "held_out_ids": held_out_ids(entries)}, indent=1) + "\n")
     train, val = split(entries)
+    shared = overlap(train, val)
+    if shared:
+        print(f"error: held-out entries seen in training: {', '.join(shared[:10])}", file=sys.stderr)
+        return 1
     files = {HERE / "train.jsonl": _lines(train), HERE / "val.jsonl": _lines(val)}
     print(
         f"{len(entries)} entries ({len(excluded)} excluded{': ' + ', '.join(excluded) if excluded else ''}):"
-        f" {len(train)} train, {len(val)} held out"
+        f" {len(train)} train, {len(val)} held out; no held-out question or expected call is in training"
     )
     if args.check:
         stale = [path.name for path, text in files.items() if not path.exists() or path.read_text() != text]

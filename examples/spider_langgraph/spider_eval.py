@@ -7,6 +7,10 @@ gold rows as a multiset, or as a sequence when the gold query orders its result 
 are matched by position, not name, so ``SELECT name, age`` and ``SELECT age, name`` both answer a
 question whose gold asks for the two. Empty results equal each other.
 
+Queries run as written: ``DISTINCT`` is kept in both the predicted and the gold query. The test-suite
+evaluator strips it from both by default (its ``--keep_distinct`` off), so a prediction that differs from
+the gold only by ``DISTINCT`` can be right there and wrong here, or the other way round.
+
 Predicted SQL is untrusted: it runs on a read-only connection to the database file, one statement only,
 allowed to read and compute and nothing else (an authorizer refuses ``ATTACH``, ``PRAGMA`` and every
 write), and is stopped after ``timeout_s`` seconds (SQLite's progress handler), so a cross join of every
