@@ -686,3 +686,48 @@ def test_commands_that_open_a_postgres_store_never_print_its_password(tmp_path, 
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "agl:***@127.0.0.1:1" in done.stderr and secret not in done.stdout + done.stderr
+
+
+def test_a_store_s_own_reward_range_governs_its_api_and_its_otlp_ingest(sqlite_store):
+    """One range, the store's: the API and OTLP ingest of an app made over the store alone take it."""
+    from agl_core.pipeline.rewards import RewardRange
+    from agl_core.testing import Collector
+
+    sqlite_store.reward_range = RewardRange(0, 1)
+    sqlite_store.enqueue_rollouts([{"task_id": "t", "rollout_id": "ro-1"}])
+    with Collector(sqlite_store) as server:
+        r = httpx.post(
+            server.url + "/api/rewards",
+            json={"rewards": [{"reward_id": "a", "value": 2, "rollout_id": "ro-1"}]},
+        )
+        assert r.status_code == 400 and "rewards.0.value: reward 2" in r.json()["error"]["message"], r.text
+        request = ExportTraceServiceRequest()
+        span = (
+            request.resource_spans.add()
+            .scope_spans.add()
+            .spans.add(trace_id=b"\x07" * 16, span_id=b"\x07" * 8, name=semconv.SPAN_REWARD)
+        )
+        span.attributes.add(key=semconv.REWARD_VALUE).value.double_value = 5.0
+        r = httpx.post(
+            server.url + "/v1/traces",
+            content=request.SerializeToString(),
+            headers={"content-type": "application/x-protobuf"},
+        )
+        assert r.status_code == 200 and sqlite_store.stats()["spans"] == 0
+
+
+@pytest.mark.parametrize(
+    ("bounds", "message"), [([1, 0], "finite MIN < MAX"), ([0, 1e16], "within ±1e15"), ([0, "x"], "number")]
+)
+def test_rollback_reward_range_refuses_bad_bounds(bounds, message):
+    from agl_trainer.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(
+            {
+                "model": {"source": "tiny"},
+                "traces": {"store": "http://127.0.0.1:1"},
+                "improve": {"gate": "none", "rollback": {"reward_range": bounds}},
+            },
+            required=(),
+        )

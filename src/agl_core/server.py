@@ -24,7 +24,12 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["BackgroundServer", "StopSignals", "serve_forever"]
+__all__ = ["BackgroundServer", "ListenError", "StopSignals", "listen", "port_problem", "serve_forever"]
+
+
+class ListenError(OSError):
+    """An address that cannot be listened on (a port in use, a host not on this machine); the message
+    names it."""
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -37,7 +42,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another port") from None
+        raise ListenError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another port"
+        ) from None
     sock.listen(2048)
     sock.setblocking(False)
     return sock
@@ -162,7 +169,7 @@ class StopSignals:
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound and listening on ``host:port`` (for :func:`serve_forever`'s ``sock``): a command
     binds before its slow start-up (loading a model), so a port in use is said at once. Raises
-    :class:`OSError` naming the address."""
+    :class:`ListenError` naming the address."""
     return _bind(host, port)
 
 
@@ -173,7 +180,7 @@ def port_problem(host: str, port: int) -> str | None:
         return None
     try:
         _bind(host, port).close()
-    except OSError as exc:
+    except ListenError as exc:
         return str(exc)
     return None
 

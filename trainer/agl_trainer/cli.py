@@ -90,6 +90,8 @@ def _ports_taken(config: Any) -> str | None:
 def _train_until_stopped(
     config: Any, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool
 ) -> int:
+    from agl_core.server import ListenError
+
     from .learning.checkpoint import CheckpointError
     from .model import ModelNotFoundError
     from .run.loop import NothingTrainedError, train
@@ -107,7 +109,7 @@ def _train_until_stopped(
         if isinstance(exc, (ModelNotFoundError, CheckpointError, ValueError)):
             print(f"agl train: {exc}", file=sys.stderr)
             return 2
-        if isinstance(exc, OSError) and str(exc).startswith("cannot listen on"):  # taken since the check
+        if isinstance(exc, ListenError):  # a port taken since the check before the model loaded
             print(f"agl train: {exc} (gateway.port or logging.dashboard_port in the config)", file=sys.stderr)
             return 2
         if isinstance(exc, NothingTrainedError):

@@ -142,7 +142,7 @@ class IngestPipeline:
         store: Any,
         *,
         redactor: Redactor | None = None,
-        reward_range: RewardRange = DEFAULT_REWARD_RANGE,
+        reward_range: RewardRange | None = None,
         max_pending_spans: int = 200_000,
         max_commit_spans: int = 20_000,
         parse_workers: int = 0,
@@ -155,8 +155,10 @@ class IngestPipeline:
             raise ValueError("parse_workers must be >= 0")
         self.store = store
         self.redactor = redactor if redactor else None
-        #: ``agl.reward`` spans whose value lies outside it are refused (OTLP partial success).
-        self.reward_range = reward_range
+        #: ``agl.reward`` spans whose value lies outside it are refused (OTLP partial success); by default
+        #: the store's own range, the one its late rewards are held to.
+        own: RewardRange = getattr(store, "reward_range", DEFAULT_REWARD_RANGE)
+        self.reward_range = own if reward_range is None else reward_range
         self.parse_workers = parse_workers
         # Workers that write what they decode (a SQLite store): the rows never cross back to this
         # process, and two workers decode and write at once, taking turns only on the write itself.

@@ -535,9 +535,6 @@ class _StoreAPI:
                 reward = Reward.from_json(item.model_dump())
             except ValueError as exc:
                 raise _HttpError(400, f"invalid request body: rewards.{n}.{exc}") from None
-            problem = self.ingest.reward_range.problem(reward.value)
-            if problem:
-                raise _HttpError(400, f"invalid request body: rewards.{n}.value: {problem}")
             if self.clean is not None:  # ids are never redacted; the name and source are
                 kept = self.clean.redact_json(
                     {semconv.REWARD_NAME: reward.name, semconv.REWARD_SOURCE: reward.source}
@@ -550,7 +547,10 @@ class _StoreAPI:
                     )
                 reward = dataclasses.replace(reward, source=kept.get(semconv.REWARD_SOURCE, MASK))
             rewards.append(reward)
-        stored = await run_in_threadpool(self.store.add_rewards, rewards)
+        try:  # the store refuses values outside its reward range, naming the field
+            stored = await run_in_threadpool(self.store.add_rewards, rewards)
+        except ValueError as exc:
+            raise _HttpError(400, f"invalid request body: {exc}") from None
         return JSONResponse({"rewards": [s.to_json() for s in stored]})
 
     async def resource(self, request: Request) -> Response:

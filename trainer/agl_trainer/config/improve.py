@@ -77,10 +77,13 @@ class RollbackConfig(_Strict):
     reward_range: tuple[_FiniteFloat, _FiniteFloat] = (-1e6, 1e6)
 
     @pydantic.model_validator(mode="after")
-    def _range_ordered(self) -> RollbackConfig:
-        low, high = self.reward_range
-        if not low < high:
-            raise ValueError(f"rollback.reward_range [{low:g}, {high:g}]: give [low, high] with low < high")
+    def _range_valid(self) -> RollbackConfig:
+        from agl_core.pipeline.rewards import RewardRange
+
+        try:  # the rules every reward range follows (agl store serve --reward-range too)
+            RewardRange(*self.reward_range)
+        except ValueError as exc:
+            raise ValueError(f"rollback.reward_range {list(self.reward_range)}: {exc}") from None
         return self
 
 
