@@ -35,6 +35,7 @@ from .reporting.results import EvalResult, mean_se
 from .run.data import DatasetError, find_task_file, load_splits, load_tasks
 from .run.rollouts import RolloutQueue, ScoredRollout, score_tasks
 from .run.signals import stop_on_signals
+from .saved import Checkpoint, find_checkpoint
 
 if TYPE_CHECKING:
     from agl_core.plugins import CliCommand
@@ -55,74 +56,10 @@ __all__ = [
     "write_task_scores",
 ]
 
-_STATE_FILE = "state.json"
-
 
 class EvalError(ValueError):
     """An evaluation cannot run as asked (a missing checkpoint, a task field no task has); the message
     says what to pass instead."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """A policy ``agl train`` saved: a checkpoint directory (``output_dir/checkpoints/step-N``) with a
-    LoRA ``adapter`` directory or full ``weights``, or a bare PEFT adapter directory."""
-
-    path: Path
-    adapter: Path | None
-    weights: Path | None
-    #: The training step and policy version it was saved at (``None`` for a bare adapter directory).
-    step: int | None = None
-    policy_version: int | None = None
-    #: A checkpoint of a run with ``policies``: each policy's adapter directory (``adapter/<policy>``).
-    adapters: dict[str, Path] = dataclasses.field(default_factory=dict)
-
-    def describe(self) -> str:
-        return str(self.path) + (
-            f" (policy v{self.policy_version})" if self.policy_version is not None else ""
-        )
-
-
-def find_checkpoint(path: str | Path) -> Checkpoint:
-    """The checkpoint at ``path``: a checkpoint directory, its ``adapter`` directory, any PEFT adapter
-    directory, or a directory of checkpoints (a run's ``output_dir`` or its ``checkpoints``), whose newest
-    is taken. Raises :class:`EvalError` naming what was there instead."""
-    path = Path(path)
-    if not path.is_dir():
-        raise EvalError(f"checkpoint {path} is not a directory")
-    if (path / _STATE_FILE).is_file():
-        state = json.loads((path / _STATE_FILE).read_text())
-        adapter = path / "adapter"
-        weights = path / "model.safetensors"
-        # a run with policies: one adapter per policy, in adapter/<policy>/
-        adapters = {
-            child.name: child
-            for child in sorted(adapter.iterdir() if adapter.is_dir() else ())
-            if (child / "adapter_config.json").is_file()
-        }
-        if not (adapter / "adapter_config.json").is_file() and not weights.is_file() and not adapters:
-            raise EvalError(f"checkpoint {path} holds neither an adapter/ directory nor model.safetensors")
-        return Checkpoint(
-            path,
-            adapter if (adapter / "adapter_config.json").is_file() else None,
-            weights if weights.is_file() else None,
-            int(state["step"]) if "step" in state else None,
-            int(state["policy_version"]) if "policy_version" in state else None,
-            adapters,
-        )
-    if (path / "adapter_config.json").is_file():
-        return Checkpoint(path, path, None)
-    for root in (path / "checkpoints", path):
-        found = sorted(
-            (p for p in root.glob("step-*") if (p / _STATE_FILE).is_file()),
-            key=lambda p: p.name,
-        )
-        if found:
-            return find_checkpoint(found[-1])
-    raise EvalError(
-        f"{path} holds no checkpoint: pass a checkpoint directory (OUTPUT_DIR/checkpoints/step-N), a LoRA"
-        " adapter directory, or a run's output_dir"
-    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -263,8 +263,28 @@ class TrainerConfig(_Strict):
                     f"update.{moot[0]} applies only to update.backend torch; with verl, set precision and"
                     " placement in verl.actor_rollout_ref.actor"
                 )
+            torch_only = [
+                key
+                for key, default in (("loss_norm", "rollout"), ("kl_reference", "base"))
+                if getattr(self.algorithm, key) != default
+            ]
+            if torch_only:
+                raise ValueError(
+                    f"algorithm.{torch_only[0]} applies only to update.backend torch; verl's actor has its"
+                    " own (verl.actor_rollout_ref.actor.loss_agg_mode, and a KL toward the base model)"
+                )
         elif self.verl:
             raise ValueError("the verl: section applies only with update.backend: verl")
+        if self.algorithm.kl_reference == "init_adapter" and self.model.init_adapter is None:
+            raise ValueError(
+                "algorithm.kl_reference: init_adapter pulls toward model.init_adapter, which is not set; set"
+                " model.init_adapter (the warm start), or give kl_reference an adapter's path, or 'base'"
+            )
+        if self.algorithm.kl_reference != "base" and (self.model.lora is None or self.policies):
+            raise ValueError(
+                "algorithm.kl_reference other than 'base' needs model.lora and a run without policies:"
+                " the reference is an adapter of model.lora's shape"
+            )
         if self.model.init_adapter is not None:
             if self.model.lora is None:
                 raise ValueError("model.init_adapter needs model.lora (the adapter it starts)")
@@ -468,6 +488,51 @@ def config_from_dict(
     )
 
 
+def _kl_reference(config: TrainerConfig, init_adapter: str | None, base_dir: Path, source: str) -> str | None:
+    """``algorithm.kl_reference`` as the path of the adapter weights it names, checked to fit
+    ``model.lora`` (and ``model.init_adapter``'s tensors) before any model loads; ``None`` for ``base``."""
+    from ..saved import CheckpointError, check_adapter_fits
+
+    name = config.algorithm.kl_reference
+    lora = config.model.lora
+    if name == "base" or lora is None:
+        return None
+    init_weights = None
+    if init_adapter is not None:
+        try:
+            init_weights = check_adapter_fits(
+                init_adapter,
+                key="model.init_adapter",
+                r=lora.r,
+                alpha=lora.alpha,
+                target_modules=list(lora.target_modules),
+            )
+        except CheckpointError as exc:
+            if name == "init_adapter":
+                raise ConfigError(f"{source}: 'algorithm.kl_reference' (init_adapter): {exc}") from None
+    if name == "init_adapter":
+        assert init_weights is not None  # the schema requires model.init_adapter
+        return str(init_weights.parent)
+    directory = Path(name) if Path(name).is_absolute() else base_dir / name
+    if not directory.is_dir():
+        raise ConfigError(
+            f"{source}: 'algorithm.kl_reference': {directory} is not a directory; give 'base',"
+            " 'init_adapter', or an adapter: a checkpoint, an adapter directory or a run's output_dir"
+        )
+    try:
+        weights = check_adapter_fits(
+            directory,
+            key="algorithm.kl_reference",
+            r=lora.r,
+            alpha=lora.alpha,
+            target_modules=list(lora.target_modules),
+            like=init_weights,
+        )
+    except CheckpointError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return str(weights.parent)
+
+
 def _validate(
     data: dict[str, Any],
     overrides: Sequence[str],
@@ -504,6 +569,15 @@ def _validate(
         if file.suffix.lower() not in (".jsonl", ".parquet"):
             raise ConfigError(f"{source}: '{where}': {file.name} must be a .jsonl or .parquet file")
         resolved[key] = file
+    task_filter = config.tasks.filter if config.tasks is not None else None
+    if task_filter is not None:
+        scores = task_filter.scores if task_filter.scores.is_absolute() else base_dir / task_filter.scores
+        if not scores.is_file():
+            raise ConfigError(
+                f"{source}: 'tasks.filter.scores': file {scores} does not exist (write it with agl eval"
+                " CONFIG --tasks TRAIN_FILE --split train --samples K --output FILE)"
+            )
+        resolved["filter"] = task_filter.model_copy(update={"scores": scores})
     update: dict[str, Any] = {}
     if config.tasks is not None:
         update["tasks"] = config.tasks.model_copy(update=resolved)
@@ -520,6 +594,9 @@ def _validate(
                 " adapter directory or a run's output_dir)"
             )
         update["model"] = config.model.model_copy(update={"init_adapter": str(directory)})
+    reference = _kl_reference(config, update.get("model", config.model).init_adapter, base_dir, source)
+    if reference is not None:
+        update["algorithm"] = config.algorithm.model_copy(update={"kl_reference": reference})
     source_name = config.model.source
     if source_name not in ("smollm2", "tiny"):
         model_dir = Path(source_name) if Path(source_name).is_absolute() else base_dir / source_name

@@ -51,7 +51,7 @@ class AlgorithmConfig(_Strict):
     #: then normalised over the batch). ``sft`` (only with ``traces``): fine-tune on the response tokens of
     #: the selected rollouts' LLM calls with the next-token loss (rejection sampling, distillation).
     name: Literal["grpo", "ppo", "reinforce_pp", "sft"] = "grpo"
-    #: Weight of the per-token KL penalty to the reference policy (the base model under LoRA); 0 = off.
+    #: Weight of the per-token KL penalty to the reference policy (``kl_reference``); 0 = off.
     kl_coef: float = pydantic.Field(0.0, ge=0.0)
     #: How a rollout's episode reward is shared among its LLM calls: ``episode`` (every call gets it),
     #: ``last`` (the last trained call), ``discounted`` (call t of T gets ``gamma ** (T-1-t)`` of it), or
@@ -61,7 +61,26 @@ class AlgorithmConfig(_Strict):
     gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)
     #: Intermediate rewards added per call after ``credit`` (explicit per-call rewards, penalties).
     rewards: RewardsConfig = RewardsConfig()
+    #: The importance ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]`` in the PPO-clip loss.
     clip_eps: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
+    #: Upper clip bound ``1 + clip_eps_high``, at least ``clip_eps`` (DAPO's "clip higher", e.g. 0.28 with
+    #: ``clip_eps: 0.2``, leaves unlikely tokens room to gain probability). Unset: ``clip_eps``.
+    clip_eps_high: float | None = pydantic.Field(None, gt=0.0, le=10.0)
+    #: How the per-token losses of a batch are averaged. ``rollout``: a call's mean over its response
+    #: tokens, a rollout's mean over its calls, the batch's mean over rollouts (a rollout weighs the same
+    #: however long it is; GRPO's per-sequence mean). ``token``: every response token of the batch weighs
+    #: the same (DAPO's token-level loss: long responses count in proportion to their length).
+    #: ``constant``: a rollout's token losses summed and divided by ``norm_tokens``, then the mean over
+    #: rollouts (Dr. GRPO, with ``name: ppo`` for its advantages without the division by the group's std).
+    loss_norm: Literal["rollout", "token", "constant"] = "rollout"
+    #: ``loss_norm: constant``'s divisor: the response tokens a rollout may write (the agent's
+    #: ``max_tokens`` times its calls). Required with ``constant``, unused otherwise.
+    norm_tokens: int | None = pydantic.Field(None, ge=1, le=1_000_000)
+    #: What the KL penalty (``kl_coef``) pulls the policy toward: ``base`` (the base model: the LoRA
+    #: adapter switched off), ``init_adapter`` (``model.init_adapter``, the warm start the run begins
+    #: from), or the path of a LoRA adapter of ``model.lora``'s shape (a checkpoint, an adapter directory
+    #: or a run's output_dir, relative to the config file).
+    kl_reference: str = pydantic.Field("base", min_length=1)
     learning_rate: float = pydantic.Field(1e-4, gt=0.0, lt=1.0)
     max_grad_norm: float = pydantic.Field(1.0, gt=0.0)
     #: Padded tokens per forward/backward pass; larger batches are split and gradients accumulated (the
@@ -77,6 +96,35 @@ class AlgorithmConfig(_Strict):
         if self.micro_batch_tokens is not None:
             return self.micro_batch_tokens
         return CPU_MICRO_BATCH_TOKENS if _is_cpu(device) else GPU_MICRO_BATCH_TOKENS
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip bound's epsilon: ``clip_eps_high``, or ``clip_eps`` when unset."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @pydantic.model_validator(mode="after")
+    def _loss_settings(self) -> AlgorithmConfig:
+        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
+            raise ValueError(
+                f"clip bounds out of order: clip_eps_high ({self.clip_eps_high}) is below clip_eps"
+                f" ({self.clip_eps}); the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high], and"
+                " clip_eps_high raises the upper bound (DAPO): set it to at least clip_eps, or leave it unset"
+            )
+        if self.loss_norm == "constant" and self.norm_tokens is None:
+            raise ValueError(
+                "loss_norm 'constant' divides each rollout's summed token losses by norm_tokens; set"
+                " algorithm.norm_tokens to the response tokens a rollout may write (its max_tokens)"
+            )
+        if self.norm_tokens is not None and self.loss_norm != "constant":
+            raise ValueError(
+                f"algorithm.norm_tokens applies only to loss_norm: constant (loss_norm is {self.loss_norm!r})"
+            )
+        if self.kl_reference != "base" and self.kl_coef == 0:
+            raise ValueError(
+                f"algorithm.kl_reference is {self.kl_reference!r} but kl_coef is 0, so there is no KL"
+                " penalty; set kl_coef > 0 (e.g. 0.05) or leave kl_reference unset"
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _per_call_needs_rewards(self) -> AlgorithmConfig:
@@ -126,7 +174,7 @@ VERL_RESERVED_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.grad_clip": "algorithm.max_grad_norm",
     "actor_rollout_ref.actor.clip_ratio": "algorithm.clip_eps",
     "actor_rollout_ref.actor.clip_ratio_low": "algorithm.clip_eps",
-    "actor_rollout_ref.actor.clip_ratio_high": "algorithm.clip_eps",
+    "actor_rollout_ref.actor.clip_ratio_high": "algorithm.clip_eps_high",
     "actor_rollout_ref.actor.use_kl_loss": "algorithm.kl_coef",
     "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_coef",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "algorithm.micro_batch_tokens",

@@ -68,6 +68,34 @@ class TracesConfig(_Strict):
     baseline: Literal["task", "agent"] = "task"
 
 
+class TaskFilterConfig(_Strict):
+    """Train only on the tasks whose measured score lies strictly between ``above`` and ``below``: with the
+    defaults, the tasks the starting policy solves sometimes but not always (a pass@k filter: a task every
+    rollout solves, or none does, gives its group no advantage). The scores are measured before training,
+    with the policy the run starts from, e.g. ``agl eval CONFIG --tasks train.jsonl --split train
+    --samples 8 --checkpoint WARM_START --output scores.jsonl``.
+    """
+
+    #: Per-task scores: a JSONL file with ``task_id`` and ``score`` on each line (``agl eval --output``
+    #: writes it), relative to the config file.
+    scores: Path
+    #: Keep a task only if its score is above this (exclusive).
+    above: _FiniteFloat = 0.0
+    #: Keep a task only if its score is below this (exclusive).
+    below: _FiniteFloat = 1.0
+    #: Training tasks the file has no score for: ``drop`` them or ``keep`` them.
+    unscored: Literal["drop", "keep"] = "drop"
+
+    @pydantic.model_validator(mode="after")
+    def _bounds_in_order(self) -> TaskFilterConfig:
+        if self.above >= self.below:
+            raise ValueError(
+                f"tasks.filter bounds out of order: above ({self.above}) must be below below ({self.below});"
+                " a task is kept when above < score < below"
+            )
+        return self
+
+
 class TasksConfig(_Strict):
     #: Training tasks: a JSONL file (one JSON object per line) or a Parquet file (one task per row);
     #: an ``id`` field, when present, is the task id.
@@ -77,6 +105,9 @@ class TasksConfig(_Strict):
     #: Instead of ``val``: hold out this fraction of ``train`` (chosen once by ``split_seed``).
     val_fraction: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
     split_seed: int = 0
+    #: Train only on the tasks whose measured score lies in a range (see :class:`TaskFilterConfig`);
+    #: validation tasks are never filtered.
+    filter: TaskFilterConfig | None = None
 
     @pydantic.model_validator(mode="after")
     def _one_val_source(self) -> TasksConfig:

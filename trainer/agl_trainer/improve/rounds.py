@@ -41,8 +41,8 @@ class TrainerRoundWork:
         self.config, self.echo = config, echo
 
     def train(self, round_dir: Path, rollouts: Sequence[str], parent_adapter: Path | None) -> Path:
-        from ..evaluate import find_checkpoint
         from ..run.offline import train_from_traces
+        from ..saved import find_checkpoint
 
         config = self.config
         assert config.traces is not None

@@ -142,7 +142,7 @@ class ImproveService:
         init = self.config.model.init_adapter
         if init is None:
             return None
-        from ..evaluate import find_checkpoint
+        from ..saved import find_checkpoint
 
         adapter = find_checkpoint(init).adapter
         if adapter is None:

@@ -19,11 +19,11 @@ import torch
 
 from ..model import load_adapter_weights
 from ..reporting.trackers import masked_config
+from ..saved import STATE_FILE
 
 __all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
 _PREFIX = "step-"
-STATE_FILE = "state.json"
 
 
 class CheckpointError(RuntimeError):

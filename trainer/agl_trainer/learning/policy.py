@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl_core.policies import trained_policy
@@ -123,7 +124,14 @@ def load_trainable_policy(
                 raise ValueError("algorithm.kl_coef > 0 needs model.lora (the base model is the reference)")
             from .update import reference_logprobs_fn
 
-            reference = reference_logprobs_fn(model, tokenizer.pad_token_id or 0, bf16=config.update.bf16)
+            reference = reference_logprobs_fn(
+                model,
+                tokenizer.pad_token_id or 0,
+                bf16=config.update.bf16,
+                adapter=_reference_adapter(config),
+            )
+            if config.algorithm.kl_reference != "base":
+                echo(f"KL reference: the adapter in {config.algorithm.kl_reference}")
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     updater: VerlUpdater | None = None
     if config.update.backend == "verl":
@@ -146,14 +154,14 @@ def load_trainable_policy(
 
 
 def _load_init_adapter(model: Any, path: str) -> str:
-    """Load ``model.init_adapter`` (:func:`~agl_trainer.evaluate.find_checkpoint` resolves it) into the
+    """Load ``model.init_adapter`` (:func:`~agl_trainer.saved.find_checkpoint` resolves it) into the
     PEFT ``model``'s adapter; what was loaded. ``ValueError`` when it is no LoRA adapter of this shape."""
-    from ..evaluate import EvalError, find_checkpoint
     from ..model import load_adapter_weights
+    from ..saved import CheckpointError, find_checkpoint
 
     try:
         checkpoint = find_checkpoint(path)
-    except EvalError as exc:
+    except CheckpointError as exc:
         raise ValueError(f"model.init_adapter: {exc}") from None
     weights = checkpoint.adapter / "adapter_model.safetensors" if checkpoint.adapter is not None else None
     if weights is None or not weights.is_file():
@@ -167,6 +175,28 @@ def _load_init_adapter(model: Any, path: str) -> str:
             f"model.init_adapter: {weights} does not fit model.lora (unexpected keys {unexpected[:3]})"
         )
     return checkpoint.describe()
+
+
+def _reference_adapter(config: TrainerConfig) -> Path | None:
+    """The weights ``algorithm.kl_reference`` names (``None`` for the base model), checked to fit."""
+    from ..saved import CheckpointError, check_adapter_fits
+
+    name = config.algorithm.kl_reference
+    lora = config.model.lora
+    if name == "base" or lora is None:
+        return None
+    path = config.model.init_adapter if name == "init_adapter" else name
+    assert path is not None  # the config requires model.init_adapter for 'init_adapter'
+    try:
+        return check_adapter_fits(
+            path,
+            key="algorithm.kl_reference",
+            r=lora.r,
+            alpha=lora.alpha,
+            target_modules=list(lora.target_modules),
+        )
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def peft_lora_config(lora: LoraConfig) -> Any:

@@ -1,9 +1,12 @@
-"""One policy update from advantaged transitions: PPO-clip with an optional KL penalty to the reference
-policy, the loss normalised per rollout.
+"""One policy update from advantaged transitions: PPO-clip (optionally with a higher upper bound) with an
+optional KL penalty to a reference policy.
 
 Each transition (one LLM call) is its own sample: prompt + response, loss on the response tokens only.
-A transition's loss is the mean over its response tokens; a rollout's is the mean over its transitions;
-the batch loss is the mean over rollouts, so a rollout with many calls weighs as much as one with few.
+How the token losses are averaged (``algorithm.loss_norm``, :func:`loss_weights`): ``rollout`` (default) takes
+a transition's mean over its response tokens, a rollout's mean over its transitions and the batch's mean
+over rollouts, so a rollout with many calls weighs as much as one with few; ``token`` weighs every response
+token of the batch alike (DAPO); ``constant`` sums a rollout's token losses and divides by a fixed
+``norm_tokens`` (Dr. GRPO).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -29,6 +33,7 @@ __all__ = [
     "UpdateStats",
     "batch_loss",
     "kl_k3",
+    "loss_weights",
     "ppo_clip_token_loss",
     "reference_logprobs_fn",
     "response_logprobs",
@@ -50,6 +55,9 @@ class UpdateSettings:
     kl_coef: float
     bf16: bool
     recompute: bool
+    clip_eps_high: float | None = None
+    loss_norm: str = "rollout"
+    norm_tokens: int | None = None
 
     @classmethod
     def of(cls, algorithm: AlgorithmConfig, update: UpdateConfig, device: torch.device) -> UpdateSettings:
@@ -60,6 +68,9 @@ class UpdateSettings:
             kl_coef=algorithm.kl_coef,
             bf16=update.bf16,
             recompute=update.recompute_on(device),
+            clip_eps_high=algorithm.clip_eps_high,
+            loss_norm=algorithm.loss_norm,
+            norm_tokens=algorithm.norm_tokens,
         )
 
     def ppo(self) -> dict[str, Any]:
@@ -103,12 +114,18 @@ class UpdateStats:
 
 
 def ppo_clip_token_loss(
-    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage: torch.Tensor, clip_eps: float
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantage: torch.Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss ``-min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)`` and whether it clipped."""
+    """Per-token PPO-clip loss ``-min(ratio * A, clip(ratio, 1-eps, 1+eps_high) * A)`` and whether it
+    clipped; ``clip_eps_high`` defaults to ``clip_eps`` (symmetric clipping)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(new_logprobs - old_logprobs)
     unclipped = ratio * advantage
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantage
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantage
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
 
 
@@ -385,21 +402,77 @@ def _prompt_groups(
 
 
 def reference_logprobs_fn(
-    model: torch.nn.Module, pad_id: int, reference: torch.nn.Module | None = None, *, bf16: bool = False
+    model: torch.nn.Module,
+    pad_id: int,
+    reference: torch.nn.Module | None = None,
+    *,
+    bf16: bool = False,
+    adapter: Path | None = None,
 ) -> ReferenceFn:
-    """How to get the reference policy's logprobs: a separate frozen ``reference`` model, or, for a
-    LoRA (peft) model, the same model with its adapter switched off (no second copy in memory)."""
+    """How to get the reference policy's logprobs: a separate frozen ``reference`` model; for a LoRA (peft)
+    model, the same model with its adapter switched off (the base model); or, with ``adapter`` (a PEFT
+    ``adapter_model.safetensors`` of the trained adapter's shape, such as the warm start), the same model
+    with those weights in its adapter for the while (no second copy of the model in memory)."""
+    swap = _AdapterSwap(model, adapter) if adapter is not None else None
 
     def compute(samples: Sequence[Advantaged]) -> list[torch.Tensor]:
         with torch.no_grad():
             if reference is not None:
                 return response_logprobs(reference, samples, pad_id, bf16=bf16)
+            if swap is not None:
+                with swap.reference():
+                    return response_logprobs(model, samples, pad_id, bf16=bf16)
             if not isinstance(model, _AdapterSwitch):
                 raise ValueError("a KL penalty with full fine-tuning needs a reference model")
             with model.disable_adapter():
                 return response_logprobs(model, samples, pad_id, bf16=bf16)
 
     return compute
+
+
+class _AdapterSwap:
+    """A LoRA model's trainable adapter weights exchanged with a reference adapter's while a block runs
+    (under ``no_grad``), and restored after it: the KL reference of ``algorithm.kl_reference``. The
+    optimizer keeps the same parameter tensors; only their values change for the while."""
+
+    def __init__(self, model: torch.nn.Module, weights: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        state = load_file(str(weights))
+        if len(state) != len(self.params):
+            raise ValueError(
+                f"algorithm.kl_reference: {weights} has {len(state)} tensors, the trained adapter"
+                f" {len(self.params)}: it does not fit model.lora"
+            )
+        current = [p.detach().clone() for _, p in self.params]
+        try:
+            result = set_peft_model_state_dict(model, state)
+        except RuntimeError as exc:  # a shape that does not fit
+            raise ValueError(f"algorithm.kl_reference: {weights} does not fit model.lora: {exc}") from None
+        finally:
+            self.values = [p.detach().clone() for _, p in self.params]
+            self._load(current)
+        unexpected = list(getattr(result, "unexpected_keys", None) or [])
+        if unexpected:
+            raise ValueError(
+                f"algorithm.kl_reference: {weights} does not fit model.lora (keys {unexpected[:3]})"
+            )
+
+    def _load(self, values: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for (_, p), value in zip(self.params, values, strict=True):
+                p.copy_(value)
+
+    @contextlib.contextmanager
+    def reference(self) -> Any:
+        current = [p.detach().clone() for _, p in self.params]
+        self._load(self.values)
+        try:
+            yield
+        finally:
+            self._load(current)
 
 
 def _micro_batches(samples: Sequence[Advantaged], max_tokens: int) -> list[list[Advantaged]]:
@@ -410,6 +483,35 @@ def _micro_batches(samples: Sequence[Advantaged], max_tokens: int) -> list[list[
         return len(s.transition.prompt_ids) + len(s.transition.response_ids)
 
     return padded_groups(sorted(samples, key=lambda s: -length(s)), length, max_tokens)
+
+
+LOSS_NORMS = ("rollout", "token", "constant")
+
+
+def loss_weights(
+    samples: Sequence[Advantaged], loss_norm: str = "rollout", norm_tokens: int | None = None
+) -> list[float]:
+    """Per sample, the weight of its mean token loss in the batch loss (``algorithm.loss_norm``); with
+    ``n`` its response tokens, ``c`` its rollout's calls, ``R`` the batch's rollouts and ``N`` the batch's
+    response tokens:
+
+    * ``rollout``: ``1 / (c * R)``: the mean over a call's tokens, over a rollout's calls, over rollouts;
+    * ``token``: ``n / N``: every token of the batch alike (DAPO);
+    * ``constant``: ``n / (norm_tokens * R)``: a rollout's summed token losses over a fixed budget, the
+      mean over rollouts (Dr. GRPO).
+    """
+    if loss_norm not in LOSS_NORMS:
+        raise ValueError(f"unknown loss_norm {loss_norm!r}; choose one of {', '.join(LOSS_NORMS)}")
+    calls_per_rollout = Counter(s.transition.rollout_id for s in samples)
+    n_rollouts = len(calls_per_rollout)
+    if loss_norm == "token":
+        total = sum(len(s.transition.response_ids) for s in samples)
+        return [len(s.transition.response_ids) / max(total, 1) for s in samples]
+    if loss_norm == "constant":
+        if norm_tokens is None or norm_tokens < 1:
+            raise ValueError("loss_norm 'constant' needs norm_tokens >= 1")
+        return [len(s.transition.response_ids) / (norm_tokens * n_rollouts) for s in samples]
+    return [1.0 / (n_rollouts * calls_per_rollout[s.transition.rollout_id]) for s in samples]
 
 
 def batch_loss(
@@ -424,9 +526,12 @@ def batch_loss(
     reference: ReferenceFn | None = None,
     bf16: bool = False,
     recompute: bool = False,
+    clip_eps_high: float | None = None,
+    loss_norm: str = "rollout",
+    norm_tokens: int | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """The per-rollout-normalised PPO-clip loss of ``samples`` (+ ``kl_coef`` x KL to the reference);
-    with ``backward``, accumulate gradients micro-batch by micro-batch.
+    """The PPO-clip loss of ``samples`` (+ ``kl_coef`` x KL to the reference), averaged as ``loss_norm``
+    says (:func:`loss_weights`); with ``backward``, accumulate gradients micro-batch by micro-batch.
 
     Returns (loss, {"tokens", "clip_fraction", "approx_kl", "kl_to_reference"}). Samples without behaviour
     logprobs use the current policy's (ratio 1: plain policy gradient). ``recompute``: a prompt shared by a
@@ -434,8 +539,8 @@ def batch_loss(
     """
     if kl_coef > 0 and reference is None:
         raise ValueError("kl_coef > 0 needs a reference (see reference_logprobs_fn)")
-    calls_per_rollout = Counter(s.transition.rollout_id for s in samples)
-    n_rollouts = len(calls_per_rollout)
+    weights = loss_weights(samples, loss_norm, norm_tokens)
+    weight_of = {id(s): w for s, w in zip(samples, weights, strict=True)}
     total = 0.0
     tokens = clipped = 0
     kl_sum = ref_kl_sum = 0.0
@@ -461,13 +566,12 @@ def batch_loss(
                 else lp.detach()
             )
             advantage = torch.tensor(s.advantage, dtype=lp.dtype, device=lp.device)
-            token_loss, was_clipped = ppo_clip_token_loss(lp, old, advantage, clip_eps)
+            token_loss, was_clipped = ppo_clip_token_loss(lp, old, advantage, clip_eps, clip_eps_high)
             if ref is not None:
                 kl = kl_k3(lp, ref[i])
                 token_loss = token_loss + kl_coef * kl
                 ref_kl_sum += float(kl.detach().sum())
-            weight = 1.0 / (n_rollouts * calls_per_rollout[s.transition.rollout_id])
-            losses.append(token_loss.mean() * weight)
+            losses.append(token_loss.mean() * weight_of[id(s)])
             tokens += lp.numel()
             clipped += int(was_clipped.sum())
             kl_sum += float((old - lp.detach()).sum())
@@ -507,6 +611,9 @@ def update_step(
     reference: ReferenceFn | None = None,
     bf16: bool = False,
     recompute: bool = False,
+    clip_eps_high: float | None = None,
+    loss_norm: str = "rollout",
+    norm_tokens: int | None = None,
 ) -> UpdateStats:
     """One optimizer step on ``samples`` (gradient accumulation over token-budgeted micro-batches).
     A non-finite gradient norm skips the step (the weights stay as they were)."""
@@ -525,6 +632,9 @@ def update_step(
         reference=reference,
         bf16=bf16,
         recompute=recompute,
+        clip_eps_high=clip_eps_high,
+        loss_norm=loss_norm,
+        norm_tokens=norm_tokens,
     )
     grad_norm = apply_gradients(optimizer, max_grad_norm)
     return UpdateStats(

@@ -258,7 +258,7 @@ def verl_overrides(config: TrainerConfig) -> dict[str, Any]:
                 "grad_clip": algo.max_grad_norm,
                 "clip_ratio": algo.clip_eps,
                 "clip_ratio_low": algo.clip_eps,
-                "clip_ratio_high": algo.clip_eps,
+                "clip_ratio_high": algo.clip_high,
                 "use_kl_loss": algo.kl_coef > 0,
                 "kl_loss_coef": algo.kl_coef,
                 "ppo_max_token_len_per_gpu": algo.micro_batch_tokens_on("cuda"),

@@ -12,13 +12,16 @@ from typing import Any
 from agl_core.records import Task
 
 from ..config import TasksConfig
+from ..config.data import TaskFilterConfig
 
 __all__ = [
     "DatasetError",
     "TaskSampler",
+    "filter_tasks",
     "find_task_file",
     "load_splits",
     "load_tasks",
+    "read_task_scores",
     "split_tasks",
     "tasks_from_records",
 ]
@@ -175,14 +178,75 @@ def split_tasks(
 
 
 def load_splits(config: TasksConfig) -> tuple[list[Task], list[Task]]:
-    """The training and validation tasks the config names (validation empty when it names none)."""
-    return split_tasks(
+    """The training and validation tasks the config names (validation empty when it names none), the
+    training tasks passed through ``tasks.filter`` when it is set."""
+    train, val = split_tasks(
         load_tasks(config.train),
         load_tasks(config.val) if config.val is not None else None,
         val_fraction=config.val_fraction,
         split_seed=config.split_seed,
         names=(str(config.train), str(config.val)),
     )
+    if config.filter is not None:
+        train = filter_tasks(train, config.filter)
+    return train, val
+
+
+def read_task_scores(path: Path) -> dict[str, float | None]:
+    """Task id -> score from a JSONL file of ``{"task_id": ..., "score": ...}`` lines (``agl eval
+    --output``); a score of ``null`` (no rollout of the task finished) stays ``None``."""
+    scores: dict[str, float | None] = {}
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{where}: not JSON ({exc.msg})") from None
+            task_id = row.get("task_id") if isinstance(row, dict) else None
+            if not isinstance(task_id, str) or not task_id:
+                raise DatasetError(
+                    f"{where}: each line needs a task_id (a string), as agl eval --output writes"
+                )
+            score = row.get("score")
+            if score is not None and (
+                isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score)
+            ):
+                raise DatasetError(f"{where}: score {score!r} is not a finite number (or null)")
+            if task_id in scores:
+                raise DatasetError(f"{where}: task {task_id!r} is scored twice")
+            scores[task_id] = None if score is None else float(score)
+    return scores
+
+
+def filter_tasks(tasks: Sequence[Task], rule: TaskFilterConfig) -> list[Task]:
+    """The tasks whose score in ``rule.scores`` lies strictly between ``rule.above`` and ``rule.below``
+    (unscored ones as ``rule.unscored`` says). :class:`DatasetError` when none is left, with the counts."""
+    scores = read_task_scores(rule.scores)
+    kept: list[Task] = []
+    low = high = unscored = 0
+    for task in tasks:
+        score = scores.get(task.task_id)
+        if score is None:
+            unscored += 1
+            if rule.unscored == "keep":
+                kept.append(task)
+        elif score <= rule.above:
+            low += 1
+        elif score >= rule.below:
+            high += 1
+        else:
+            kept.append(task)
+    if not kept:
+        raise DatasetError(
+            f"tasks.filter leaves no training task: of {len(tasks)}, {low} scored <= {rule.above}, {high}"
+            f" scored >= {rule.below} and {unscored} have no score in {rule.scores}"
+            f"{' (dropped: unscored is drop)' if rule.unscored == 'drop' else ''}; widen above/below, or"
+            " measure the scores with more --samples so that more tasks land in between"
+        )
+    return kept
 
 
 class TaskSampler:

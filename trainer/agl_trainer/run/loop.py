@@ -247,6 +247,14 @@ def train(
         return context.result(before, after, last_saved)
 
 
+def _filter_note(config: TrainerConfig) -> str:
+    """How ``tasks.filter`` chose the training tasks, for the run's ``tasks:`` line ('' without one)."""
+    rule = config.tasks.filter if config.tasks is not None else None
+    if rule is None:
+        return ""
+    return f" (tasks.filter: scores in ({rule.above}, {rule.below}) in {rule.scores.name})"
+
+
 class _OnlineJob:
     """The steps of online training inside a :class:`RunContext`: the store, the policy, the services
     that serve it, the runners running the agent, and each step's rollouts and update."""
@@ -262,7 +270,7 @@ class _OnlineJob:
         )
         self.sampler = TaskSampler(train_tasks, seed=config.train.seed)
         display.line(
-            f"tasks: {len(train_tasks)} train, {len(val_tasks)} validation"
+            f"tasks: {len(train_tasks)} train{_filter_note(config)}, {len(val_tasks)} validation"
             + (
                 ""
                 if val_tasks
