@@ -9,7 +9,7 @@ import dataclasses
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "STATE_FILE",
@@ -132,19 +132,23 @@ def _lora_settings(adapter: Path) -> dict[str, Any]:
     return settings
 
 
-def check_adapter_fits(
-    path: str | Path,
-    *,
-    key: str,
-    r: int,
-    alpha: float,
-    target_modules: list[str],
-    like: Path | None = None,
-) -> Path:
+class LoraShape(Protocol):
+    """What an adapter's shape is checked against: ``model.lora`` (a ``LoraConfig``)."""
+
+    @property
+    def r(self) -> int: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def target_modules(self) -> list[str]: ...
+
+
+def check_adapter_fits(path: str | Path, *, key: str, lora: LoraShape, like: Path | None = None) -> Path:
     """The ``adapter_model.safetensors`` of the single LoRA adapter at ``path`` (any form
-    :func:`find_checkpoint` takes), checked to have the shape of ``model.lora`` (``r``, ``alpha``,
-    ``target_modules``) and, with ``like`` (another adapter's weights), the same tensors with the same
-    shapes. :class:`CheckpointError` naming ``key`` (the config key that gave the path) and what differs."""
+    :func:`find_checkpoint` takes), checked to have ``lora``'s shape (rank, alpha, target modules) and,
+    with ``like`` (another adapter's weights), the same tensors with the same shapes.
+    :class:`CheckpointError` naming ``key`` (the config key that gave the path) and what differs."""
+    r, alpha, target_modules = lora.r, lora.alpha, list(lora.target_modules)
     try:
         checkpoint = find_checkpoint(path)
     except CheckpointError as exc:

@@ -503,9 +503,7 @@ def _kl_reference(config: TrainerConfig, init_adapter: str | None, base_dir: Pat
             init_weights = check_adapter_fits(
                 init_adapter,
                 key="model.init_adapter",
-                r=lora.r,
-                alpha=lora.alpha,
-                target_modules=list(lora.target_modules),
+                lora=lora,
             )
         except CheckpointError as exc:
             if name == "init_adapter":
@@ -523,9 +521,7 @@ def _kl_reference(config: TrainerConfig, init_adapter: str | None, base_dir: Pat
         weights = check_adapter_fits(
             directory,
             key="algorithm.kl_reference",
-            r=lora.r,
-            alpha=lora.alpha,
-            target_modules=list(lora.target_modules),
+            lora=lora,
             like=init_weights,
         )
     except CheckpointError as exc:

@@ -191,9 +191,7 @@ def _reference_adapter(config: TrainerConfig) -> Path | None:
         return check_adapter_fits(
             path,
             key="algorithm.kl_reference",
-            r=lora.r,
-            alpha=lora.alpha,
-            target_modules=list(lora.target_modules),
+            lora=lora,
         )
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
