@@ -16,6 +16,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "adapter_shapes",
+    "adapter_weights",
     "check_adapter_fits",
     "find_checkpoint",
 ]
@@ -132,6 +133,22 @@ def _lora_settings(adapter: Path) -> dict[str, Any]:
     return settings
 
 
+def adapter_weights(path: str | Path, *, key: str) -> tuple[Checkpoint, Path]:
+    """The checkpoint at ``path`` (any form :func:`find_checkpoint` takes) and its single LoRA adapter's
+    ``adapter_model.safetensors``; :class:`CheckpointError` naming ``key`` (the config key that gave the
+    path) when there is none."""
+    try:
+        checkpoint = find_checkpoint(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{key}: {exc}") from None
+    weights = checkpoint.adapter / "adapter_model.safetensors" if checkpoint.adapter is not None else None
+    if weights is None or not weights.is_file():
+        raise CheckpointError(
+            f"{key}: {checkpoint.path} holds no single LoRA adapter (adapter_model.safetensors)"
+        )
+    return checkpoint, weights
+
+
 class LoraShape(Protocol):
     """What an adapter's shape is checked against: ``model.lora`` (a ``LoraConfig``)."""
 
@@ -149,15 +166,8 @@ def check_adapter_fits(path: str | Path, *, key: str, lora: LoraShape, like: Pat
     with ``like`` (another adapter's weights), the same tensors with the same shapes.
     :class:`CheckpointError` naming ``key`` (the config key that gave the path) and what differs."""
     r, alpha, target_modules = lora.r, lora.alpha, list(lora.target_modules)
-    try:
-        checkpoint = find_checkpoint(path)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{key}: {exc}") from None
-    weights = checkpoint.adapter / "adapter_model.safetensors" if checkpoint.adapter is not None else None
-    if checkpoint.adapter is None or weights is None or not weights.is_file():
-        raise CheckpointError(
-            f"{key}: {checkpoint.path} holds no single LoRA adapter (adapter_model.safetensors)"
-        )
+    checkpoint, weights = adapter_weights(path, key=key)
+    assert checkpoint.adapter is not None  # adapter_weights found one
     try:
         settings = _lora_settings(checkpoint.adapter)
         shapes = adapter_shapes(weights)

@@ -154,18 +154,15 @@ def load_trainable_policy(
 
 
 def _load_init_adapter(model: Any, path: str) -> str:
-    """Load ``model.init_adapter`` (:func:`~agl_trainer.saved.find_checkpoint` resolves it) into the
+    """Load ``model.init_adapter`` (:func:`~agl_trainer.saved.adapter_weights` resolves it) into the
     PEFT ``model``'s adapter; what was loaded. ``ValueError`` when it is no LoRA adapter of this shape."""
     from ..model import load_adapter_weights
-    from ..saved import CheckpointError, find_checkpoint
+    from ..saved import CheckpointError, adapter_weights
 
     try:
-        checkpoint = find_checkpoint(path)
+        checkpoint, weights = adapter_weights(path, key="model.init_adapter")
     except CheckpointError as exc:
-        raise ValueError(f"model.init_adapter: {exc}") from None
-    weights = checkpoint.adapter / "adapter_model.safetensors" if checkpoint.adapter is not None else None
-    if weights is None or not weights.is_file():
-        raise ValueError(f"model.init_adapter: {checkpoint.path} holds no single LoRA adapter")
+        raise ValueError(str(exc)) from None
     try:
         unexpected = load_adapter_weights(model, weights)
     except RuntimeError as exc:  # a shape that does not fit (another rank)

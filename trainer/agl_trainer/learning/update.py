@@ -436,25 +436,24 @@ class _AdapterSwap:
     optimizer keeps the same parameter tensors; only their values change for the while."""
 
     def __init__(self, model: torch.nn.Module, weights: Path) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+        from ..model import load_adapter_weights
+        from ..saved import adapter_shapes
 
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        state = load_file(str(weights))
-        if len(state) != len(self.params):
+        tensors = len(adapter_shapes(weights))
+        if tensors != len(self.params):
             raise ValueError(
-                f"algorithm.kl_reference: {weights} has {len(state)} tensors, the trained adapter"
+                f"algorithm.kl_reference: {weights} has {tensors} tensors, the trained adapter"
                 f" {len(self.params)}: it does not fit model.lora"
             )
         current = [p.detach().clone() for _, p in self.params]
         try:
-            result = set_peft_model_state_dict(model, state)
+            unexpected = load_adapter_weights(model, weights)
         except RuntimeError as exc:  # a shape that does not fit
             raise ValueError(f"algorithm.kl_reference: {weights} does not fit model.lora: {exc}") from None
         finally:
             self.values = [p.detach().clone() for _, p in self.params]
             self._load(current)
-        unexpected = list(getattr(result, "unexpected_keys", None) or [])
         if unexpected:
             raise ValueError(
                 f"algorithm.kl_reference: {weights} does not fit model.lora (keys {unexpected[:3]})"
