@@ -387,6 +387,8 @@ def test_a_filter_that_leaves_no_task_is_refused_with_the_counts(folder):
         ("not json", "not JSON"),
         ('{"score": 0.5}', "needs a task_id"),
         ('{"task_id": "t1", "score": "high"}', "is not a finite number"),
+        ('{"task_id": "t1", "score": NaN}', "is not a finite number"),
+        ('{"task_id": "t1", "score": 1e999}', "is not a finite number"),
         ('{"task_id": "t1", "score": 0.5}\n{"task_id": "t1", "score": 0.5}', "scored twice"),
     ],
 )

@@ -96,3 +96,30 @@ def test_bad_arguments_are_refused(flags, message):
         timeout=60,
     )
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_the_accuracy_agrees_with_reasoning_gyms_scorer_except_on_decimal_forms():
+    """basic_arithmetic's own scorer (reasoning-gym's ``score_answer``) counts an answer right when the
+    extracted string equals the expected one; the bench compares the last number as a number, so "82.0"
+    counts as 82 there and not in reasoning-gym: the one class where they differ."""
+    rg = pytest.importorskip("reasoning_gym")
+    dataset = rg.create_dataset("basic_arithmetic", size=1, seed=0)
+    val = [json.loads(line) for line in bench.VAL.read_text().splitlines()]
+    disagree: dict[str, int] = {}
+    for entry in val:
+        answer = entry["answer"]
+        forms = {
+            "plain": answer,
+            "sentence": f"The result is {answer}.",
+            "equation": f"{entry['question'].removeprefix('Calculate ').rstrip('.')} = {answer}",
+            "off by one": str(int(answer) + 1),
+            "negated": str(-int(answer)) if int(answer) != 0 else "1",
+            "decimal": f"{answer}.0",
+            "no number": "I cannot tell.",
+        }
+        for kind, reply in forms.items():
+            extracted = task.parse(reply)
+            official = dataset.score_answer(extracted, {"answer": answer}) == 1.0
+            if task.correct(reply, answer) != official:
+                disagree[kind] = disagree.get(kind, 0) + 1
+    assert disagree == {"decimal": len(val)}
