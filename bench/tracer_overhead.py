@@ -14,7 +14,7 @@ starts and ends one OpenTelemetry SDK span per agent step and per LLM call, with
 the same tracer provider: what any adapter that records those two spans with the OpenTelemetry SDK pays,
 before doing anything of its own. ``over floor`` is agl's cost beyond it: negative where agl records its
 spans for less than the SDK's bare spans cost (the adapters build each span once, at its end, instead of
-through the SDK's span objects: ``agl_core.capture.lean_spans``).
+through the SDK's span objects: ``agl_core.otel.lean_spans``).
 
 Reference (DESIGN.md, same machine kind): Agent Lightning 0.3.0's tracer adds about 1.25 ms per call.
 Target: at most 0.1 ms per call for every adapter (the last line says, per adapter, whether it is met and

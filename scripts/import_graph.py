@@ -90,6 +90,30 @@ def graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
     }
 
 
+def folder_of(module: str) -> str:
+    """The part of its package a module belongs to: ``agl_core.store`` for ``agl_core.store.sqlite``,
+    ``agl_core.tracing`` for the top-level module ``agl_core.tracing``, the package itself for its
+    ``__init__``."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded to folders (:func:`folder_of`): folder -> the other folders of the same
+    package its modules import. An edge from a package's ``__init__`` (which re-exports its public names)
+    is left out: it points down to every folder by design."""
+    folded: dict[str, set[str]] = {}
+    for src, targets in edges.items():
+        if "." not in src:
+            continue  # a package's __init__
+        a = folder_of(src)
+        folded.setdefault(a, set()).update(
+            folder_of(t)
+            for t in targets
+            if "." in t and t.split(".")[0] == src.split(".")[0] and folder_of(t) != a
+        )
+    return folded
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
     index: dict[str, int] = {}
@@ -133,14 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every agl package, not only agl_core")
     parser.add_argument("--cycles", action="store_true", help="print only the cycles")
+    parser.add_argument("--folders", action="store_true", help="one node per folder (or top-level module)")
     args = parser.parse_args(argv)
     edges = graph(PACKAGES if args.all else ("agl_core",))
+    if args.folders:
+        edges = folder_graph(edges)
     found = cycles(edges)
     if not args.cycles:
         for name in sorted(edges):
             print(f"{name} -> {', '.join(sorted(edges[name])) or '-'}")
         print()
-    print(f"{len(edges)} modules, {sum(len(v) for v in edges.values())} imports, {len(found)} cycle(s)")
+    print(
+        f"{len(edges)} {'folders' if args.folders else 'modules'}, {sum(len(v) for v in edges.values())} imports, {len(found)} cycle(s)"
+    )
     for component in found:
         print("cycle: " + " <-> ".join(component))
     return 1 if args.cycles and found else 0

@@ -1,4 +1,4 @@
-"""The adapters' lean spans (agl_core.capture.lean_spans): what processors and exporters receive is what the
+"""The adapters' lean spans (agl_core.otel.lean_spans): what processors and exporters receive is what the
 SDK's own tracer would give them, and the SDK's tracer takes over wherever that could not be promised."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl_core import semconv
-from agl_core.capture.lean_spans import LeanSpan, LeanTracer
 from agl_core.instrumentation import adapter_tracer
+from agl_core.otel.lean_spans import LeanSpan, LeanTracer
 from agl_core.tracing import RolloutSpanProcessor, context_rollout_attributes, rollout_scope
 
 
@@ -249,7 +249,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from agl_core.capture.lean_spans import LeanSpan
+from agl_core.otel.lean_spans import LeanSpan
 from agl_core.instrumentation import adapter_tracer
 
 tracer = adapter_tracer()  # what instrument() does at import time, before tracing is set up

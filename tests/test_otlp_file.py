@@ -1,4 +1,4 @@
-"""agl_core.capture.otlp_file.OtlpJsonLinesExporter: spans in the OTLP JSON lines agl import reads."""
+"""agl_core.otel.otlp_file.OtlpJsonLinesExporter: spans in the OTLP JSON lines agl import reads."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExportResult
 
-from agl_core.capture.otlp_file import OtlpJsonLinesExporter
 from agl_core.importer import import_traces, session_rollout_id
+from agl_core.otel.otlp_file import OtlpJsonLinesExporter
 from agl_core.store import SqliteStore
 
 

@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
 from agl_core import semconv
-from agl_core.capture.spool import SpoolingSpanExporter, split_request
 from agl_core.gateway.capture import session_rollout_id
+from agl_core.otel.spool import SpoolingSpanExporter, split_request
 from agl_core.server import BackgroundServer
 from agl_core.store import SqliteStore
 from agl_core.store.base import NotFoundError
@@ -134,7 +134,7 @@ def test_a_span_over_the_request_limit_alone_is_dropped_counted_and_logged(caplo
             collector.otlp_endpoint, max_request_bytes=100_000, batch_bytes=10_000
         )
         tracer = _provider(exporter).get_tracer("t")
-        with caplog.at_level(logging.ERROR, logger="agl_core.capture.spool"):
+        with caplog.at_level(logging.ERROR, logger="agl_core.otel.spool"):
             with tracer.start_as_current_span("whole", attributes={"a": "y" * 50}):
                 with tracer.start_as_current_span("too-big", attributes={"a": "z" * 200_000}):
                     pass
@@ -177,7 +177,7 @@ def test_a_full_spool_drops_new_spans_and_counts_them(tmp_path, caplog):
     url = f"http://127.0.0.1:{_free_port()}/v1/traces"
     exporter = SpoolingSpanExporter(url, max_spool_bytes=3_000, retry_s=5.0, max_retry_s=5.0)
     tracer = _provider(exporter).get_tracer("t")
-    with caplog.at_level(logging.ERROR, logger="agl_core.capture.spool"):
+    with caplog.at_level(logging.ERROR, logger="agl_core.otel.spool"):
         for i in range(20):
             with tracer.start_as_current_span(f"s{i}", attributes={"v": "w" * 500}):
                 pass
@@ -196,7 +196,7 @@ def test_a_spool_directory_keeps_spans_across_a_restart_of_the_exporter(tmp_path
     for i in range(12):
         with tracer.start_as_current_span(f"kept-{i}"):
             pass
-    with caplog.at_level(logging.WARNING, logger="agl_core.capture.spool"):
+    with caplog.at_level(logging.WARNING, logger="agl_core.otel.spool"):
         first.shutdown(200)
     assert "12 span(s) the store has not acknowledged stay in" in caplog.text
     files = list(spool.glob("*.otlp"))
@@ -217,7 +217,7 @@ def test_spans_the_store_refuses_for_good_are_dropped_with_its_answer(caplog):
     with Collector(token="right") as collector:
         exporter = SpoolingSpanExporter(collector.otlp_endpoint, token="wrong")
         tracer = _provider(exporter).get_tracer("t")
-        with caplog.at_level(logging.ERROR, logger="agl_core.capture.spool"):
+        with caplog.at_level(logging.ERROR, logger="agl_core.otel.spool"):
             with tracer.start_as_current_span("refused"):
                 pass
         assert exporter.stats().dropped == {"refused_401": 1}

@@ -117,6 +117,39 @@ def test_no_import_cycle_among_agl_modules():
     assert graph_tool.cycles(graph_tool.graph()) == []
 
 
+def test_folders_import_in_one_direction():
+    """Folded to folders (``agl_core.store``, ``agl_trainer.run``, a top-level module as its own), the
+    graph has no cycle: a folder never imports one that imports it back, so each package reads as layers."""
+    folded = graph_tool.folder_graph(graph_tool.graph())
+    assert graph_tool.cycles(folded) == []
+    # the layers the trainer is read by, bottom up, pinned by name
+    trainer = graph_tool.folder_graph(graph_tool.graph(("agl_trainer",)))
+    below = {
+        "agl_trainer.learning": {"agl_trainer.run", "agl_trainer.reporting", "agl_trainer.evaluate"},
+        "agl_trainer.reporting": {"agl_trainer.run", "agl_trainer.evaluate"},
+        "agl_trainer.generation": {"agl_trainer.run", "agl_trainer.learning", "agl_trainer.reporting"},
+        "agl_trainer.config": {"agl_trainer.run", "agl_trainer.learning", "agl_trainer.reporting"},
+    }
+    upward = {folder: sorted(trainer[folder] & above) for folder, above in below.items()}
+    assert {k: v for k, v in upward.items() if v} == {}
+
+
+def test_the_folder_check_finds_a_cycle(tmp_path, monkeypatch):
+    """Two folders each importing the other, as ``tracing`` and ``capture`` once did, are a cycle there."""
+    root = tmp_path / "agl_fake"
+    for folder in ("low", "high"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("from .high import b\n")  # an __init__ re-exporting is not an edge
+    (root / "low" / "a.py").write_text("from ..high.b import Y\nX = 1\n")
+    (root / "high" / "b.py").write_text("Y = 2\n")
+    (root / "high" / "c.py").write_text("from ..low.a import X\n")
+    monkeypatch.setattr(graph_tool, "SOURCE_ROOTS", (tmp_path,))
+    folded = graph_tool.folder_graph(graph_tool.graph(("agl_fake",)))
+    assert folded["agl_fake.low"] == {"agl_fake.high"}
+    assert graph_tool.cycles(folded) == [["agl_fake.high", "agl_fake.low"]]
+
+
 def test_the_runner_package_imports_in_one_direction():
     # types -> outcome -> state -> engines -> Runner -> Ray actors -> CLI: a module may import only from
     # layers below its own

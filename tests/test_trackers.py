@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from agl_core.settings import masked_config
 from agl_trainer.config import ConfigError, TrainerConfig, config_from_dict
 from agl_trainer.reporting.display import Display
 from agl_trainer.reporting.results import EvalResult, StepMetrics
@@ -26,7 +27,6 @@ from agl_trainer.reporting.trackers import (
     TrackerError,
     Trackers,
     flatten_params,
-    masked_config,
     open_trackers,
 )
 from agl_trainer.run.run_context import RunLog

@@ -9,7 +9,7 @@
    any new policy version is, ``POST /agl/v1/policy``). No runner, no rollout: the gateway records each
    call under the rollout of its session and registers the sessions in a production store. The spans of
    the gateway and of the agent (agl_autogen) go to ``traces.jsonl`` through
-   :class:`agl_core.capture.otlp_file.OtlpJsonLinesExporter`, the lines the OpenTelemetry Collector's ``file``
+   :class:`agl_core.otel.otlp_file.OtlpJsonLinesExporter`, the lines the OpenTelemetry Collector's ``file``
    exporter writes. The application's own check of each answer lands in ``feedback.jsonl``, apart.
 2. **A fresh store.** ``agl import traces.jsonl --store store.sqlite``: the spans regrouped into one
    rollout per session (``imp-s-<hash of the session id>``, as the gateway named them).
@@ -87,8 +87,8 @@ def collect(
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from agl_core import LLM, semconv
-    from agl_core.capture.otlp_file import OtlpJsonLinesExporter
     from agl_core.gateway.capture import Capture
+    from agl_core.otel.otlp_file import OtlpJsonLinesExporter
     from agl_core.testing import Collector, GatewayServer
     from agl_trainer.generation.hf_backend import HFBackend
     from agl_trainer.model import load_policy

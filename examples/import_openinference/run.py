@@ -7,7 +7,7 @@ captured by the gateway, its spans imported from an OTLP file, joined in one sto
    tokenises with SmolLM2's tokenizer, so token ids are real and the run is offline and takes seconds).
 2. The agent (a LangGraph graph, nodes ``solver`` and ``checker``) is traced ONLY by OpenInference's
    ``LangChainInstrumentor``; its spans go to an OTLP JSON-lines file written by agl's
-   :class:`~agl_core.capture.otlp_file.OtlpJsonLinesExporter`, the shape the OpenTelemetry Collector's
+   :class:`~agl_core.otel.otlp_file.OtlpJsonLinesExporter`, the shape the OpenTelemetry Collector's
    ``file`` exporter writes. Each episode names its session twice: ``using_session`` on the spans,
    ``x-agl-session-id`` on the calls. The last episode calls another endpoint directly.
 3. ``agl import FILE --store STORE`` puts the OpenInference spans next to the gateway's, under the
@@ -32,10 +32,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from agl_core import semconv
-from agl_core.capture.otlp_file import OtlpJsonLinesExporter
 from agl_core.cli import main as agl
 from agl_core.gateway.capture import Capture
 from agl_core.importer import session_rollout_id
+from agl_core.otel.otlp_file import OtlpJsonLinesExporter
 from agl_core.pipeline.transitions import TransitionResult, spans_to_transitions
 from agl_core.store import SqliteStore
 from agl_core.testing import ByteTokenizer, ChatTokenizer, Collector, GatewayServer, ScriptedBackend

@@ -29,7 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from . import semconv
-from .capture.lean_spans import LeanTracer, lean_tracer
+from .otel.lean_spans import LeanTracer, lean_tracer
 
 __all__ = [
     "HookErrors",
@@ -201,7 +201,7 @@ def adapter_tracer(tracer_provider: trace.TracerProvider | None = None) -> trace
     """The tracer an adapter records with (default provider: the global one). For an OpenTelemetry SDK
     provider whose processors ask nothing of a live span (the batch and simple processors, agl's rollout
     processor), its spans are built once, when they end, instead of through the SDK's span machinery
-    (:mod:`agl_core.capture.lean_spans`); processors and exporters receive the same spans either way."""
+    (:mod:`agl_core.otel.lean_spans`); processors and exporters receive the same spans either way."""
     return lean_tracer(tracer_provider or trace.get_tracer_provider(), "agl")
 
 

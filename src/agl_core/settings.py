@@ -26,7 +26,9 @@ import hmac
 import ipaddress
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 DEFAULT_STORE_URL = "http://127.0.0.1:4318"
 
@@ -105,3 +107,23 @@ def masked_url(text: str) -> str:
     """``text`` with the password of every URL in it masked: ``postgresql://user:***@host/db`` (and a
     ``?password=`` query parameter). Whatever shows or stores a URL a user gave goes through this."""
     return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+_SECRET_KEY = re.compile(
+    r"(?:^|_)(?:token|secret|password|passwd|api_?key|access_key|private_key|credentials?)$"
+)
+
+
+def masked_config(config: Any) -> Any:
+    """``config`` with the values of secret-looking keys (``token``, ``*_token``, ``password``,
+    ``*_api_key``, ...) and the passwords in URLs (``scheme://user:***@host``) replaced by ``***``."""
+    if isinstance(config, Mapping):
+        return {
+            k: "***" if v is not None and _SECRET_KEY.search(str(k).lower()) else masked_config(v)
+            for k, v in config.items()
+        }
+    if isinstance(config, list | tuple):
+        return [masked_config(v) for v in config]
+    if isinstance(config, str):
+        return masked_url(config)
+    return config

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Status, StatusCode
 
 from . import semconv, settings
-from .capture.lean_spans import NO_PROVIDER_HOOKS, LeanSpan
+from .otel.lean_spans import NO_PROVIDER_HOOKS, LeanSpan
 from .pipeline.rewards import Reward, RewardSink, StoredReward, make_reward
 
 __all__ = [
@@ -103,7 +103,7 @@ class RolloutSpanProcessor(SpanProcessor):
     your own tracer provider when you export spans some other way.
     """
 
-    #: Tells adapters' lean spans (agl_core.capture.lean_spans) what on_start and on_end below do.
+    #: Tells adapters' lean spans (agl_core.otel.lean_spans) what on_start and on_end below do.
     lean_spans_rollout_hook = True
 
     def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
@@ -309,7 +309,7 @@ def make_otlp_exporter(
 
     ``endpoint`` is a store base URL or a full ``.../v1/traces`` URL. Without one, the standard
     ``OTEL_EXPORTER_OTLP_*`` variables decide when set (the OpenTelemetry SDK's exporter then sends), and
-    ``AGL_STORE_URL`` otherwise. agl's exporter (:class:`~agl_core.capture.spool.SpoolingSpanExporter`) keeps
+    ``AGL_STORE_URL`` otherwise. agl's exporter (:class:`~agl_core.otel.spool.SpoolingSpanExporter`) keeps
     spans the store has not acknowledged in a bounded spool and retries them, in memory or, with
     ``spool_dir``, on disk; ``max_spool_bytes`` bounds it (default 256 MiB).
     """
@@ -324,7 +324,7 @@ def make_otlp_exporter(
         return OTLPSpanExporter(headers=headers, timeout=timeout_s)  # it reads OTEL_EXPORTER_OTLP_* itself
     else:
         url = settings.store_url() + "/v1/traces"
-    from .capture.spool import DEFAULT_MAX_SPOOL_BYTES, SpoolingSpanExporter
+    from .otel.spool import DEFAULT_MAX_SPOOL_BYTES, SpoolingSpanExporter
 
     return SpoolingSpanExporter(
         url,

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 
 from .config import REQUIRED_KEYS, ConfigError, TrainerConfig, add_override_argument, load_config
+from .learning.batch import Batch, trainable_transitions
 from .reporting.display import dev_lines
 from .reporting.results import DevResult, DevRollout
 from .run.data import DatasetError, find_task_file, load_tasks
 from .run.rollouts import RolloutRound, error_line, rollout_rewards
-from .run.step import Batch, trainable_transitions
 
 if TYPE_CHECKING:
     from agl_core.plugins import CliCommand
@@ -63,11 +63,12 @@ def run_dev(
     :func:`~agl_trainer.reporting.display.dev_lines` of the answer. Raises ``ValueError`` (a
     :class:`~agl_trainer.run.data.DatasetError` for tasks) before anything starts when the input cannot run.
     """
+    from .learning.batch import build_batch
     from .reporting.display import Display
     from .run.loop import job_agent, job_tasks
     from .run.rollouts import RolloutQueue
     from .run.services import load_served_model, start_runners, start_services, start_store
-    from .run.step import build_batch, episodes
+    from .run.step import episodes
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n is the number of rollouts to run, a whole number of at least 1; got {n!r}")

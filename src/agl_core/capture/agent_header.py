@@ -18,7 +18,7 @@ Three pieces, used by ``agl_langchain``, ``agl_openai_agents`` and ``agl_autogen
   instrumented (:func:`install_httpx_hook` / :func:`uninstall_httpx_hook`, reference-counted per
   adapter). It adds ``x-agl-agent-name: <name>`` to a request when an agent is set, the request goes to
   a known gateway, it does not carry the header already, and the gateway would accept the name
-  (:func:`~agl_core.gateway.urls.check_agent_name`, and ASCII only: HTTP header values are bytes, and the
+  (:func:`~agl_core.urls.check_agent_name`, and ASCII only: HTTP header values are bytes, and the
   gateway reads them as Latin-1). A name the gateway cannot take is not sent; name such an agent with
   ``llm.for_agent(name)``, whose URL percent-encodes it.
 
@@ -208,7 +208,7 @@ def is_gateway_url(url: str | _URL) -> bool:
 def _sendable(name: str) -> bool:
     """Whether the gateway takes ``name`` in the header: a valid agent name, in ASCII."""
     # here, not at import: process-mode workers import this module and start without the gateway package
-    from ..gateway.urls import check_agent_name
+    from ..urls import check_agent_name
 
     try:
         check_agent_name(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..urls import rollout_base_url
 from .assemble import TextAssembler
 from .backend import (
     Backend,
@@ -19,7 +20,6 @@ from .backend import (
 )
 from .metrics import GatewayMetrics
 from .render import TemplateRenderer, load_renderer
-from .urls import rollout_base_url
 
 if TYPE_CHECKING:
     from .app import create_gateway_app
@@ -46,7 +46,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # The web app (Starlette) loads on first use of ``create_gateway_app``: the runner imports
-    # ``agl_core.gateway.urls`` for rollout URLs and must not pull in a web framework with it.
+    # ``agl_core.urls`` for rollout URLs and must not pull in a web framework with it.
     if name == "create_gateway_app":
         from .app import create_gateway_app
 

@@ -39,6 +39,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .. import semconv
 from ..tracing import RolloutContext, get_tracer, rollout_attributes
+from ..urls import API_PREFIXES, agent_name_of, rollout_base_url
 from ._door import ChatDoor, CompletionDoor, DoorError, FrontDoor, openai_error, whole_delta
 from ._schema import RequestError
 from .backend import (
@@ -57,7 +58,6 @@ from .protocols.anthropic import CountTokensDoor, MessagesDoor
 from .protocols.responses import ResponseLog, ResponsesDoor
 from .render import TemplateRenderer
 from .tools import malformed_tool_calls
-from .urls import API_PREFIXES, agent_name_of, rollout_base_url
 
 if TYPE_CHECKING:
     from .capture import Capture, CapturedSession

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 from opentelemetry.sdk.trace import TracerProvider
 
 from ..capture.agent_header import register_gateway
-from ..gateway.urls import rollout_base_url
 from ..records import Attempt, Resource, Rollout, RolloutStatus
 from ..store.base import StoreError, StoreUnavailableError
+from ..urls import rollout_base_url
 from ._outcome import Outcome, failure_text, logger
 from ._types import LLM, LLM_RESOURCE, RunnerCounts
 

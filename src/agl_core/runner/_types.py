@@ -53,7 +53,7 @@ class LLM:
         whitespace; other characters are percent-encoded. :class:`ValueError` otherwise, or when
         ``base_url`` is not a gateway base URL (ending in ``/v1``).
         """
-        from ..gateway.urls import agent_base_url  # not at import: worker processes start without it
+        from ..urls import agent_base_url  # not at import: worker processes start without it
 
         return dataclasses.replace(self, base_url=agent_base_url(self.base_url, name))
 
@@ -61,7 +61,7 @@ class LLM:
     def anthropic_base_url(self) -> str:
         """``base_url`` without its trailing ``/v1``: the ``base_url`` of the Anthropic SDK, which appends
         ``/v1/messages`` itself (``anthropic.Anthropic(base_url=llm.anthropic_base_url, ...)``)."""
-        from ..gateway.urls import without_api_version
+        from ..urls import without_api_version
 
         return without_api_version(self.base_url)
 

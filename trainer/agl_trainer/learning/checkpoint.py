@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from agl_core.settings import masked_config
+
 from ..model import load_adapter_weights
-from ..reporting.trackers import masked_config
 from ..saved import STATE_FILE
 
 __all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]

@@ -15,8 +15,7 @@ from typing import Any
 
 from agl_core.policies import BASE
 
-from ..run.step import StepOutcome
-from .results import DevResult, EvalResult, StepMetrics, mean_se
+from .results import DevResult, EvalResult, StepMetrics, StepOutcome, mean_se
 
 __all__ = [
     "Display",

@@ -1,6 +1,7 @@
 """The dashboard's view of a rollout as this trainer trains on it (entry point
-``agl.rollout_explainers``: ``trainer``): the group's batch built by :func:`agl_trainer.run.step.build_batch`
-with the run's config, and the run's tokenizer when it is on this machine."""
+``agl.rollout_explainers``: ``trainer``): the group's batch built by
+:func:`agl_trainer.learning.batch.build_batch` with the run's config, and the run's tokenizer when it is on
+this machine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 from agl_core.records import Rollout, RolloutStatus, Span, Transition
 
 from ..config import TrainerConfig
-from ..run.step import build_batch
+from ..learning.batch import build_batch
 
 __all__ = ["ROLLOUT_EXPLAINER", "TrainerExplainer"]
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl_core.records import RolloutStatus
 
-__all__ = ["UNNAMED_AGENT", "DevResult", "DevRollout", "EvalResult", "StepMetrics", "mean_se"]
+if TYPE_CHECKING:
+    from ..learning.batch import Batch
+
+__all__ = ["UNNAMED_AGENT", "DevResult", "DevRollout", "EvalResult", "StepMetrics", "StepOutcome", "mean_se"]
 
 #: The name ``StepMetrics.agents`` gives to LLM calls no agent claimed.
 UNNAMED_AGENT = "(unnamed)"
@@ -162,3 +165,12 @@ class DevResult:
     def trainable(self) -> int:
         """How many rollouts would give the update transitions."""
         return sum(r.trains for r in self.rollouts)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What a step did: its metrics, the batch it trained on and how many redraw rounds it took."""
+
+    metrics: StepMetrics
+    batch: Batch
+    redraw_rounds: int

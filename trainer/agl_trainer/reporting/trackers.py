@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agl_core.settings import masked_url
+from agl_core.settings import masked_config
 
 if TYPE_CHECKING:
     from ..config import LoggingConfig, TrainerConfig
@@ -44,7 +44,6 @@ __all__ = [
     "Trackers",
     "WandbTracker",
     "flatten_params",
-    "masked_config",
     "open_trackers",
     "tensorboard_tracker",
 ]
@@ -404,26 +403,6 @@ def _check_installed(settings: LoggingConfig) -> None:
         _require("mlflow", "mlflow", INSTALL["mlflow"])
     if "wandb" in settings.trackers:
         _require("wandb", "wandb", INSTALL["wandb"])
-
-
-_SECRET_KEY = re.compile(
-    r"(?:^|_)(?:token|secret|password|passwd|api_?key|access_key|private_key|credentials?)$"
-)
-
-
-def masked_config(config: Any) -> Any:
-    """``config`` with the values of secret-looking keys (``token``, ``*_token``, ``password``,
-    ``*_api_key``, ...) and the passwords in URLs (``scheme://user:***@host``) replaced by ``***``."""
-    if isinstance(config, Mapping):
-        return {
-            k: "***" if v is not None and _SECRET_KEY.search(str(k).lower()) else masked_config(v)
-            for k, v in config.items()
-        }
-    if isinstance(config, list | tuple):
-        return [masked_config(v) for v in config]
-    if isinstance(config, str):
-        return masked_url(config)
-    return config
 
 
 def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

@@ -20,15 +20,16 @@ from typing import Any
 
 from agl_core.records import Task
 from agl_core.runner import load_agent, resolve_mode
+from agl_core.settings import masked_config
 
 from ..config import PolicyConfig, TasksConfig, TrainerConfig
 from ..learning.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..learning.policy import TrainablePolicy, load_trainable_policy, make_learner
+from ..learning.policy import TrainablePolicy, load_trainable_policy
 from ..memory import release_free_memory
 from ..reporting.display import step_lines
 from ..reporting.results import UNNAMED_AGENT, EvalResult, StepMetrics
-from ..reporting.trackers import masked_config
 from .data import TaskSampler, load_splits
+from .learner import make_learner
 from .pipeline import AsyncTrainStep
 from .rollouts import PatientClient, RolloutQueue
 from .run_context import (

@@ -33,8 +33,10 @@ from agl_core.records import Rollout, RolloutStatus, Span, Task
 
 from ..config import TrainerConfig
 from ..learning.algo import Advantaged
+from ..learning.batch import build_batch
+from ..reporting.results import StepOutcome
 from .rollouts import RolloutQueue, RolloutRound
-from .step import Learner, Meter, StepOutcome, TrainStep, UpdateStats, build_batch, episodes
+from .step import Learner, Meter, TrainStep, UpdateStats, episodes
 
 __all__ = ["AsyncTrainStep"]
 
@@ -69,7 +71,7 @@ class _WatchedLearner:
     @property
     def updates(self) -> Mapping[str, int] | None:
         """Each policy's update count, with ``policies`` (see
-        :class:`~agl_trainer.learning.policy.TorchLearner`)."""
+        :class:`~agl_trainer.run.learner.TorchLearner`)."""
         return getattr(self._learner, "updates", None)
 
     @property

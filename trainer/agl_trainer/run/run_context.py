@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from agl_core.records import Task
+from agl_core.settings import masked_config
 
 from ..config import TrainerConfig
 from ..cpu import size_torch_threads
@@ -28,7 +29,7 @@ from ..learning.checkpoint import CheckpointError, latest_checkpoint
 from ..memory import limit_arenas
 from ..reporting.display import Display, held_out_line, plot_reward_curve
 from ..reporting.results import EvalResult, StepMetrics
-from ..reporting.trackers import Trackers, masked_config, open_trackers
+from ..reporting.trackers import Trackers, open_trackers
 from .rollouts import RolloutQueue, score_tasks
 from .runfile import RUN_FILE, RunFile
 

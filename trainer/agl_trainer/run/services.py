@@ -19,14 +19,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from agl_core.gateway import create_gateway_app
 from agl_core.runner import LLM, LLM_RESOURCE, Runner, run_command
 from agl_core.server import BackgroundServer
-from agl_core.settings import gateway_token
+from agl_core.settings import gateway_token, masked_config
 from agl_core.store import SqliteStore, StoreClient
 from agl_core.store.service import StoreService
 from agl_core.tracing import make_otlp_exporter, setup_tracing
 
 from ..config import StoreConfig, TrainerConfig
 from ..cpu import size_torch_threads
-from ..reporting.trackers import masked_config
 from .rollouts import wait_for_store
 from .serving import HFServing, VLLMServing, start_serving
 

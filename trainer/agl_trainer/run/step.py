@@ -2,27 +2,25 @@
 policy update -> the step's metrics.
 
 The update is injected (:class:`Learner`), so a step runs, and tests, without torch: the trainer passes
-the torch or verl update (:mod:`agl_trainer.learning.policy`), a test a recording fake.
+the torch or verl update (:mod:`agl_trainer.run.learner`), a test a recording fake.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from agl_core.pipeline.credit import CreditResult, assign_rewards
-from agl_core.pipeline.transitions import TransitionResult, explain_untrained, spans_to_transitions
-from agl_core.policies import BASE, policy_mismatch, trained_policy
+from agl_core.policies import BASE, trained_policy
 from agl_core.records import Rollout, RolloutStatus, Span, Task, Transition
 
 from ..config import AlgorithmConfig, TrainerConfig
-from ..learning.algo import Advantaged, GroupReport, compute_advantages
-from ..reporting.results import UNNAMED_AGENT, StepMetrics
+from ..learning.algo import Advantaged
+from ..learning.batch import Batch, build_batch, trainable_transitions
+from ..reporting.results import UNNAMED_AGENT, StepMetrics, StepOutcome
 from .rollouts import RolloutQueue, RolloutRound, error_line, rollout_rewards
 
 __all__ = [
@@ -106,34 +104,6 @@ def peak_rss_mb() -> float | None:
     return round(peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024, 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """A step's episodes as training data."""
-
-    result: TransitionResult
-    credit: CreditResult
-    #: Rollouts that gave no trained transition -> why.
-    untrained: dict[str, str]
-    samples: list[Advantaged]
-    report: GroupReport
-    #: Rollout id -> group id.
-    group_of: dict[str, str]
-
-    @property
-    def signal_groups(self) -> int:
-        """Groups whose rollouts scored differently: the ones that train."""
-        return self.report.groups - self.report.skipped_no_variance - self.report.skipped_singleton
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutcome:
-    """What a step did: its metrics, the batch it trained on and how many redraw rounds it took."""
-
-    metrics: StepMetrics
-    batch: Batch
-    redraw_rounds: int
-
-
 def agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) -> dict[str, dict[str, int]]:
     """LLM calls and trained transitions per agent name, in order of first appearance."""
     counts: dict[str, dict[str, int]] = {}
@@ -141,52 +111,6 @@ def agent_counts(calls: Sequence[Transition], trained: Sequence[Transition]) -> 
         for t in group:
             counts.setdefault(t.agent_name or UNNAMED_AGENT, {"calls": 0, "trained": 0})[key] += 1
     return counts
-
-
-def trainable_transitions(credit: CreditResult) -> list[Transition]:
-    """The credited transitions an update can train on: those with prompt and response token ids."""
-    return [t for t in credit.transitions if t.prompt_ids and t.response_ids]
-
-
-logger = logging.getLogger(__name__)
-#: (run, agent, serving policy) already warned about: an agent's calls served by another policy than its own.
-_MISMATCHES_SAID: set[tuple[str, str | None, str | None]] = set()
-
-
-def build_batch(config: TrainerConfig, used: Sequence[Rollout], spans: Sequence[Span]) -> Batch:
-    """The episodes ``used`` (with their ``spans``) as training data: transitions, credit, advantages."""
-    algorithm = config.algorithm
-    result = spans_to_transitions(spans, timeout_reward=algorithm.rewards.timeout_episode_reward)
-    credit = assign_rewards(
-        result,
-        spans,
-        strategy=algorithm.credit,
-        gamma=algorithm.gamma,
-        weights=algorithm.reward_weights(),
-        agents=config.trained_agents(),
-    )
-    transitions = trainable_transitions(credit)
-    router = config.router()
-    if router is not None:  # a call trains the policy that served it: none when the base model did
-        for t in transitions:
-            mismatch = policy_mismatch(router, t.agent_name, t.policy_name)
-            said = (str(config.output_dir), t.agent_name, t.policy_name)
-            if mismatch is not None and said not in _MISMATCHES_SAID:
-                _MISMATCHES_SAID.add(said)
-                logger.warning("agl: %s", mismatch)
-        transitions = [
-            t for t in transitions if trained_policy(router, t.agent_name, t.policy_name) is not None
-        ]
-    group_of = {r.rollout_id: r.group_id or r.rollout_id for r in used}
-    samples, report = compute_advantages(transitions, group_of, algorithm.name, scores=credit.scores)
-    return Batch(
-        result,
-        credit,
-        explain_untrained([r.rollout_id for r in used], result, transitions),
-        samples,
-        report,
-        group_of,
-    )
 
 
 def episodes(
