@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in sorted(edges):
             print(f"{name} -> {', '.join(sorted(edges[name])) or '-'}")
         print()
-    print(
-        f"{len(edges)} {'folders' if args.folders else 'modules'}, {sum(len(v) for v in edges.values())} imports, {len(found)} cycle(s)"
-    )
+    kind = "folders" if args.folders else "modules"
+    imports = sum(len(v) for v in edges.values())
+    print(f"{len(edges)} {kind}, {imports} imports, {len(found)} cycle(s)")
     for component in found:
         print("cycle: " + " <-> ".join(component))
     return 1 if args.cycles and found else 0

@@ -1,4 +1,5 @@
-"""Run reporting: mean and standard error, the reward-curve PNG, TensorBoard scalars, the plain display."""
+"""Run reporting: mean and standard error, the paired and unpaired changes, the reward-curve PNG,
+TensorBoard scalars, the plain display."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import math
 
 import pytest
 
-from agl_trainer.reporting.display import Display, mean_se, plot_reward_curve
+from agl_trainer.reporting.display import Display, held_out_line, plot_reward_curve
+from agl_trainer.reporting.results import EvalResult
 from agl_trainer.reporting.trackers import Trackers, tensorboard_tracker
+from agl_trainer.stats import mean_se, paired_change, unpaired_change
 
 
 def test_mean_and_standard_error_by_hand():
@@ -16,6 +19,36 @@ def test_mean_and_standard_error_by_hand():
     assert math.isclose(se, math.sqrt((4 * 0.25 / 3) / 4))
     assert mean_se([0.7]) == (0.7, 0.0)
     assert all(math.isnan(v) for v in mean_se([]))
+
+
+def test_paired_change_by_hand_leaves_out_unshared_and_non_finite_tasks():
+    before = {"a": 0.0, "b": 1.0, "c": 0.0, "d": math.nan, "only_before": 1.0}
+    after = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0, "only_after": 0.0}
+    paired = paired_change(before, after)
+    # diffs over a, b, c: 1, 0, 1 -> mean 2/3, SE sqrt(var / 3) with var = (1/9 + 4/9 + 1/9) / 2
+    assert (paired.n, paired.left_out) == (3, 1)
+    assert math.isclose(paired.change, 2 / 3)
+    assert math.isclose(paired.se, math.sqrt((6 / 9 / 2) / 3))
+    assert (paired.before_mean, paired.after_mean) == (1 / 3, 1.0)
+    assert paired_change({}, {"a": 1.0}).n == 0
+
+
+def test_held_out_line_says_what_it_left_out():
+    before = EvalResult(step=0, mean=0.5, se=0.5, n=2, rollouts_failed=0, task_scores={"a": 0.0, "b": 1.0})
+    after = EvalResult(
+        step=1, mean=1.0, se=0.0, n=2, rollouts_failed=0, task_scores={"a": 1.0, "b": math.nan}
+    )
+    line = held_out_line(before, after)
+    assert (
+        "change +1.000 ± 0.000 (paired SE over 1 tasks); 1 tasks left out (a NaN or infinite score)" in line
+    )
+
+
+def test_unpaired_change_adds_the_two_standard_errors_in_quadrature():
+    change, se = unpaired_change([1.0, 0.0, 1.0, 0.0], [0.0, 0.0])
+    assert change == 0.5
+    assert math.isclose(se, math.sqrt(mean_se([1.0, 0.0, 1.0, 0.0])[1] ** 2 + 0.0))
+    assert all(math.isnan(v) for v in unpaired_change([], [1.0]))
 
 
 def test_reward_curve_is_a_png_redrawn_in_place(tmp_path):

@@ -173,8 +173,7 @@ def report(out: Path, config_path: Path, store_url: str, echo: Any) -> None:
     from agl_trainer.evaluate import evaluate
     from agl_trainer.improve.state import STATE_FILE, ImproveState
     from agl_trainer.improve.watch import StoreWatcher
-    from agl_trainer.reporting.display import paired_difference
-    from agl_trainer.reporting.results import mean_se
+    from agl_trainer.stats import mean_se, paired_change
 
     config = load_config(config_path, [f"output_dir={out / 'service'}", f"traces.store={store_url}"])
     state = ImproveState.load(out / "service" / STATE_FILE, "calc")
@@ -206,7 +205,8 @@ def report(out: Path, config_path: Path, store_url: str, echo: Any) -> None:
         else:
             echo(f"scoring v{v.version} on the held-out problems")
             score = evaluate(plain, checkpoint=v.adapter).result
-            change = paired_difference(base, score)
+            paired = paired_change(base.task_scores, score.task_scores)
+            change = (paired.change, paired.se, paired.n)
         rewards = live.get(v.version, [])
         live_mean, live_se = mean_se(rewards) if rewards else (float("nan"), float("nan"))
         gate = v.gate

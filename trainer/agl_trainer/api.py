@@ -28,9 +28,10 @@ from agl_core.records import Task
 
 from .config import TrainerConfig, config_from_dict, load_config
 from .dev import DEFAULT_ROLLOUTS
-from .reporting.display import dev_lines, held_out_line, paired_difference
+from .reporting.display import dev_lines, held_out_line
 from .reporting.results import DevResult, EvalResult, StepMetrics
 from .run.data import load_tasks, split_tasks, tasks_from_records
+from .stats import paired_change
 
 if TYPE_CHECKING:
     from .run.loop import RunResult
@@ -84,7 +85,8 @@ class FitResult:
         out = config.output_dir.absolute()
         change = change_se = None
         if run.before is not None and run.after is not None:
-            change, change_se, _ = paired_difference(run.before, run.after)
+            paired = paired_change(run.before.task_scores, run.after.task_scores)
+            change, change_se = paired.change, paired.se
         return cls(
             output_dir=out,
             metrics=out / METRICS_FILE,

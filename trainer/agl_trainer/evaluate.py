@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 from agl_core.records import Span, Task
 
 from .config import ConfigError, PolicyConfig, TrainerConfig, add_override_argument, load_config
-from .reporting.display import held_out_line, paired_difference
-from .reporting.results import EvalResult, mean_se
+from .reporting.display import held_out_line
+from .reporting.results import EvalResult
 from .run.data import DatasetError, find_task_file, load_splits, load_tasks
 from .run.rollouts import RolloutQueue, ScoredRollout, score_tasks
 from .run.signals import stop_on_signals
 from .saved import Checkpoint, find_checkpoint
+from .stats import mean_se, paired_change
 
 if TYPE_CHECKING:
     from agl_core.plugins import CliCommand
@@ -293,8 +294,10 @@ def per_field_table(evaluation: Evaluation, field: str) -> str:
         if before is not None:
             common = [t for t in ids if t in before.task_scores]
             b_mean, b_se = mean_se([before.task_scores[t] for t in common])
-            diff, diff_se, _ = paired_difference(_only(before, common), _only(after, common))
-            row += [f"{b_mean:.3f} ± {b_se:.3f}", f"{diff:+.3f} ± {diff_se:.3f}"]
+            paired = paired_change(
+                {t: before.task_scores[t] for t in common}, {t: after.task_scores[t] for t in common}
+            )
+            row += [f"{b_mean:.3f} ± {b_se:.3f}", f"{paired.change:+.3f} ± {paired.se:.3f}"]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
@@ -304,10 +307,6 @@ def per_field_table(evaluation: Evaluation, field: str) -> str:
         )
         for row in rows
     )
-
-
-def _only(result: EvalResult, task_ids: Sequence[str]) -> EvalResult:
-    return dataclasses.replace(result, task_scores={t: result.task_scores[t] for t in task_ids})
 
 
 def write_task_scores(evaluation: Evaluation, path: Path) -> None:

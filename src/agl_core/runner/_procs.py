@@ -18,12 +18,12 @@ import os
 import signal
 import threading
 import time
-import uuid
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from ..records import Attempt, Rollout, RolloutStatus
 from ..tracing import RolloutContext, rollout_scope
+from ._engine import SlotThreads
 from ._outcome import Outcome, end_with_error, halted_outcome, interpret, logger, timeout_outcome
 from ._state import Backoff, RunState
 from ._worker import worker_main
@@ -97,7 +97,7 @@ class ProcessEngine:
         self.otlp_endpoint = otlp_endpoint
         self.token = token
         self._context = multiprocessing.get_context("spawn")
-        self._slots: list[threading.Thread] = []
+        self._slots = SlotThreads()
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
 
@@ -109,19 +109,10 @@ class ProcessEngine:
                 "a process-mode runner was started while a worker process imported the main module: guard "
                 "the script's entry point with 'if __name__ == \"__main__\":'"
             )
-        prefix = uuid.uuid4().hex[:6]
-        for i in range(self.state.workers):
-            worker_id = f"worker-{prefix}-{i}"
-            thread = threading.Thread(
-                target=self._slot, args=(worker_id,), name=f"agl-{worker_id}", daemon=True
-            )
-            thread.start()
-            self._slots.append(thread)
+        self._slots.start(self.state.workers, self._slot)
 
     def join(self, deadline: float) -> bool:
-        for thread in self._slots:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._slots)
+        return self._slots.join(deadline)
 
     def close(self) -> None:
         with self._lock:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-import uuid
 from typing import Any
 
 from ..records import Attempt, Rollout, RolloutStatus
 from ..tracing import rollout_scope
+from ._engine import SlotThreads
 from ._outcome import Outcome, call_agent, halted_outcome, interpret, logger, timeout_outcome
 from ._state import RunState
 
@@ -74,25 +74,16 @@ class ThreadEngine:
     def __init__(self, state: RunState, *, max_abandoned: int) -> None:
         self.state = state
         self.max_abandoned = max_abandoned
-        self._slots: list[threading.Thread] = []
+        self._slots = SlotThreads()
         self._lock = threading.Lock()
         self._abandoned = 0
         self._waiting_noted = False
 
     def start(self) -> None:
-        prefix = uuid.uuid4().hex[:6]
-        for i in range(self.state.workers):
-            worker_id = f"worker-{prefix}-{i}"
-            thread = threading.Thread(
-                target=self._slot, args=(worker_id,), name=f"agl-{worker_id}", daemon=True
-            )
-            thread.start()
-            self._slots.append(thread)
+        self._slots.start(self.state.workers, self._slot)
 
     def join(self, deadline: float) -> bool:
-        for thread in self._slots:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._slots)
+        return self._slots.join(deadline)
 
     def close(self) -> None:
         with self._lock:

@@ -3,13 +3,19 @@ section)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import pydantic
 
 from agl_core.pipeline.credit import RewardWeights
 
 from .base import _FiniteFloat, _Strict
+
+#: ``algorithm.name``'s values: the update rules with group-relative advantages
+#: (:mod:`agl_trainer.learning.algo`), and supervised fine-tuning.
+AlgorithmName = Literal["grpo", "ppo", "reinforce_pp", "sft"]
+#: The names that train with advantages (every one but ``sft``).
+RL_ALGORITHMS: tuple[str, ...] = tuple(n for n in get_args(AlgorithmName) if n != "sft")
 
 #: Default ``algorithm.micro_batch_tokens`` on CPU and on a GPU.
 CPU_MICRO_BATCH_TOKENS = 512
@@ -50,7 +56,7 @@ class AlgorithmConfig(_Strict):
     #: ``grpo``: group-normalised; ``ppo``: group-mean baseline; ``reinforce_pp``: REINFORCE++ (baseline,
     #: then normalised over the batch). ``sft`` (only with ``traces``): fine-tune on the response tokens of
     #: the selected rollouts' LLM calls with the next-token loss (rejection sampling, distillation).
-    name: Literal["grpo", "ppo", "reinforce_pp", "sft"] = "grpo"
+    name: AlgorithmName = "grpo"
     #: Weight of the per-token KL penalty to the reference policy (``kl_reference``); 0 = off.
     kl_coef: float = pydantic.Field(0.0, ge=0.0)
     #: How a rollout's episode reward is shared among its LLM calls: ``episode`` (every call gets it),

@@ -4,11 +4,10 @@ predecessor (two independent means of late session rewards)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 from ..config import GateConfig
-from ..reporting.results import mean_se
+from ..stats import PairedChange, mean_se, paired_change, unpaired_change
 from .state import GateRecord
 
 __all__ = ["LiveComparison", "compare_live", "gate_decision"]
@@ -27,42 +26,30 @@ def gate_decision(
     of 0 (every task changed by the same amount) a negative change is refused and, with ``min_gain_se``, so
     is no change.
     """
-    both = sorted(set(serving) & set(candidate))
-    # a score that is not a finite number (a scorer's NaN) says nothing about the task: left out, counted
-    common = [t for t in both if math.isfinite(serving[t]) and math.isfinite(candidate[t])]
-    left_out = len(both) - len(common)
-    if not common:
+    paired = paired_change(serving, candidate)
+    if not paired.n:
         return GateRecord(
             "refused",
             "no held-out task was scored for both versions"
-            + (f" with finite scores ({left_out} scored NaN or infinite)" if left_out else ""),
+            + (f" with finite scores ({paired.left_out} scored NaN or infinite)" if paired.left_out else ""),
             seconds=seconds,
         )
-    record = _decide(gate, serving, candidate, common, seconds)
-    if left_out:
-        record.reason += f"; {left_out} tasks left out (a score was NaN or infinite)"
+    record = _decide(gate, paired, seconds)
+    if paired.left_out:
+        record.reason += f"; {paired.left_out} tasks left out (a score was NaN or infinite)"
     return record
 
 
-def _decide(
-    gate: GateConfig,
-    serving: Mapping[str, float],
-    candidate: Mapping[str, float],
-    common: list[str],
-    seconds: float,
-) -> GateRecord:
-    diffs = [candidate[t] - serving[t] for t in common]
-    change, se = mean_se(diffs)
-    base_mean = sum(serving[t] for t in common) / len(common)
-    cand_mean = sum(candidate[t] for t in common) / len(common)
-    record = GateRecord("promoted", "", cand_mean, base_mean, change, se, len(common), seconds)
+def _decide(gate: GateConfig, paired: PairedChange, seconds: float) -> GateRecord:
+    change, se, n = paired.change, paired.se, paired.n
+    record = GateRecord("promoted", "", paired.after_mean, paired.before_mean, change, se, n, seconds)
     floor = -gate.max_drop_se * se
     # a change exactly at the margin is not beyond it (one task of n lost, and no other change, is exactly
     # -1 SE: rounding must not decide it)
     if change < floor - _ROUNDING or (se == 0 and change < 0):
         record.decision = "refused"
         record.reason = (
-            f"worse than the serving version: change {change:+.3f} ± {se:.3f} over {len(common)} tasks,"
+            f"worse than the serving version: change {change:+.3f} ± {se:.3f} over {n} tasks,"
             f" below the margin of -{gate.max_drop_se:g} SE ({floor:+.3f})"
         )
         return record
@@ -71,12 +58,12 @@ def _decide(
         if change < needed - _ROUNDING or (se == 0 and change <= 0):
             record.decision = "refused"
             record.reason = (
-                f"not better enough: change {change:+.3f} ± {se:.3f} over {len(common)} tasks, below the"
+                f"not better enough: change {change:+.3f} ± {se:.3f} over {n} tasks, below the"
                 f" required +{gate.min_gain_se:g} SE ({needed:+.3f})"
             )
             return record
     record.reason = (
-        f"change {change:+.3f} ± {se:.3f} over {len(common)} tasks is within the gate"
+        f"change {change:+.3f} ± {se:.3f} over {n} tasks is within the gate"
         f" (at least -{gate.max_drop_se:g} SE"
         + (f", at least +{gate.min_gain_se:g} SE" if gate.min_gain_se is not None else "")
         + ")"
@@ -89,10 +76,10 @@ class LiveComparison:
 
     def __init__(self, current: Sequence[float], previous: Sequence[float]) -> None:
         self.n, self.n_previous = len(current), len(previous)
-        self.mean, se_cur = mean_se(list(current)) if current else (math.nan, math.nan)
-        self.previous_mean, se_prev = mean_se(list(previous)) if previous else (math.nan, math.nan)
+        self.mean = mean_se(list(current))[0]
+        self.previous_mean = mean_se(list(previous))[0]
         self.change = self.mean - self.previous_mean
-        self.se = math.sqrt(se_cur**2 + se_prev**2) if current and previous else math.nan
+        self.se = unpaired_change(list(current), list(previous))[1]
 
     def describe(self) -> str:
         return (

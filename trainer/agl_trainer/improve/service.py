@@ -573,7 +573,7 @@ def status_lines(
     """``agl improve status``: the serving version, what the service waits for, each version's lineage
     and gate numbers (``live``: its live rewards; ``ignored``: how many were left out), each gateway, the
     latest events."""
-    from ..reporting.results import mean_se
+    from ..stats import mean_se
 
     lines = [
         f"service {state.name!r}: v{state.serving} serves; {state.rounds} rounds;"

@@ -16,9 +16,11 @@ from collections.abc import Mapping, Sequence
 
 from agl_core.records import Transition
 
+from ..config.algorithm import RL_ALGORITHMS
+
 __all__ = ["ALGORITHMS", "Advantaged", "GroupReport", "compute_advantages", "group_advantages"]
 
-ALGORITHMS = ("grpo", "ppo", "reinforce_pp")
+ALGORITHMS = RL_ALGORITHMS  # one list, in the config
 
 
 @dataclasses.dataclass(frozen=True)

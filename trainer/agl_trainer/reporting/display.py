@@ -15,15 +15,14 @@ from typing import Any
 
 from agl_core.policies import BASE
 
-from .results import DevResult, EvalResult, StepMetrics, StepOutcome, mean_se
+from ..stats import paired_change
+from .results import DevResult, EvalResult, StepMetrics, StepOutcome
 
 __all__ = [
     "Display",
     "dev_lines",
     "format_step",
     "held_out_line",
-    "mean_se",
-    "paired_difference",
     "plot_reward_curve",
     "step_lines",
 ]
@@ -291,20 +290,13 @@ def step_lines(
     return lines
 
 
-def paired_difference(before: EvalResult, after: EvalResult) -> tuple[float, float, int]:
-    """Mean and SE of the per-task difference after - before, over the tasks both evaluated."""
-    common = sorted(set(before.task_scores) & set(after.task_scores))
-    diffs = [after.task_scores[t] - before.task_scores[t] for t in common]
-    mean, se = mean_se(diffs)
-    return mean, se, len(common)
-
-
 def held_out_line(before: EvalResult, after: EvalResult) -> str:
     """The before/after summary of two scores on the same tasks, with the paired SE of the change."""
-    diff, diff_se, n = paired_difference(before, after)
+    paired = paired_change(before.task_scores, after.task_scores)
+    left_out = f"; {paired.left_out} tasks left out (a NaN or infinite score)" if paired.left_out else ""
     return (
         f"held-out reward: before {before.describe()} -> after {after.describe()}; "
-        f"change {diff:+.3f} ± {diff_se:.3f} (paired SE over {n} tasks)"
+        f"change {paired.change:+.3f} ± {paired.se:.3f} (paired SE over {paired.n} tasks){left_out}"
     )
 
 

@@ -7,8 +7,6 @@ Plain frozen records and arithmetic; no torch, no I/O.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from agl_core.records import RolloutStatus
@@ -16,23 +14,10 @@ from agl_core.records import RolloutStatus
 if TYPE_CHECKING:
     from ..learning.batch import Batch
 
-__all__ = ["UNNAMED_AGENT", "DevResult", "DevRollout", "EvalResult", "StepMetrics", "StepOutcome", "mean_se"]
+__all__ = ["UNNAMED_AGENT", "DevResult", "DevRollout", "EvalResult", "StepMetrics", "StepOutcome"]
 
 #: The name ``StepMetrics.agents`` gives to LLM calls no agent claimed.
 UNNAMED_AGENT = "(unnamed)"
-
-
-def mean_se(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (0 for fewer than two values)."""
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    # (v - mean) * (v - mean): a huge value gives inf, where ** 2 raises OverflowError
-    var = sum((v - mean) * (v - mean) for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ from agl_core.pipeline.transitions import episode_rewards
 from agl_core.records import Rollout, RolloutStatus, Span, Task
 
 from ..cpu import release_openmp_threads
-from ..reporting.results import EvalResult, mean_se
+from ..reporting.results import EvalResult
+from ..stats import mean_se
 
 __all__ = [
     "PatientClient",
