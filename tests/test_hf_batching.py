@@ -289,7 +289,7 @@ def test_a_batch_kept_alive_by_joining_requests_stays_as_wide_as_its_rows(tiny_p
 
 
 def test_sampling_draws_each_token_as_often_as_its_probability_and_never_an_impossible_one():
-    from agl_trainer.generation.hf_backend import sample
+    from agl_trainer.generation.requests import sample
 
     weights = torch.tensor([0.2, 0.0, 1.2, 0.6, 0.0])  # not normalised: 0.1, 0, 0.6, 0.3, 0
     generator = torch.Generator().manual_seed(7)

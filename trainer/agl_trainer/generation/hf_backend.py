@@ -20,9 +20,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import dataclasses
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -32,7 +29,6 @@ from typing import Any
 
 import torch
 
-from agl_core.gateway.assemble import TextAssembler
 from agl_core.gateway.backend import (
     BackendError,
     BackendUnavailableError,
@@ -45,16 +41,17 @@ from agl_core.gateway.backend import (
     UpstreamError,
 )
 from agl_core.gateway.render import TemplateRenderer
-from agl_core.gateway.tools import ToolFormat, forced_prefix
+from agl_core.gateway.tools import forced_prefix
 from agl_core.plugins import ServedBackend
 from agl_core.policies import BASE
 
 from ..cpu import release_openmp_threads
 from ..memory import release_free_memory
 from . import fast_linear
-from .decoding import Batch, DynamicBatch, SlotBatch, StaticDecode, attention_kernels
-from .direct_decode import DirectDecode, layer_groups, recognize
-from .kv_cache import PrefixCache, SlotCache, cache_shape
+from .decoding import Batch, DynamicBatch, SlotBatch, attention_kernels
+from .requests import Job, PolicyLock, Row, Seeds, sample
+from .setup import set_up_decoding
+from .weights import load_full, load_lora, load_policy_lora
 
 __all__ = ["KV_CACHES", "HFBackend", "LogitsProcessor", "serve_with_transformers"]
 
@@ -67,151 +64,6 @@ logger = logging.getLogger(__name__)
 #: ``processor(prompt_ids, response_ids_so_far, logits) -> logits`` reshapes the distribution a token is
 #: sampled from (a grammar, a test script). Recorded logprobs stay those of the raw model.
 LogitsProcessor = Callable[[Sequence[int], Sequence[int], torch.Tensor], torch.Tensor]
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-    """One request: its prompt, its ``n`` choices, and where its events go."""
-
-    request: ChatRequest
-    prompt_ids: list[int]
-    max_new: int
-    tool_format: ToolFormat | None
-    forced_ids: list[int]
-    sink: Callable[[Event | BaseException], None]
-    cancelled: bool = False
-    open_choices: int = 0
-    #: The adapter serving the request when the backend routes by agent (``None``: the base model).
-    policy: str | None = None
-    #: Seeds choice ``i``'s sampler with ``seed + i``: the request's own seed, else the backend's
-    #: (:class:`_Seeds`), else ``None`` (fresh entropy).
-    seed: int | None = None
-
-
-class _Seeds:
-    """Seeds for requests that bring none, derived from a base seed (``train.seed``) and the request.
-
-    The ``k``-th request for the same prompt under the same policy (version and adapter) gets the ``k``-th
-    seed of that prompt. A group's rollouts ask for the same prompt, and the order in which their requests
-    arrive varies with thread timing, but the set of seeds the group gets does not, so neither do the
-    responses it samples (up to rounding in batched forward passes, which moves a draw only when it falls
-    within that much of a token's boundary). Counts are kept for the current policy version only.
-    """
-
-    def __init__(self, base: int) -> None:
-        self.base = base
-        self._lock = threading.Lock()
-        self._version: int | None = None
-        self._counts: dict[bytes, int] = {}
-
-    def next(self, version: int, policy: str | None, prompt_ids: Sequence[int]) -> int:
-        key = hashlib.blake2b(
-            f"{self.base}|{version}|{policy}|{','.join(map(str, prompt_ids))}".encode(), digest_size=16
-        ).digest()
-        with self._lock:
-            if version != self._version:
-                self._version, self._counts = version, {}
-            k = self._counts.get(key, 0)
-            self._counts[key] = k + 1
-        seed = hashlib.blake2b(key + k.to_bytes(8, "little"), digest_size=8).digest()
-        return int.from_bytes(seed, "little") >> 1  # torch takes seeds below 2**63
-
-
-class _PolicyLock:
-    """The lock between generation and weight updates: re-entrant, and fair to updates.
-
-    Anyone but the worker takes it with ``with backend.lock:`` (the trainer around an optimizer step); the
-    worker takes it per batch with :meth:`acquire_for_batch`, which first lets every waiting holder in, so a
-    steady stream of requests cannot keep an update waiting for more than the batch in progress.
-
-    Whoever takes it with :meth:`acquire` may change the weights, so once it is theirs,
-    ``on_external_acquire`` runs (the backend drops every key and value it has cached)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._changed = threading.Condition()
-        self._waiting = 0
-        self.on_external_acquire: Callable[[], None] | None = None
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        with self._changed:
-            self._waiting += 1
-        try:
-            acquired = self._lock.acquire(blocking, timeout)
-            if acquired and self.on_external_acquire is not None:
-                self.on_external_acquire()
-            return acquired
-        finally:
-            with self._changed:
-                self._waiting -= 1
-                self._changed.notify_all()
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def acquire_for_batch(self) -> None:
-        with self._changed:
-            while self._waiting:
-                self._changed.wait()
-        self._lock.acquire()
-
-    @property
-    def contended(self) -> bool:
-        """Whether someone (a weight update) is waiting for the lock: the batch should admit no one more."""
-        return self._waiting > 0
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token drawn from ``probs`` (one row of probabilities, not necessarily summing to 1) with
-    ``generator``: the first token whose cumulative probability passes a uniform draw (in float64). On
-    CPU this is about 20 times cheaper than ``torch.multinomial`` for one draw from a 49k vocabulary (0.03
-    against 0.75 ms, a tenth of a decoding step at batch 16); a token of probability 0 is never drawn."""
-    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
-    draw = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
-    token = int(torch.searchsorted(cdf, draw, right=True))
-    if token >= probs.shape[0]:  # the draw rounded up to the total: the last token that can be drawn
-        token = int(torch.nonzero(probs)[-1, 0])
-    return token
-
-
-class _Row:
-    """One choice being generated in the batch."""
-
-    def __init__(self, backend: HFBackend, job: _Job, index: int) -> None:
-        request = job.request
-        self.job = job
-        self.index = index
-        self.generator = torch.Generator(device=backend.sample_device)
-        if job.seed is not None:
-            self.generator.manual_seed((job.seed + index) % 2**63)
-        else:
-            self.generator.seed()
-        self.forced = list(job.forced_ids)
-        self.response: list[int] = []
-        self.logprobs: list[float] = []
-        self.tops: list[tuple[tuple[str, float], ...]] = []
-        self.finish: str | None = None
-        needs_text = request.stream or bool(request.stop) or job.tool_format is not None
-        self.assembler = (
-            TextAssembler(
-                backend._decode,
-                stop=request.stop,
-                tool_format=job.tool_format,
-                forced_name=request.forced_tool,
-            )
-            if needs_text
-            else None
-        )
-
-    @property
-    def done(self) -> bool:
-        return self.finish is not None or self.job.cancelled
 
 
 class HFBackend:
@@ -257,8 +109,8 @@ class HFBackend:
                 f"matmul_dtype must be one of {', '.join(fast_linear.DTYPES)}, not {matmul_dtype!r}"
             )
         self.model = model
-        #: With ``seed``, requests without a seed of their own sample reproducibly (:class:`_Seeds`).
-        self._seeds = _Seeds(seed) if seed is not None else None
+        #: With ``seed``, requests without a seed of their own sample reproducibly (:class:`Seeds`).
+        self._seeds = Seeds(seed) if seed is not None else None
         #: Padded prompt tokens per prefill pass (see :meth:`_prefill`).
         self.prefill_tokens = max(1, prefill_tokens)
         #: Let requests that arrive while a batch decodes join it (continuous batching); ``False`` runs each
@@ -278,7 +130,7 @@ class HFBackend:
         self.logits_processor = logits_processor
         self.policy_version = 0
         #: Held by the worker for each batch; hold it to change the weights (then bump ``policy_version``).
-        self.lock = _PolicyLock()
+        self.lock = PolicyLock()
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         im_end = (
             tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
@@ -288,7 +140,7 @@ class HFBackend:
         self.stop_ids = frozenset(eos)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[Job] = collections.deque()
         self._wakeup = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -308,7 +160,8 @@ class HFBackend:
         self.decode_steps = 0
         self.prefilled_tokens = 0
         self.reused_tokens = 0
-        self._set_up_decoding(
+        paths = set_up_decoding(
+            self,
             kv_cache=kv_cache,
             prefix_cache_mb=prefix_cache_mb,
             prefix_block_tokens=prefix_block_tokens,
@@ -319,87 +172,13 @@ class HFBackend:
             direct_decode=direct_decode,
             matmul_dtype=fast_linear.DTYPES[matmul_dtype],
         )
+        self.kv_cache = paths.kv_cache
+        self._slots = paths.slots
+        self.prefix_cache = paths.prefix_cache
+        self._static = paths.static
+        self._linears = paths.linears
+        self._direct = paths.direct
         self.lock.on_external_acquire = self._forget
-
-    def _set_up_decoding(
-        self,
-        *,
-        kv_cache: str,
-        prefix_cache_mb: float,
-        prefix_block_tokens: int,
-        static_decode: bool | None,
-        cuda_graphs: bool,
-        packed_linears: bool | None,
-        packed_weights_mb: float,
-        direct_decode: bool,
-        matmul_dtype: torch.dtype,
-    ) -> None:
-        """The key/value memory and the decoding paths for this model and device (``__init__``'s
-        arguments of the same names)."""
-        model, route = self.model, self.route
-        #: ``slots``: a preallocated cache written in place, and prompt prefixes reused (``prefix_cache``);
-        #: ``dynamic``: transformers' own cache, every prompt prefilled whole (also for an architecture
-        #: the slots do not cover).
-        shape = cache_shape(model) if kv_cache == "slots" else None
-        if kv_cache == "slots" and shape is None:
-            logger.info("agl: %s is served with transformers' dynamic cache", type(model).__name__)
-        self.kv_cache = "slots" if shape is not None else "dynamic"
-        self._slots = SlotCache(shape) if shape is not None else None
-        #: Keys and values of prompt prefixes under the current policy version (``None``: off).
-        self.prefix_cache = (
-            PrefixCache(block_tokens=prefix_block_tokens, max_bytes=int(prefix_cache_mb * 2**20))
-            if shape is not None and prefix_cache_mb > 0
-            else None
-        )
-        #: Decoding steps with fixed shapes (every slot, the cache's whole width): the default on a GPU,
-        #: where ``cuda_graphs`` captures the step once and replays it. Not with adapters per agent.
-        if static_decode is None:
-            static_decode = shape is not None and shape.device.type == "cuda"
-        self._static = (
-            StaticDecode(self, self._slots, graphs=cuda_graphs)
-            if static_decode and self._slots is not None and route is None
-            else None
-        )
-        #: Decoding steps that run the model's modules directly, without its forward pass's per-call
-        #: machinery (:mod:`.direct_decode`), for the architectures that recognizes; off with
-        #: ``direct_decode=False`` (every step through the forward pass).
-        unrecognized = recognize(model) if shape is not None and direct_decode else "off"
-        if unrecognized not in (None, "off"):
-            logger.info("agl: decoding steps go through the model's forward pass: %s", unrecognized)
-        #: On the CPU, generation multiplies the large float32 weights through oneDNN, with packed copies of
-        #: the largest within ``packed_weights_mb`` (:mod:`.fast_linear`; with room for all of them, the
-        #: direct steps' grouped products); ``None``: wherever this PyTorch has it.
-        #: ``matmul_dtype`` bfloat16: those copies in bfloat16 (the sampler is the rounded model; see
-        #: :mod:`.fast_linear`), where the packed products run at all.
-        on_cpu = shape is not None and shape.device.type == "cpu" and shape.dtype == torch.float32
-        if matmul_dtype != torch.float32:
-            if not on_cpu or packed_linears is False:
-                raise ValueError(
-                    "matmul_dtype bfloat16 rounds the packed copies of a float32 model generating on the"
-                    " CPU; this model is served in another way (a GPU, or a model loaded in another dtype:"
-                    " set the model's dtype instead), so set matmul_dtype to float32"
-                )
-            if not fast_linear.available(matmul_dtype):
-                raise ValueError(
-                    "matmul_dtype bfloat16 needs oneDNN's bfloat16 products, which this PyTorch or CPU"
-                    f" lacks (CPU capability {torch.backends.cpu.get_cpu_capability()}); set matmul_dtype"
-                    " to float32"
-                )
-        if packed_linears is None:
-            packed_linears = on_cpu and fast_linear.available()
-        self._linears = (
-            fast_linear.PackedLinears(
-                lambda: self.model,
-                rows=self.max_batch,
-                budget_bytes=int(packed_weights_mb * 2**20),
-                groups=layer_groups if unrecognized is None else None,
-                dtype=matmul_dtype,
-            )
-            if packed_linears
-            else None
-        )
-        self._direct = DirectDecode(lambda: self.model, self._linears) if unrecognized is None else None
-        release_openmp_threads()  # the checks above ran parallel regions in the caller's thread
 
     @property
     def model_names(self) -> Sequence[str]:
@@ -498,7 +277,7 @@ class HFBackend:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def _prepare(self, request: ChatRequest, sink: Callable[[Event | BaseException], None]) -> _Job:
+    def _prepare(self, request: ChatRequest, sink: Callable[[Event | BaseException], None]) -> Job:
         try:
             if request.is_chat:
                 prompt_ids = self.renderer.render(
@@ -533,7 +312,7 @@ class HFBackend:
         seed = request.seed
         if seed is None and self._seeds is not None:
             seed = self._seeds.next(self.policy_version, policy, prompt_ids)
-        return _Job(
+        return Job(
             request,
             prompt_ids,
             max_new,
@@ -545,7 +324,7 @@ class HFBackend:
             seed=seed,
         )
 
-    def _submit(self, job: _Job) -> None:
+    def _submit(self, job: Job) -> None:
         with self._wakeup:
             if self._closed:
                 raise BackendUnavailableError("the transformers backend has been closed")
@@ -618,11 +397,12 @@ class HFBackend:
         with self.lock:
             try:
                 if update.kind == "lora" and update.policy is not None:
-                    self._load_policy_adapter(path, update.policy)
+                    routed = self.route is not None
+                    self.model = load_policy_lora(self.model, path, update.policy, routed=routed)
                 elif update.kind == "lora":
-                    self._load_adapter(path, update.version)
+                    self.model = load_lora(self.model, path, f"v{update.version}", self._names[0])
                 else:
-                    self._load_full(path)
+                    load_full(self.model, path, self.device)
             except BackendError:
                 raise
             except Exception as exc:
@@ -631,116 +411,9 @@ class HFBackend:
                 release_openmp_threads()
             self.policy_version = update.version
 
-    def _check_adapter_fits(self, path: Path) -> None:
-        """Refuse, before anything is loaded, an adapter whose LoRA matrices do not fit the served model's
-        layers (an adapter trained on another base model), naming both models."""
-        weights = path / "adapter_model.safetensors"
-        if not weights.is_file():
-            return  # PEFT reports what is missing
-        from safetensors import safe_open
-
-        modules = dict(self.model.named_modules())
-        with safe_open(str(weights), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
-                if ".lora_A." not in key and ".lora_B." not in key:
-                    continue
-                owner = key.split(".lora_")[0].removeprefix("base_model.model.")
-                module = next(
-                    (m for name, m in modules.items() if name == owner or name.endswith("." + owner)), None
-                )
-                base = getattr(module, "base_layer", module)
-                shape = handle.get_slice(key).get_shape()
-                wanted = (
-                    getattr(base, "in_features", None)
-                    if ".lora_A." in key
-                    else getattr(base, "out_features", None)
-                )
-                got = shape[1] if ".lora_A." in key else shape[0]
-                if module is None or (wanted is not None and wanted != got):
-                    trained_on = "another model"
-                    config_file = path / "adapter_config.json"
-                    with contextlib.suppress(OSError, ValueError):
-                        trained_on = (
-                            json.loads(config_file.read_text()).get("base_model_name_or_path") or trained_on
-                        )
-                    served = (
-                        getattr(getattr(self.model, "config", None), "_name_or_path", "") or self._names[0]
-                    )
-                    detail = "no such layer" if module is None else f"{got} features, the layer has {wanted}"
-                    raise BackendError(
-                        f"the adapter in {path} does not fit the served model: it was trained on {trained_on}"
-                        f" and this gateway serves {served} ({key}: {detail})"
-                    )
-
-    def _load_adapter(self, path: Path, version: int) -> None:
-        if not (path / "adapter_config.json").is_file():
-            raise BackendError(f"{path} has no adapter_config.json; is it a PEFT LoRA adapter directory?")
-        self._check_adapter_fits(path)
-        from peft import PeftModel
-
-        name = f"v{version}"
-        if isinstance(self.model, PeftModel):
-            previous = self.model.active_adapter
-            self.model.load_adapter(str(path), adapter_name=name)
-            self.model.set_adapter(name)
-            if previous != name and previous in self.model.peft_config:
-                self.model.delete_adapter(previous)
-        else:
-            self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
-        self.model.eval()
-
-    def _load_policy_adapter(self, path: Path, policy: str) -> None:
-        """Serve the adapter in ``path`` to ``policy``'s agents (a policy per agent): its weights replace
-        those of the adapter named ``policy``, or it is loaded under that name."""
-        if self.route is None:
-            raise BackendError(
-                f"an adapter for policy {policy!r} was published, but this backend serves one policy to"
-                " every agent; give it the policies (route=...)"
-            )
-        if not (path / "adapter_config.json").is_file():
-            raise BackendError(f"{path} has no adapter_config.json; is it a PEFT LoRA adapter directory?")
-        from peft import PeftModel
-
-        if not isinstance(self.model, PeftModel):
-            self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=policy)
-        elif policy in self.model.peft_config:
-            from ..model import load_adapter_weights
-
-            weights = path / "adapter_model.safetensors"
-            if not weights.is_file():
-                raise BackendError(f"{path} has no adapter_model.safetensors")
-            if load_adapter_weights(self.model, weights, policy):
-                raise BackendError(f"{path} does not fit policy {policy!r}'s adapter (other LoRA settings?)")
-        else:
-            self.model.load_adapter(str(path), adapter_name=policy)
-        self.model.eval()
-
-    def _load_full(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise BackendError(f"{path} has no *.safetensors files")
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            state.update(load_file(str(file), device=str(self.device)))
-        target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        missing, unexpected = target.load_state_dict(state, strict=False)
-        tied = (
-            {k for k in missing if k.endswith("lm_head.weight")}
-            if getattr(target.config, "tie_word_embeddings", False)
-            else set()
-        )
-        lora = {k for k in missing if "lora_" in k}
-        if unexpected or set(missing) - tied - lora:
-            shown = sorted(set(unexpected) | (set(missing) - tied - lora))[:5]
-            raise BackendError(
-                f"the weights in {path} do not fit the served model (mismatched keys: {', '.join(shown)})"
-            )
-
     # -- the worker -----------------------------------------------------------------------------------
 
-    def _take(self) -> list[_Job] | None:
+    def _take(self) -> list[Job] | None:
         """Wait for requests; the first batch of them (``None`` once closed)."""
         with self._wakeup:
             while not self._queue and not self._closed:
@@ -749,11 +422,11 @@ class HFBackend:
                 return None
             return self._pop(running=0)
 
-    def _pop(self, running: int) -> list[_Job]:
+    def _pop(self, running: int) -> list[Job]:
         """Queued jobs whose choices fit beside ``running`` rows, in arrival order (the first always when
         none runs, however many choices it asks for); call with ``_wakeup`` held."""
         room = self.max_batch - running
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         rows = 0
         while self._queue and (rows + self._queue[0].request.n <= room or (not jobs and running == 0)):
             job = self._queue.popleft()
@@ -762,7 +435,7 @@ class HFBackend:
                 rows += job.request.n
         return jobs
 
-    def _join(self, running: int) -> list[_Job]:
+    def _join(self, running: int) -> list[Job]:
         """Requests that arrived while a batch runs and fit beside its ``running`` rows (continuous
         batching); none while a weight update waits, so that the batch ends and lets it in."""
         if not self.continuous or self._closed or self.lock.contended or running >= self.max_batch:
@@ -796,10 +469,10 @@ class HFBackend:
             if idle:  # the next thread to compute (the update) holds the only OpenMP pool (agl_trainer.cpu)
                 release_openmp_threads()
 
-    def new_row(self, job: _Job, index: int) -> _Row:
-        return _Row(self, job, index)
+    def new_row(self, job: Job, index: int) -> Row:
+        return Row(self, job, index)
 
-    def adapters(self, jobs: Sequence[_Job]) -> dict[str, Any]:
+    def adapters(self, jobs: Sequence[Job]) -> dict[str, Any]:
         """The ``adapter_names`` argument of a forward pass over rows of ``jobs`` (none without routing)."""
         loaded = getattr(self.model, "peft_config", None)
         if self.route is None or not loaded:
@@ -822,7 +495,7 @@ class HFBackend:
             return DynamicBatch(self)
         return SlotBatch(self, self._slots, self.prefix_cache, version, self._static, self._direct)
 
-    def _batch(self, jobs: list[_Job]) -> None:
+    def _batch(self, jobs: list[Job]) -> None:
         version = self.policy_version
         was_training = self.model.training
         self.model.eval()
@@ -861,7 +534,7 @@ class HFBackend:
             if was_training:
                 self.model.train()
 
-    def _admit(self, state: Batch, jobs: list[_Job]) -> None:
+    def _admit(self, state: Batch, jobs: list[Job]) -> None:
         started = time.perf_counter()
         prefilled, reused = state.prefilled_tokens, state.reused_tokens
         with attention_kernels(self.device, next(self.model.parameters()).dtype):
@@ -871,7 +544,7 @@ class HFBackend:
         self.prefilled_tokens += state.prefilled_tokens - prefilled
         self.reused_tokens += state.reused_tokens - reused
 
-    def _pick(self, row: _Row, logits: torch.Tensor) -> int:
+    def _pick(self, row: Row, logits: torch.Tensor) -> int:
         if row.forced:
             return row.forced.pop(0)
         request = row.job.request
@@ -888,7 +561,7 @@ class HFBackend:
             probs = filtered / filtered.sum()
         return sample(probs, row.generator)
 
-    def _step(self, row: _Row, logits: torch.Tensor, logp: torch.Tensor, version: int) -> None:
+    def _step(self, row: Row, logits: torch.Tensor, logp: torch.Tensor, version: int) -> None:
         job, request = row.job, row.job.request
         forced = bool(row.forced)
         token = self._pick(row, logits)
@@ -924,7 +597,7 @@ class HFBackend:
             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top],
         }
 
-    def _complete(self, row: _Row, version: int) -> None:
+    def _complete(self, row: Row, version: int) -> None:
         job, request = row.job, row.job.request
         finish = row.finish or "stop"
         calls: list[dict[str, Any]] = []
