@@ -1,5 +1,6 @@
 """Every trainer config key the README and docs/*.md use exists in the config schema: in YAML examples,
-in ``--set KEY=VALUE`` overrides, and in inline code naming a dotted key (``algorithm.agents``)."""
+in ``--set KEY=VALUE`` overrides, and in inline code naming a dotted key (``algorithm.agents``); and the
+README within its size."""
 
 from __future__ import annotations
 
@@ -96,3 +97,10 @@ def test_the_docs_say_which_config_paths_are_relative_to_what():
     assert (
         "relative to **the config file's folder**" in text and "relative to **the working directory**" in text
     )
+
+
+def test_the_front_page_stays_within_8_kb():
+    """The README is the front page: what agl is, install, the two commands, one result, how to make an
+    agent trainable, a map. Run history and benchmark prose belong in CHANGELOG.md and bench/."""
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 8 * 1024, f"README.md is {size} bytes; move detail to docs/ or bench/README.md"
