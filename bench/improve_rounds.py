@@ -25,7 +25,7 @@ from agl_trainer.improve.service import ImproveService
 
 
 class _NoWork:
-    def train(self, round_dir, rollouts, parent_adapter):  # never called: the look closes the round
+    def train(self, round_dir, selection, parent_adapter):  # never called: the look closes the round
         raise AssertionError
 
     def score(self, candidate, serving):
@@ -77,8 +77,8 @@ def one_look(n: int, folder: Path) -> float:
     service = ImproveService(config, echo=lambda _: None, work=_NoWork())
     old_spans, old_records = _sessions(0, n)
     new_spans, new_records = _sessions(n, n)
-    service.watcher.spans = old_spans + new_spans
-    service.watcher.records = {**old_records, **new_records}
+    service.watcher.reader.spans = old_spans + new_spans
+    service.watcher.reader.records = {**old_records, **new_records}
     service.state.consumed = list(old_records)
     started = time.process_time()
     assert service._round_due()

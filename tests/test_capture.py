@@ -233,6 +233,7 @@ def test_the_same_session_imported_from_a_file_joins_the_captured_rollout(gatewa
         assert rollout.metadata["source"] == "gateway"
 
 
+@pytest.mark.timing
 def test_a_store_that_is_down_neither_fails_nor_slows_the_call(caplog):
     # bound and listening, not yet answering: a registration hangs until its timeout
     store = Collector(token=TOKEN)

@@ -128,6 +128,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.timing
 def test_agl_run_second_signal_exits_at_once(store, tmp_path):
     url, client = store
     (hung,) = client.enqueue_rollouts([{"task_id": "hang", "input": {"hang": True}}])

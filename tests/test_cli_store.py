@@ -171,6 +171,7 @@ def test_a_port_in_use_is_named_with_the_flag_that_changes_it(tmp_path):
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.timing
 def test_store_serve_stopped_by_a_signal_says_what_it_kept_and_exits_the_shells_way(tmp_path, stop):
     port = _free_port()
     db = tmp_path / "s.sqlite"

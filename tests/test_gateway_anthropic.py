@@ -596,6 +596,7 @@ def test_a_stream_cut_off_by_the_client_records_no_span_that_trains(gw):
     assert R.RESPONSE_TOKEN_IDS not in attrs and R.PROMPT_TOKEN_IDS not in attrs
 
 
+@pytest.mark.timing
 def test_count_tokens_is_refused_with_a_501_the_sdk_does_not_retry(gw, client):
     started = time.monotonic()
     with pytest.raises(anthropic.APIStatusError) as refused:

@@ -230,6 +230,7 @@ def test_tool_history_is_rendered_hermes_style(gw, oa):
     assert WEATHER_CALL in prompt and "<tool_response>\nsunny\n</tool_response>" in prompt
 
 
+@pytest.mark.timing
 def test_client_disconnect_mid_stream_is_recorded_and_harmless(gw, oa):
     before = gw.metrics.client_disconnects
     body = {

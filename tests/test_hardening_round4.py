@@ -384,6 +384,7 @@ class _Answers:
         self.server.stop()
 
 
+@pytest.mark.timing
 def test_a_bad_or_slow_gateway_is_down_with_the_reason(tmp_path):
     import time
 
@@ -587,6 +588,7 @@ def test_a_gateway_url_is_checked_as_the_client_parses_it(url):
 
 
 # --- a new user's first minutes ---------------------------------------------------------------------------
+@pytest.mark.timing
 def test_a_busy_port_is_one_line_before_anything_loads(tmp_path):
     import socket
     import subprocess

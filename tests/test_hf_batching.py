@@ -63,6 +63,7 @@ def _count_prefill_passes(backend: Any, passes: list[int]) -> None:
 
 @pytest.mark.parametrize("kv_cache", ["slots", "dynamic"])
 @pytest.mark.parametrize("prefill_tokens", [2048, 1])
+@pytest.mark.timing
 def test_requests_arriving_mid_batch_join_it_and_generate_what_they_would_alone(
     tiny_policy, prefill_tokens, kv_cache
 ):

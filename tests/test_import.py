@@ -569,6 +569,7 @@ def test_a_writer_process_that_cannot_start_leaves_the_writes_to_the_reading_pro
     assert len(_rollout_ids(sqlite_store)) == 4
 
 
+@pytest.mark.timing
 def test_an_import_over_before_its_writer_process_opened_the_store_needs_it_not(tmp_path, sqlite_store):
     """A small import with workers ends before its writing process has opened the store (about 0.4 s):
     everything is written by the importing process, and the process is ended, not waited for."""

@@ -167,6 +167,7 @@ def test_mode_resolution_and_bad_settings(sq):
     )
 
 
+@pytest.mark.timing
 def test_thread_timeout_is_recorded_on_time_and_the_late_result_dropped(sq_server, sq, caplog):
     provider = _provider(sq_server.url)
     release = threading.Event()
@@ -281,6 +282,7 @@ def test_timed_out_and_failed_attempts_are_retried_up_to_max_attempts(sq):
     ]
 
 
+@pytest.mark.timing
 def test_thread_graceful_stop_finishes_running_rollouts_and_ends_the_rest(sq):
     def agent(task, llm):
         time.sleep(task["sleep"])
@@ -320,6 +322,7 @@ class _CountingStore:
         return getattr(self._client, name)
 
 
+@pytest.mark.timing
 def test_idle_workers_take_turns_to_poll_and_a_burst_is_taken_at_once(sq):
     """64 idle workers ask the store about once per poll interval between them, not once each (they did:
     about 1,300 requests a second, which starved the agents of CPU); 64 rollouts queued at once still all

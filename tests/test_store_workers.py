@@ -109,6 +109,7 @@ def test_workers_write_big_exports_while_the_store_process_writes_the_rest(sqlit
     assert os.path.exists(str(sqlite_store.path) + "-agl-write.lock")
 
 
+@pytest.mark.timing
 def test_a_worker_waits_for_the_store_process_to_commit_and_is_woken_at_once(sqlite_store):
     """While the store process holds the write (its lock file taken), a worker's write waits on the lock
     file (woken by the kernel when it is let go, where SQLite's busy handler would poll with sleeps of up

@@ -25,22 +25,19 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class StoreReader:
-    """A store to read from: a running one (URL) or a SQLite file an embedded store left behind."""
+    """A store to read from: a running one (URL), a PostgreSQL DSN or a SQLite file an embedded store left
+    behind."""
 
     def __init__(self, target: str | None, token: str | None) -> None:
-        from pathlib import Path
+        from .store import Store, StoreClient, connect
 
-        from .store import SqliteStore, StoreClient, StoreError
-
-        self.store: SqliteStore | None = None
+        self.store: Store | None = None
         self.client: StoreClient | None = None
-        if target and not target.startswith(("http://", "https://")):
-            if not Path(target).is_file():
-                raise StoreError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
-            self.store, self.where = SqliteStore(target), target
+        backend = connect(target, token, must_exist=True) if target else StoreClient(target, token=token)
+        if isinstance(backend, StoreClient):
+            self.client, self.where = backend, backend.url
         else:
-            self.client = StoreClient(target, token=token)
-            self.where = self.client.url
+            self.store, self.where = backend, target or ""
 
     def spans(self, rollout_id: str) -> list[Span]:
         if self.store is not None:

@@ -88,16 +88,16 @@ def open_reward_store(
     target: str, token: str | None, reward_range: RewardRange = DEFAULT_REWARD_RANGE
 ) -> Any:
     """The store rewards go to: a running store at the URL ``target`` (with ``token``; it applies its
-    own reward range), or the SQLite file ``target`` (taking ``reward_range``); ``ValueError`` when it is
-    neither. The caller closes it."""
-    from .store import SqliteStore, StoreClient
+    own reward range), or the SQLite file or PostgreSQL DSN ``target`` (taking ``reward_range``);
+    ``ValueError`` when it is none of these. The caller closes it."""
+    from .store import StoreClient, StoreError, connect
 
-    if target.startswith(("http://", "https://")):
-        return StoreClient(target, token=token)
-    if not Path(target).is_file():
-        raise ValueError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
-    store = SqliteStore(target)
-    store.reward_range = reward_range
+    try:
+        store = connect(target, token, must_exist=True)
+    except StoreError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(store, StoreClient):  # a database this process writes to: the range is applied here
+        store.reward_range = reward_range
     return store
 
 

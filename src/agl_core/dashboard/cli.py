@@ -57,15 +57,9 @@ def _run_store(runs: dict[str, Path]) -> str | None:
 
 
 def _open(target: str, token: str | None) -> Any:
-    from ..store import StoreClient, StoreError, open_store
+    from ..store import connect
 
-    if target.startswith(("http://", "https://")):
-        return StoreClient(target, token=token)
-    if target.startswith(("postgresql://", "postgres://")):
-        return open_store(target)
-    if not Path(target.removeprefix("sqlite:///")).is_file():
-        raise StoreError(f"{target} is neither a store URL (http://...) nor an existing SQLite file")
-    return open_store(target)
+    return connect(target, token, must_exist=True)
 
 
 def run_dashboard(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from .base import (
     StoreUnavailableError,
 )
 from .client import AsyncStoreClient, StoreClient
+from .reading import SpanReader, connect, is_store_url, open_store, rollout_record
 from .sqlite import SqliteStore
 
 __all__ = [
@@ -20,27 +21,14 @@ __all__ = [
     "RolloutFilter",
     "RolloutPage",
     "RolloutRequest",
+    "SpanReader",
     "SqliteStore",
     "Store",
     "StoreClient",
     "StoreError",
     "StoreUnavailableError",
+    "connect",
+    "is_store_url",
     "open_store",
+    "rollout_record",
 ]
-
-
-def open_store(db: str) -> Store:
-    """Open the backend named by ``db``: ``postgresql://...`` for PostgreSQL, otherwise a SQLite file path
-    (``sqlite:///path`` also works)."""
-    if db.startswith(("postgresql://", "postgres://")):
-        from .postgres import PostgresStore
-
-        try:
-            return PostgresStore(db)
-        except ImportError:
-            raise
-        except Exception as exc:
-            raise StoreError(f"cannot open PostgreSQL at {db}: {exc}") from None
-    if db.startswith("sqlite:///"):
-        db = db[len("sqlite:///") :]
-    return SqliteStore(db)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from ..pipeline.rewards import Reward, StoredReward
+from ..pipeline.rewards import Reward, RewardRange, StoredReward
 from ..records import Attempt, Resource, Rollout, RolloutStatus, Span
 
 __all__ = [
@@ -124,6 +124,10 @@ class Store(Protocol):
     ``succeeded`` | ``failed`` | ``timed_out`` | ``cancelled``. A failed or timed-out attempt with tries
     left puts its rollout back in the queue.
     """
+
+    #: The values a reward may take (``agl store serve --reward-min/--reward-max``); a reward outside it
+    #: is refused, with the range in the message.
+    reward_range: RewardRange
 
     def add_span_rows(self, rows: Sequence[Any], scopes: dict[bytes, tuple[bytes, bytes]]) -> int:
         """Write decoded OTLP spans (idempotent on trace id + span id). Returns how many were new."""

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..config import TrainerConfig
+
+if TYPE_CHECKING:
+    from ..run.traces import Selection
 
 __all__ = ["RoundWork", "TrainerRoundWork", "copy_adapter"]
 
 
 class RoundWork(Protocol):
-    def train(self, round_dir: Path, rollouts: Sequence[str], parent_adapter: Path | None) -> Path:
-        """Train a candidate on ``rollouts`` starting from ``parent_adapter`` (``None``: the base model);
-        the directory of the candidate's LoRA adapter."""
+    def train(self, round_dir: Path, selection: Selection, parent_adapter: Path | None) -> Path:
+        """Train a candidate on the rollouts of ``selection`` (the watcher's spans of the round's chosen
+        rollouts) starting from ``parent_adapter`` (``None``: the base model); the directory of the
+        candidate's LoRA adapter."""
         ...
 
     def score(self, candidate: Path, serving: Path | None) -> tuple[dict[str, float], dict[str, float]]:
@@ -40,19 +44,15 @@ class TrainerRoundWork:
     def __init__(self, config: TrainerConfig, echo: Callable[[str], None]) -> None:
         self.config, self.echo = config, echo
 
-    def train(self, round_dir: Path, rollouts: Sequence[str], parent_adapter: Path | None) -> Path:
+    def train(self, round_dir: Path, selection: Selection, parent_adapter: Path | None) -> Path:
         from ..run.offline import train_from_traces
         from ..saved import find_checkpoint
 
         config = self.config
         assert config.traces is not None
-        traces = config.traces.model_copy(
-            update={"filter": config.traces.filter.model_copy(update={"rollout_ids": list(rollouts)})}
-        )
         derived = config.model_copy(
             update={
                 "output_dir": round_dir,
-                "traces": traces,
                 "model": config.model.model_copy(
                     update={"init_adapter": None if parent_adapter is None else str(parent_adapter)}
                 ),
@@ -61,7 +61,9 @@ class TrainerRoundWork:
                 "improve": None,
             }
         )
-        train_from_traces(derived, echo=lambda line: self.echo(f"  {line}"), overwrite=True)
+        train_from_traces(
+            derived, echo=lambda line: self.echo(f"  {line}"), overwrite=True, selection=selection
+        )
         adapter = find_checkpoint(round_dir).adapter
         if adapter is None:
             raise RuntimeError(f"the round in {round_dir} saved no LoRA adapter (is model.lora set?)")

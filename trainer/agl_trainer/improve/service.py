@@ -303,7 +303,8 @@ class ImproveService:
             parent = self._adapter_of(pending.parent, create=False)
             t0 = time.monotonic()
             try:
-                trained = self.work.train(round_dir, pending.rollouts, parent)
+                chosen = self.watcher.selection().only(pending.rollouts, "chosen for this round")
+                trained = self.work.train(round_dir, chosen, parent)
             except NothingSelectedError as exc:
                 self._close_round(pending, None, f"nothing to train on: {exc}")
                 return
@@ -628,13 +629,9 @@ def status_lines(
 def read_lineage(store: str, name: str) -> dict[str, Any] | None:
     """The lineage the service ``name`` wrote to ``store`` (its latest resource version), or ``None``."""
     from agl_core import settings
-    from agl_core.store import StoreClient, open_store
+    from agl_core.store import connect
 
-    backend: Any = (
-        StoreClient(store, token=settings.store_token())
-        if store.startswith(("http://", "https://"))
-        else open_store(store)
-    )
+    backend: Any = connect(store, settings.store_token())
     try:
         found = backend.get_resource(lineage_resource(name))
     finally:

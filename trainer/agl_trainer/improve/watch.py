@@ -16,14 +16,12 @@ from agl_core import semconv, settings
 from agl_core.pipeline.spantree import GATEWAY, kind_of
 from agl_core.pipeline.transitions import episode_rewards
 from agl_core.records import Rollout, Span
-from agl_core.store import NotFoundError, StoreClient, open_store
+from agl_core.store import SpanReader, connect
 
 from ..config import TracesConfig
-from ..run.traces import Selection, rollout_record, select
+from ..run.traces import Selection, select
 
 __all__ = ["StoreWatcher"]
-
-_PAGE = 10_000
 
 
 class StoreWatcher:
@@ -34,9 +32,8 @@ class StoreWatcher:
     def __init__(self, traces: TracesConfig, *, timed_out_too: bool = False) -> None:
         self.traces = traces
         self.timed_out_too = timed_out_too
-        self.spans: list[Span] = []
-        self.records: dict[str, Rollout] = {}
-        self._cursor = 0
+        #: The spans and records read so far (:attr:`spans`, :attr:`records`).
+        self.reader = SpanReader()
         self._backend: Any = None
         #: Version -> live rewards :meth:`live_rewards` left out (not finite, or outside the range).
         self.ignored_rewards: dict[int, int] = {}
@@ -44,12 +41,18 @@ class StoreWatcher:
     def backend(self) -> Any:
         """The store's client (opened on first use; reopened after a failed look)."""
         if self._backend is None:
-            store = self.traces.store
-            if store.startswith(("http://", "https://")):
-                self._backend = StoreClient(store, token=settings.store_token())
-            else:
-                self._backend = open_store(store)
+            self._backend = connect(self.traces.store, settings.store_token())
         return self._backend
+
+    @property
+    def spans(self) -> list[Span]:
+        """Every span read so far, in the order the store keeps them."""
+        return self.reader.spans
+
+    @property
+    def records(self) -> dict[str, Rollout]:
+        """Rollout id -> its record, for the rollouts the spans name that have one."""
+        return self.reader.records
 
     def close(self) -> None:
         if self._backend is not None:
@@ -60,25 +63,7 @@ class StoreWatcher:
         """Read the spans stored since the last look, and the records of rollouts still without one;
         how many new spans came."""
         try:
-            backend = self.backend()
-            new: list[Span] = []
-            while True:
-                page = backend.query_spans(after_seq=self._cursor, limit=_PAGE)
-                new.extend(page)
-                if page:
-                    self._cursor = max(self._cursor, max(s.seq or 0 for s in page))
-                if len(page) < _PAGE:
-                    break
-            self.spans.extend(new)
-            missing = sorted({s.rollout_id for s in self.spans if s.rollout_id} - set(self.records))
-            for i in range(0, len(missing), 500):
-                chunk = missing[i : i + 500]
-                try:
-                    found = backend.get_rollouts(chunk)
-                except NotFoundError:  # some have no record yet (a session not registered): one by one
-                    found = [r for rid in chunk for r in rollout_record(backend, rid)]
-                self.records.update((r.rollout_id, r) for r in found)
-            return len(new)
+            return self.reader.read(self.backend())
         except BaseException:
             self.close()  # a store that went away: reconnect at the next look
             raise

@@ -76,12 +76,14 @@ class _TraceData:
     units: int
 
 
-def _trace_data(config: TrainerConfig, traces: TracesConfig) -> _TraceData:
-    """Select the stored rollouts and prepare them for ``algorithm.name``; a selection that gives nothing
-    to train on raises :class:`NothingSelectedError` saying what matched and why it was refused."""
-    spans, records = read_store(traces.store)
-    timed_out = config.algorithm.rewards.timeout_episode_reward is not None
-    selection = select(traces, spans, records, timed_out_too=timed_out)
+def _trace_data(config: TrainerConfig, traces: TracesConfig, selection: Selection | None) -> _TraceData:
+    """Select the stored rollouts (unless ``selection`` is given) and prepare them for
+    ``algorithm.name``; a selection that gives nothing to train on raises :class:`NothingSelectedError`
+    saying what matched and why it was refused."""
+    if selection is None:
+        spans, records = read_store(traces.store)
+        timed_out = config.algorithm.rewards.timeout_episode_reward is not None
+        selection = select(traces, spans, records, timed_out_too=timed_out)
     if not selection.rollouts:
         raise NothingSelectedError(
             f"{selection.describe()} (in {masked_url(traces.store)}); nothing to train on"
@@ -133,8 +135,11 @@ def train_from_traces(
     overwrite: bool = False,
     agent: AgentFn | None = None,
     tasks: tuple[list[Task], list[Task]] | None = None,
+    selection: Selection | None = None,
 ) -> RunResult:
-    """Train on the stored rollouts ``config.traces`` selects (see the module docstring).
+    """Train on the stored rollouts ``config.traces`` selects (see the module docstring), or on
+    ``selection`` when the caller already holds it (``agl improve``'s watcher: the store is not read
+    again).
 
     Raises :class:`~agl_trainer.run.traces.NothingSelectedError` (a ``ValueError``) before any model loads
     when the filter matches nothing, or nothing it matched can be trained on by ``algorithm.name``; the
@@ -143,7 +148,7 @@ def train_from_traces(
     traces = config.traces
     if traces is None:
         raise ValueError("train_from_traces needs a config with a traces: section")
-    data = _trace_data(config, traces)
+    data = _trace_data(config, traces, selection)
     val_tasks: list[Task] = []
     agent_fn: AgentFn | None = None
     if (agent is not None or config.agent is not None) and (tasks is not None or config.tasks is not None):

@@ -14,7 +14,7 @@ import dataclasses
 import fnmatch
 import random
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -29,7 +29,7 @@ from agl_core.pipeline.transitions import (
     spans_to_transitions,
 )
 from agl_core.records import Rollout, RolloutStatus, Span, Transition
-from agl_core.store import NotFoundError, StoreClient, open_store
+from agl_core.store import SpanReader, connect
 
 from ..config import TracesConfig, TrainerConfig
 from ..learning.algo import Advantaged, GroupReport, compute_advantages
@@ -45,7 +45,6 @@ __all__ = [
     "prepare_rl",
     "prepare_sft",
     "read_store",
-    "rollout_record",
     "select",
 ]
 
@@ -57,7 +56,6 @@ OTHER_MODEL = (
     " policy's own behaviour logprobs; list other names of the same weights in traces.models, or train on"
     " any model's calls with algorithm: sft)"
 )
-_PAGE = 10_000
 
 
 class NothingSelectedError(ValueError):
@@ -96,44 +94,25 @@ class Selection:
             f": {steps}" if steps else ""
         )
 
+    def only(self, rollout_ids: Iterable[str], condition: str) -> Selection:
+        """The part of this selection whose rollouts are in ``rollout_ids``, the narrowing recorded as
+        ``condition``."""
+        wanted = set(rollout_ids)
+        kept = tuple(r for r in self.rollouts if r.rollout_id in wanted)
+        spans = tuple(s for s in self.spans if s.rollout_id in wanted)
+        return Selection(kept, spans, self.total, (*self.narrowing, (condition, len(kept))))
+
 
 def read_store(store: str) -> tuple[list[Span], dict[str, Rollout]]:
     """Every span of ``store`` (a SQLite file, ``postgresql://`` DSN or a running store's URL) and the
     records of the rollouts they belong to."""
-    backend: Any
-    if store.startswith(("http://", "https://")):
-        backend = StoreClient(store, token=settings.store_token())
-    else:
-        backend = open_store(store)
+    reader = SpanReader()
+    backend = connect(store, settings.store_token())
     try:
-        spans: list[Span] = []
-        after = 0
-        while True:
-            page = backend.query_spans(after_seq=after, limit=_PAGE)
-            spans.extend(page)
-            if len(page) < _PAGE:
-                break
-            after = page[-1].seq or after
-        ids = sorted({s.rollout_id for s in spans if s.rollout_id is not None})
-        records: dict[str, Rollout] = {}
-        for i in range(0, len(ids), 500):
-            chunk = ids[i : i + 500]
-            try:
-                found = backend.get_rollouts(chunk)
-            except NotFoundError:  # spans without a rollout record (a gateway with no runner): one by one
-                found = [r for rid in chunk for r in rollout_record(backend, rid)]
-            records.update((r.rollout_id, r) for r in found)
-        return spans, records
+        reader.read(backend)
     finally:
         backend.close()
-
-
-def rollout_record(backend: Any, rollout_id: str) -> list[Rollout]:
-    """The record of ``rollout_id`` in ``backend`` as a list of one, or empty when it has none."""
-    try:
-        return list(backend.get_rollouts([rollout_id]))
-    except NotFoundError:
-        return []
+    return reader.spans, reader.records
 
 
 def _ns(moment: datetime) -> int:
