@@ -394,7 +394,8 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",
         default=None,
-        help=f"store URL or SQLite file (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
+        help="store URL, PostgreSQL DSN or SQLite file"
+        f" (default: $AGL_STORE_URL or {settings.DEFAULT_STORE_URL})",
     )
     parser.add_argument("--token", default=None, help="the store's bearer token (default: $AGL_STORE_TOKEN)")
     parser.add_argument(

@@ -110,9 +110,9 @@ def add_reward_file(
     *,
     reward_range: RewardRange = DEFAULT_REWARD_RANGE,
 ) -> int:
-    """Attach the rewards of the file at ``path`` (``-``: stdin) to the store at ``target`` (a URL or a
-    SQLite file); prints what happened. Exit status: 0 all attached, 1 some lines skipped or refused,
-    2 the file or store could not be used at all."""
+    """Attach the rewards of the file at ``path`` (``-``: stdin) to the store at ``target`` (a URL, a
+    PostgreSQL DSN or a SQLite file); prints what happened. Exit status: 0 all attached, 1 some lines
+    skipped or refused, 2 the file or store could not be used at all."""
     from .store import StoreError, StoreUnavailableError
 
     if path != "-" and not Path(path).is_file():
