@@ -41,6 +41,43 @@ def test_admin_token_needs_the_bearer_prefix_and_non_ascii_is_a_401():
         assert len(backend.updates) == 1
 
 
+class _VersionedBackend(_PolicyBackend):
+    """Serves a policy version; loads one of a path ending in "bad" with an error, as a backend refuses
+    an adapter that does not fit."""
+
+    policy_version = 0
+
+    async def update_policy(self, update: object) -> None:
+        from agl_core.gateway.backend import BackendError
+
+        if str(getattr(update, "path", "")).endswith("bad"):
+            raise BackendError("the adapter does not fit the served model")
+        await super().update_policy(update)
+        self.policy_version = int(getattr(update, "version", 0))
+
+
+def test_every_publish_is_a_log_line_and_the_served_version_a_gauge(caplog):
+    caplog.set_level("INFO", logger="agl_core.gateway.policy")
+    with GatewayServer(_VersionedBackend()) as gateway, httpx.Client() as http:
+        url = gateway.url + "/agl/v1/policy"
+        assert http.post(url, json=_POLICY).status_code == 200
+        refused = http.post(url, json={**_POLICY, "version": 4, "path": "/tmp/bad"})
+        assert refused.status_code == 500 and "does not fit" in refused.json()["error"]["message"]
+        metrics = http.get(gateway.url + "/metrics").text
+    assert "agl_gateway_policy_version 3" in metrics  # the refused v4 left v3 serving
+    assert "agl_gateway_policy_changes_total 1" in metrics
+    assert "agl_gateway_policy_refused_total 1" in metrics
+    loaded_at = [
+        line for line in metrics.splitlines() if line.startswith("agl_gateway_policy_loaded_timestamp")
+    ]
+    assert loaded_at and float(loaded_at[0].split()[-1]) > 1.7e9
+    lines = [r.getMessage() for r in caplog.records if r.name == "agl_core.gateway.policy"]
+    assert lines == [
+        "now serving policy v3 (lora weights from /tmp/adapter), replacing v0",
+        "policy v4 (lora) refused: the adapter does not fit the served model",
+    ]
+
+
 def test_policy_body_must_be_an_object():
     with GatewayServer(_PolicyBackend()) as gateway:
         for body in (b"[1]", b"5", b"null", b'"x"'):

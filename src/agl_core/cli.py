@@ -496,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown and not isinstance(command, plugins.UnavailableCommand):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("agl_core.gateway.policy").setLevel(logging.INFO)  # every policy change, one line
     if command is not None:
         return _run_plugin(command, args)
     if args.command == "store" and args.store_command == "serve":

@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 __all__ = ["create_gateway_app", "rollout_base_url"]
 
 logger = logging.getLogger(__name__)
+#: One line per policy version published to the gateway, loaded or refused (``agl`` commands show it).
+policy_log = logging.getLogger("agl_core.gateway.policy")
 
 _MAX_BODY = 8 * 1024 * 1024
 _propagator = TraceContextTextMapPropagator()
@@ -456,13 +458,25 @@ class _Gateway:
                 f'expected {{"version": int, "path": str, "kind": "lora"|"full"}}: {exc}',
                 "invalid_request_error",
             )
+        before = getattr(self.backend, "policy_version", None)
         try:
             await update_policy(update)
         except BackendError as exc:
             status, message, kind, _ = _error_of(exc)
+            self.metrics.policy_refused += 1
+            policy_log.warning("policy v%d (%s) refused: %s", update.version, update.kind, exc)
             return openai_error(
                 status if status != 502 else 500, f"cannot load policy v{update.version}: {exc}", kind
             )
+        self.metrics.policy_changes += 1
+        self.metrics.policy_loaded_at = time.time()
+        policy_log.info(
+            "now serving policy v%d (%s weights from %s), replacing v%s",
+            update.version,
+            update.kind,
+            update.path,
+            before,
+        )
         return JSONResponse({"policy_version": update.version})
 
     # -- the generation path --------------------------------------------------------------------------

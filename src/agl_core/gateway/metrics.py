@@ -56,6 +56,11 @@ class GatewayMetrics:
     inflight: int = 0
     #: Production capture: calls that named no rollout and joined their session's.
     captured_calls: int = 0
+    #: Policy versions published to this gateway (``POST /agl/v1/policy``): loaded, refused, and when the
+    #: last one was loaded (Unix seconds; 0: none since the gateway started).
+    policy_changes: int = 0
+    policy_refused: int = 0
+    policy_loaded_at: float = 0.0
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -105,12 +110,41 @@ class GatewayMetrics:
                 self.completion_tokens,
             ),
             ("agl_gateway_inflight_requests", "gauge", "Requests being served now.", self.inflight),
+            *_policy_rows(self, backend),
             *(() if capture is None else _capture_rows(self.captured_calls, capture)),
             *_backend_rows(backend),
             *(row for source in sources for row in _backend_rows(source)),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def _policy_rows(metrics: GatewayMetrics, backend: Any) -> list[tuple[str, str, str, float]]:
+    """The served policy version (a backend that has one) and the publishes this gateway took."""
+    version = getattr(backend, "policy_version", None)
+    rows: list[tuple[str, str, str, float]] = []
+    if isinstance(version, int) and not isinstance(version, bool):
+        rows.append(("agl_gateway_policy_version", "gauge", "The policy version served now.", version))
+    return rows + [
+        (
+            "agl_gateway_policy_changes_total",
+            "counter",
+            "Policy versions published to this gateway and loaded.",
+            metrics.policy_changes,
+        ),
+        (
+            "agl_gateway_policy_refused_total",
+            "counter",
+            "Policy versions published to this gateway that it could not load.",
+            metrics.policy_refused,
+        ),
+        (
+            "agl_gateway_policy_loaded_timestamp_seconds",
+            "gauge",
+            "When the last policy version was loaded (Unix seconds; 0: none since the gateway started).",
+            metrics.policy_loaded_at,
+        ),
+    ]
 
 
 def _backend_rows(backend: Any) -> list[tuple[str, str, str, float]]:

@@ -40,6 +40,18 @@ class GatewayTargetConfig(_Strict):
     def label(self) -> str:
         return self.name or self.url.rstrip("/")
 
+    @property
+    def address(self) -> str:
+        """The gateway as a connection sees it, for telling two spellings of one URL apart: scheme and host
+        in lower case, the port explicit, ``localhost`` as ``127.0.0.1``, no trailing ``/``."""
+        import httpx
+
+        parsed = httpx.URL(self.url)
+        host = "127.0.0.1" if parsed.host == "localhost" else parsed.host
+        host = f"[{host}]" if ":" in host else host
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        return f"{parsed.scheme}://{host}:{port}{parsed.path.rstrip('/')}"
+
     @pydantic.model_validator(mode="after")
     def _token_off_loopback(self) -> GatewayTargetConfig:
         import httpx
@@ -123,4 +135,12 @@ class ImproveConfig(_Strict):
         repeated = sorted({x for x in labels if labels.count(x) > 1})
         if repeated:
             raise ValueError(f"improve.gateways names {repeated[0]!r} twice; give each gateway once")
+        seen: dict[str, str] = {}
+        for g in self.gateways:
+            if g.address in seen:
+                raise ValueError(
+                    f"improve.gateways lists the gateway {g.address} twice (as {seen[g.address]!r} and"
+                    f" {g.url!r}); give each gateway once"
+                )
+            seen[g.address] = g.url
         return self

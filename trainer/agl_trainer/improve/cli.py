@@ -58,7 +58,7 @@ def _run(config: TrainerConfig) -> int:
 
 
 def _status(config: TrainerConfig, as_json: bool) -> int:
-    from .service import read_lineage, status_lines
+    from .service import liveness, read_lineage, status_lines
     from .state import STATE_FILE, ImproveState, StateError
 
     assert config.improve is not None and config.traces is not None
@@ -68,6 +68,7 @@ def _status(config: TrainerConfig, as_json: bool) -> int:
         print(f"agl improve status: {exc}", file=sys.stderr)
         return 2
     source = str(config.output_dir / STATE_FILE)
+    alive = liveness(config.output_dir, state) if state is not None else None
     if state is None:  # not run here: the lineage the service keeps in the store
         try:
             lineage = read_lineage(config.traces.store, config.improve.name)
@@ -93,10 +94,11 @@ def _status(config: TrainerConfig, as_json: bool) -> int:
         data: dict[str, Any] = state.to_json(with_consumed=False)
         data["live_rewards"] = {str(k): v for k, v in (live or {}).items()}
         data["live_rewards_left_out"] = {str(k): n for k, n in ignored.items()}
+        data["service"] = alive
         print(json.dumps(data, indent=2, default=str))
         return 0
     print(f"(from {source})")
-    for line in status_lines(state, live, ignored):
+    for line in status_lines(state, live, ignored, alive):
         print(line)
     return 0
 

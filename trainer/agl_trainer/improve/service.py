@@ -24,6 +24,8 @@ import contextlib
 import fcntl
 import json
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,17 +42,22 @@ from .state import STATE_FILE, ImproveState, RoundInProgress, StateError, Versio
 from .watch import StoreWatcher
 
 __all__ = [
+    "ALIVE_FILE",
     "LOCK_FILE",
     "ROLLBACK_FILE",
     "ImproveError",
     "ImproveService",
     "apply_rollback",
+    "liveness",
     "read_lineage",
     "service_lock",
     "status_lines",
 ]
 
 LOCK_FILE = "improve.lock"
+#: The running service's heartbeat: rewritten every ``improve.poll_s`` by a thread of its own, through rounds
+#: too, so ``agl improve status`` can tell a service that is busy from one that was killed.
+ALIVE_FILE = "improve.alive"
 #: A rollback asked for while the service runs: the service applies it at its next look.
 ROLLBACK_FILE = "improve.rollback.json"
 #: At most this often is a changed "waiting" line mirrored to the store (every other change at once).
@@ -128,15 +135,7 @@ class ImproveService:
         if loaded is None:
             self.state.event("start", f"new service {self.improve.name!r}: version 0 serves")
             self._save(changed=True)
-        else:
-            self.echo(
-                f"resuming: v{self.state.serving} serves, {self.state.rounds} rounds so far"
-                + (
-                    f", round {self.state.pending.round} resumes at {self.state.pending.phase}"
-                    if self.state.pending
-                    else ""
-                )
-            )
+        self._resumed = loaded is not None
 
     def _initial_adapter(self) -> str | None:
         init = self.config.model.init_adapter
@@ -152,22 +151,91 @@ class ImproveService:
     # -- the loop ----------------------------------------------------------------------------------------
 
     def run(self) -> ImproveState:
-        """Look, act, sleep ``poll_s``, until done (see the class); the final state."""
+        """Look, act, sleep ``poll_s``, until done (see the class); the final state. However it ends (done,
+        ``stop``, a signal, an error), the state and the lineage say that it stopped, when and why."""
         with service_lock(self.out) as held:
             if held is None:
                 raise ImproveError(
                     f"another agl improve runs on {self.out} (it holds {self.out / LOCK_FILE}); stop it, or"
                     " use another output_dir"
                 )
+            self._started()
+            beating = threading.Event()
+            heart = threading.Thread(target=self._heartbeat, args=(beating,), name="agl-improve-alive")
+            heart.daemon = True
+            heart.start()
+            ended = "stopped: asked to stop"
             try:
                 while not self.stop.is_set():
                     self.tick()
                     if self._finished():
+                        ended = self.state.waiting
                         break
                     self.stop.wait(self.improve.poll_s)
+            except KeyboardInterrupt:
+                ended = "stopped by a signal (Ctrl-C or SIGTERM)"
+                raise
+            except Exception as exc:
+                ended = f"stopped by an error: {type(exc).__name__}: {exc}"
+                raise
             finally:
+                beating.set()
+                heart.join(timeout=5.0)
+                self._stopped(ended)
                 self.watcher.close()
         return self.state
+
+    def _started(self) -> None:
+        """Say how the service starts: new, resumed after a clean stop, or after one that never said it
+        stopped (killed, or the machine went down)."""
+        state = self.state
+        if self._resumed:
+            pending = state.pending
+            self.echo(
+                f"resuming: v{state.serving} serves, {state.rounds} rounds so far"
+                + (f", round {pending.round} resumes at {pending.phase}" if pending else "")
+            )
+            if state.stopped_at is None:
+                last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.updated_at))
+                why = f"restarted; the last run never said it stopped (killed, or crashed after {last})"
+                state.event("restart", why)
+            else:
+                state.event("restart", f"restarted after a stop ({state.stop_reason})")
+        state.stopped_at, state.stop_reason = None, ""
+        self._save(changed=True)
+
+    def _stopped(self, reason: str) -> None:
+        """Record that the service stopped and why; never raises (the reason it stopped is what matters)."""
+        state = self.state
+        reason = masked_url(reason)[:500]
+        pending = state.pending
+        if pending is not None:
+            reason += f"; round {pending.round} resumes at {pending.phase} when the service starts again"
+        state.stopped_at, state.stop_reason = time.time(), reason
+        state.waiting = f"not running: {reason}"
+        state.event("stop", reason)
+        with contextlib.suppress(Exception):
+            self._save(changed=True)
+        with contextlib.suppress(OSError):
+            (self.out / ALIVE_FILE).unlink(missing_ok=True)
+
+    def _heartbeat(self, done: threading.Event) -> None:
+        """Rewrite :data:`ALIVE_FILE` every ``poll_s`` (at least every 5 s) until ``done``."""
+        path = self.out / ALIVE_FILE
+        every = min(self.improve.poll_s, 5.0)
+        while True:
+            with contextlib.suppress(OSError):
+                tmp = path.with_name(path.name + ".tmp")
+                beat = {
+                    "time": time.time(),
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "every_s": every,
+                }
+                tmp.write_text(json.dumps(beat))
+                os.replace(tmp, path)
+            if done.wait(every):
+                return
 
     def _finished(self) -> bool:
         wanted = self.improve.rounds
@@ -472,10 +540,17 @@ class ImproveService:
             )
             self.roll_back(current.parent, why)
 
-    def roll_back(self, number: int, why: str) -> None:
-        """Serve version ``number`` again (published at once); the version it replaces is marked."""
+    def roll_back(self, number: int, why: str, *, replaces: int | None = None) -> None:
+        """Serve version ``number`` again (published at once); the version it replaces is marked.
+        ``replaces``: the version the rollback was asked against; refused when another serves by now (a
+        round promoted it after the rollback was asked for)."""
         state = self.state
         target = state.version(number)  # KeyError names the known versions
+        if replaces is not None and replaces != state.serving:
+            raise ImproveError(
+                f"the rollback to v{number} was asked to replace v{replaces}, and v{state.serving} serves now"
+                f" (promoted since); nothing changed: ask again if v{state.serving} should go"
+            )
         if target.status == "refused":
             raise ImproveError(
                 f"v{number} was refused by the gate ({target.note}); roll back to a version that served:"
@@ -500,13 +575,20 @@ class ImproveService:
         try:
             asked = json.loads(request.read_text())
             version = asked.get("version") if isinstance(asked, dict) else None
-            if isinstance(version, bool) or not isinstance(version, int):
+            replaces = asked.get("replaces") if isinstance(asked, dict) else None
+            if (
+                isinstance(version, bool)
+                or not isinstance(version, int)
+                or isinstance(replaces, bool)
+                or not isinstance(replaces, int | None)
+            ):
                 raise ValueError(
-                    f'{request.name} must be a JSON object with an integer version ({{"version": 2}}),'
-                    f" got {str(asked)[:80]}"
+                    f"{request.name} must be a JSON object with an integer version and the integer version"
+                    f' it replaces ({{"version": 2, "replaces": 3}}), got {str(asked)[:80]}'
                 )
-            self.roll_back(version, str(asked.get("why") or "rolled back by hand")[:500])
-        except (KeyError, ValueError, TypeError, OSError, RecursionError) as exc:
+            why = str(asked.get("why") or "rolled back by hand")[:500]
+            self.roll_back(version, why, replaces=replaces)
+        except (KeyError, ValueError, TypeError, OSError, RecursionError, ImproveError) as exc:
             message = exc.args[0] if exc.args else str(exc)
             self.state.event("rollback_refused", f"rollback request refused: {message}")
             self.echo(f"rollback request refused: {message}")
@@ -534,15 +616,21 @@ def apply_rollback(
         if held is not None:
             service = ImproveService(config, echo=echo)
             try:
-                service.roll_back(version, "rolled back by hand (agl improve rollback)")
+                service.roll_back(
+                    version, "rolled back by hand (agl improve rollback)", replaces=state.serving
+                )
             except KeyError as exc:
                 raise ImproveError(exc.args[0]) from None
             finally:
                 service.watcher.close()
             return service.state
     request = out / ROLLBACK_FILE
-    request.write_text(json.dumps({"version": version, "why": "rolled back by hand (agl improve rollback)"}))
-    echo(f"the service running on {out} was asked to roll back to v{version}; waiting for it")
+    why = f"rolled back by hand from v{state.serving} (agl improve rollback)"
+    request.write_text(json.dumps({"version": version, "replaces": state.serving, "why": why}))
+    echo(
+        f"the service running on {out} was asked to roll back from v{state.serving} to v{version}; waiting"
+        " for it"
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
@@ -566,19 +654,62 @@ def _fmt(value: float | None, pattern: str = "{:.3f}") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else pattern.format(value)
 
 
+def liveness(out: Path, state: ImproveState, now: float | None = None) -> str:
+    """Whether the service of ``out`` runs, from its state and its heartbeat (:data:`ALIVE_FILE`): running
+    (heard from lately), stopped (it said so, and why), or silent (killed, or its machine went down)."""
+    now = time.time() if now is None else now
+    if state.stopped_at is not None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.stopped_at))
+        return f"not running: stopped at {stamp} ({state.stop_reason})"
+    try:
+        beat = json.loads((out / ALIVE_FILE).read_text())
+        heard, every, pid = float(beat["time"]), float(beat["every_s"]), int(beat["pid"])
+        host = str(beat.get("host", ""))
+    except (OSError, ValueError, KeyError, TypeError):
+        return (
+            f"not known to run: it never said it stopped, and it leaves no heartbeat ({ALIVE_FILE}); if it"
+            " was killed, the same command resumes it"
+        )
+    age = max(0.0, now - heard)
+    if host == socket.gethostname() and not _process_exists(pid):
+        return (
+            f"NOT RUNNING: its process (pid {pid}) is gone and it never said it stopped: killed; the same"
+            " command resumes it"
+        )
+    if age <= 3 * every + 10:
+        return f"running (pid {pid}, heard from {age:.0f}s ago)"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(heard))
+    return (
+        f"NOT RUNNING: not heard from since {stamp} ({age:.0f}s ago) and it never said it stopped: killed,"
+        " or its machine went down; the same command resumes it"
+    )
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
+
+
 def status_lines(
     state: ImproveState,
     live: dict[int, list[float]] | None = None,
     ignored: dict[int, int] | None = None,
+    alive: str | None = None,
 ) -> list[str]:
-    """``agl improve status``: the serving version, what the service waits for, each version's lineage
-    and gate numbers (``live``: its live rewards; ``ignored``: how many were left out), each gateway, the
-    latest events."""
+    """``agl improve status``: the serving version, whether the service runs (``alive``:
+    :func:`liveness`), what it waits for, each version's lineage and gate numbers (``live``: its live
+    rewards; ``ignored``: how many were left out), each gateway, the latest events."""
     from ..stats import mean_se
 
     lines = [
         f"service {state.name!r}: v{state.serving} serves; {state.rounds} rounds;"
         f" {len(state.consumed)} rollouts trained on",
+        *([f"service: {alive}"] if alive else []),
         f"now: {state.waiting}",
     ]
     if state.pending is not None:
@@ -605,12 +736,15 @@ def status_lines(
         if left_out:
             live_text += f" ({left_out} rewards left out: not finite, or outside rollback.reward_range)"
         where = ", ".join(sorted(v.published)) or "-"
-        lines.append(
-            f"  v{v.version} {v.status}"
-            + (f" from v{v.parent}, round {v.round}, {len(v.trained_on)} rollouts" if v.round else "")
-            + f";{numbers}{live_text}; published to {where}"
-            + (f"; {v.note}" if v.note and v.status in ("refused", "rolled_back") else "")
-        )
+        parts = [
+            f"v{v.version} {v.status}"
+            + (f" from v{v.parent}, round {v.round}, {len(v.trained_on)} rollouts" if v.round else ""),
+            numbers.strip(),
+            live_text.removeprefix("; "),
+            f"published to {where}",
+            v.note if v.note and v.status in ("refused", "rolled_back") else "",
+        ]
+        lines.append("  " + "; ".join(part for part in parts if part))
     if state.targets:
         lines.append("gateways:")
         for label, t in sorted(state.targets.items()):

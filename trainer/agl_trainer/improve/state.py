@@ -118,6 +118,10 @@ class ImproveState:
     waiting: str = "starting"
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     updated_at: float = dataclasses.field(default_factory=time.time)
+    #: When the service last stopped cleanly, and why (``None`` while it runs; a service killed or crashed
+    #: leaves it ``None``, which its next start reports).
+    stopped_at: float | None = None
+    stop_reason: str = ""
 
     # -- reading and writing ---------------------------------------------------------------------------
 
@@ -174,6 +178,8 @@ class ImproveState:
             str(data.get("waiting", "")),
             list(data.get("events", [])),
             float(data.get("updated_at", time.time())),
+            None if data.get("stopped_at") is None else float(data["stopped_at"]),
+            str(data.get("stop_reason", "")),
         )
 
     def to_json(self, *, with_consumed: bool = True) -> dict[str, Any]:
