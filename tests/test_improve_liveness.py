@@ -145,3 +145,97 @@ def test_one_gateway_under_two_spellings_is_refused(tmp_path):
     }
     with pytest.raises(ConfigError, match=r"lists the gateway http://127.0.0.1:8001 twice"):
         config_from_dict(data, required=())
+
+
+class _Gateway:
+    """An agl gateway app over a scripted backend that serves a policy version and takes new ones."""
+
+    def __init__(self, serving: int) -> None:
+        from agl_core.testing import ScriptedBackend
+
+        class Backend(ScriptedBackend):
+            policy_version = serving
+
+            async def update_policy(inner, update) -> None:  # type: ignore[no-untyped-def]
+                inner.policy_version = update.version
+                self.published.append(update.version)
+
+        self.published: list[int] = []
+        self.backend = Backend(["ok"])
+
+
+class _BlockedWork:
+    """A round's work that trains only when let go (``release``), and saves adapters as empty folders."""
+
+    def __init__(self) -> None:
+        self.training = threading.Event()
+        self.release = threading.Event()
+
+    def train(self, round_dir: Path, selection, parent_adapter):  # type: ignore[no-untyped-def]
+        self.training.set()
+        assert self.release.wait(60)
+        out = round_dir / "adapter"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "adapter_config.json").write_text("{}")
+        return out
+
+    def score(self, candidate, serving):  # type: ignore[no-untyped-def]
+        raise AssertionError("gate: none scores nothing")
+
+    def base_adapter(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "adapter_config.json").write_text("{}")
+
+
+def _wait(check, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_while_a_round_trains_a_restarted_gateway_is_served_again_and_a_rollback_applies(tmp_path):
+    from agl_core.store import open_store
+    from agl_core.testing import GatewayServer
+
+    from ._improve import sessions
+
+    db = tmp_path / "prod.sqlite"
+    store = open_store(str(db))
+    sessions(store, [(1, 1.0)] * 6)  # six rated sessions v1 served: a round is due
+    store.close()
+    promoted_v1(tmp_path)
+    gateway = _Gateway(serving=1)
+    work = _BlockedWork()
+    with GatewayServer(gateway.backend) as server:
+        config = improve_config(
+            tmp_path,
+            str(db),
+            min_new_rollouts=5,
+            poll_s=0.1,
+            rounds=2,  # v1 came from round 1; round 2 is skipped, and a third would train from v0
+            gateways=[{"url": server.url, "name": "prod"}],
+        )
+        stop = threading.Event()
+        service = ImproveService(config, echo=lambda _: None, work=work, stop=stop)  # type: ignore[arg-type]
+        runner = threading.Thread(target=service.run)
+        runner.start()
+        try:
+            assert work.training.wait(30)
+            gateway.backend.policy_version = 0  # the gateway restarted on its base model mid-round
+            _wait(lambda: gateway.published == [1])  # served v1 again while the round still trains
+            assert not work.release.is_set() and service.state.pending is not None
+            out = tmp_path / "service"
+            (out / ROLLBACK_FILE).write_text(json.dumps({"version": 0, "replaces": 1, "why": "v1 is bad"}))
+            _wait(lambda: gateway.published == [1, 0])  # the rollback applied mid-round, and published
+            work.release.set()
+            _wait(lambda: service.state.pending is None)
+        finally:
+            work.release.set()
+            stop.set()
+            runner.join(timeout=30)
+    state = service.state
+    assert state.serving == 0 and [v.version for v in state.versions] == [0, 1]  # no v2 from the bad v1
+    skipped = [e for e in state.events if e["kind"] == "round_skipped"][-1]
+    assert "its parent v1 was rolled back while it ran" in skipped["message"]
+    assert state.consumed == []  # its rollouts train in the next round, from v0

@@ -93,6 +93,36 @@ def service_lock(out: Path, *, wait: bool = False) -> Iterator[IO[str] | None]:
         handle.close()
 
 
+class _Outcome:
+    """How a :class:`_Job` ended: its value, or the exception it raised; and how long it took."""
+
+    def __init__(self, result: Any, error: BaseException | None, seconds: float) -> None:
+        self.result, self.error, self.seconds = result, error, seconds
+
+    def value(self) -> Any:
+        """The job's value; the exception it raised is raised here, in the service's thread."""
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class _Job(threading.Thread):
+    """A round's training or gate on a thread of its own (daemon: a service stopped mid-round leaves it
+    with the process; the round resumes at its phase when the service starts again)."""
+
+    def __init__(self, label: str, work: Callable[[], Any]) -> None:
+        super().__init__(name=f"agl-improve {label}", daemon=True)
+        self.label, self.work = label, work
+        self.outcome: _Outcome | None = None
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self.outcome = _Outcome(self.work(), None, time.monotonic() - t0)
+        except BaseException as exc:  # handed to the service's thread, which decides
+            self.outcome = _Outcome(None, exc, time.monotonic() - t0)
+
+
 class ImproveService:
     """The service for one config (``improve`` and ``traces`` sections set). :meth:`run` loops until
     ``improve.rounds`` rounds are decided, ``improve.idle_exit_s`` passes without one, or ``stop`` is set.
@@ -136,6 +166,8 @@ class ImproveService:
             self.state.event("start", f"new service {self.improve.name!r}: version 0 serves")
             self._save(changed=True)
         self._resumed = loaded is not None
+        #: The round phase running on its own thread, if any.
+        self._job: _Job | None = None
 
     def _initial_adapter(self) -> str | None:
         init = self.config.model.init_adapter
@@ -259,14 +291,19 @@ class ImproveService:
         """One look (see the module docstring)."""
         if not self._refresh():
             return
-        if self.state.pending is not None:
-            self._continue_round(self.state.pending)
+        # the gateways, rollbacks and live rewards are looked after at every look, rounds or not
         self._apply_rollback_request()
         self._reconcile()
         self._check_live()
-        if self.state.pending is None and self._round_due():
+        serving = self.state.serving
+        if self.state.pending is not None:
+            self._continue_round(self.state.pending)
+        if self._job is not None and self.state.pending is None and not self._job.is_alive():
+            self._job = None  # the phase of a round closed early (its parent rolled back) has ended
+        if self.state.pending is None and self._job is None and self._round_due():
             self._continue_round(self._start_round())
-            self._reconcile()
+        if self.state.serving != serving:
+            self._reconcile()  # a round promoted a version: it goes out now
         self._save()
 
     # -- the store -------------------------------------------------------------------------------------
@@ -364,28 +401,58 @@ class ImproveService:
         return pending
 
     def _continue_round(self, pending: RoundInProgress) -> None:
+        """Take the round one phase further: its training and its gate's scoring run on a thread of their
+        own (:class:`_Job`), so every look meanwhile still reconciles the gateways and applies rollbacks;
+        a phase's outcome is taken at the first look after it ended."""
         from ..run.traces import NothingSelectedError
 
+        if self.state.version(pending.parent).status == "rolled_back":
+            self._close_round(
+                pending,
+                None,
+                f"its parent v{pending.parent} was rolled back while it ran; its rollouts train in the next"
+                " round, from the version serving now",
+                consume=False,
+            )
+            return
         round_dir = self.out / "rounds" / f"round-{pending.round}"
         if pending.phase == "training":
-            parent = self._adapter_of(pending.parent, create=False)
-            t0 = time.monotonic()
-            try:
+
+            def training() -> Callable[[], Path]:
+                # chosen here, in the service's thread (the watcher is not read from two threads)
+                parent = self._adapter_of(pending.parent, create=False)
                 chosen = self.watcher.selection().only(pending.rollouts, "chosen for this round")
-                trained = self.work.train(round_dir, chosen, parent)
-            except NothingSelectedError as exc:
-                self._close_round(pending, None, f"nothing to train on: {exc}")
+                return lambda: self.work.train(round_dir, chosen, parent)
+
+            outcome = self._run_job(f"round {pending.round} training", training)
+            if outcome is None:
+                return  # still training
+            if isinstance(outcome.error, NothingSelectedError):
+                self._close_round(pending, None, f"nothing to train on: {outcome.error}")
                 return
+            trained = outcome.value()
             candidate = copy_adapter(trained, self.out / "versions" / f"v{pending.version}")
             pending.candidate, pending.phase = str(candidate), "gating"
             self.state.event(
                 "trained",
-                f"round {pending.round}: v{pending.version} trained in {time.monotonic() - t0:.0f}s",
+                f"round {pending.round}: v{pending.version} trained in {outcome.seconds:.0f}s",
                 round=pending.round,
             )
             self._save(changed=True)
         assert pending.candidate is not None
         self._gate(pending, Path(pending.candidate))
+
+    def _run_job(self, label: str, prepare: Callable[[], Callable[[], Any]]) -> _Outcome | None:
+        """The outcome of the job ``label`` once it has ended, ``None`` while it runs; started here (with
+        the work ``prepare()`` gives, in this thread) when it is not running yet."""
+        job = self._job
+        if job is None or job.label != label:
+            self._job = job = _Job(label, prepare())
+            job.start()
+        if job.is_alive():
+            return None
+        self._job = None
+        return job.outcome
 
     def _gate(self, pending: RoundInProgress, candidate: Path) -> None:
         gate = self.improve.gate
@@ -403,19 +470,29 @@ class ImproveService:
 
             version.gate = GateRecord("promoted", "gate: none (promoted unchecked)")
         else:
-            self.state.waiting = f"round {pending.round}: gating v{pending.version} against v{pending.parent}"
-            self._save()
-            t0 = time.monotonic()
-            serving_scores, candidate_scores = self.work.score(
-                candidate, self._adapter_of(pending.parent, create=False)
-            )
-            version.gate = gate_decision(gate, serving_scores, candidate_scores, time.monotonic() - t0)
+            waiting = f"round {pending.round}: gating v{pending.version} against v{pending.parent}"
+            if self.state.waiting != waiting:
+                self.state.waiting = waiting
+                self._save()
+
+            def scoring() -> Callable[[], tuple[dict[str, float], dict[str, float]]]:
+                parent = self._adapter_of(pending.parent, create=False)
+                return lambda: self.work.score(candidate, parent)
+
+            outcome = self._run_job(f"round {pending.round} gate", scoring)
+            if outcome is None:
+                return  # still scoring
+            serving_scores, candidate_scores = outcome.value()
+            version.gate = gate_decision(gate, serving_scores, candidate_scores, outcome.seconds)
         self._close_round(pending, version, version.gate.reason)
 
-    def _close_round(self, pending: RoundInProgress, version: Version | None, reason: str) -> None:
+    def _close_round(
+        self, pending: RoundInProgress, version: Version | None, reason: str, *, consume: bool = True
+    ) -> None:
         state = self.state
-        already = set(state.consumed)  # once: a set built per rollout made a round quadratic
-        state.consumed.extend(r for r in dict.fromkeys(pending.rollouts) if r not in already)
+        if consume:
+            already = set(state.consumed)  # once: a set built per rollout made a round quadratic
+            state.consumed.extend(r for r in dict.fromkeys(pending.rollouts) if r not in already)
         state.pending = None
         self._last_round_at = time.time()
         self._last_progress = time.monotonic()
