@@ -338,3 +338,29 @@ def test_a_client_that_goes_away_stops_its_generation_and_is_counted():
         assert (metrics.inflight, metrics.client_disconnects) == (0, 1)
         (span,) = gateway.spans()
         assert span.attributes["error.type"] == "client_disconnected"
+
+
+def test_the_first_service_to_publish_owns_the_gateway_and_its_calls_say_whose_version_served_them():
+    from agl_core import semconv
+
+    backend = _VersionedBackend()
+    with GatewayServer(backend) as gateway, httpx.Client() as http:
+        url = gateway.url + "/agl/v1/policy"
+        assert http.get(url).json() == {"policy_version": 0, "owner": None}
+        assert http.post(url, json={**_POLICY, "owner": "main"}).status_code == 200
+        assert http.get(url).json() == {"policy_version": 3, "owner": "main"}
+        for body in ({**_POLICY, "version": 1, "owner": "staging"}, {**_POLICY, "version": 1}):
+            taken = http.post(url, json=body)
+            assert taken.status_code == 409, body
+            assert (
+                "takes its policy versions from the agl improve service 'main'"
+                in taken.json()["error"]["message"]
+            )
+        assert backend.policy_version == 3 and len(backend.updates) == 1
+        for owner in ("", "x" * 129, 7, "bad\nname"):
+            assert http.post(url, json={**_POLICY, "owner": owner}).status_code == 400, owner
+        chat = {"model": backend.model_names[0], "messages": [{"role": "user", "content": "hi"}]}
+        assert http.post(gateway.url + "/v1/chat/completions", json=chat).status_code == 200
+        served = [s for s in gateway.spans() if semconv.POLICY_VERSION in (s.attributes or {})]
+        assert served and all(s.attributes[semconv.POLICY_OWNER] == "main" for s in served)
+        assert "agl_gateway_policy_refused_total 2" in http.get(gateway.url + "/metrics").text

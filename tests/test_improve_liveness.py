@@ -239,3 +239,56 @@ def test_while_a_round_trains_a_restarted_gateway_is_served_again_and_a_rollback
     skipped = [e for e in state.events if e["kind"] == "round_skipped"][-1]
     assert "its parent v1 was rolled back while it ran" in skipped["message"]
     assert state.consumed == []  # its rollouts train in the next round, from v0
+
+
+def test_two_services_never_take_turns_on_one_gateway(tmp_path):
+    from agl_core.store import open_store
+    from agl_core.testing import GatewayServer
+
+    db = tmp_path / "prod.sqlite"
+    open_store(str(db)).close()
+    promoted_v1(tmp_path)  # service "t" serves its v1
+    gateway = _Gateway(serving=0)
+    with GatewayServer(gateway.backend) as server:
+        targets = [{"url": server.url, "name": "prod"}]
+        main = ImproveService(improve_config(tmp_path, str(db), gateways=targets), echo=lambda _: None)
+        main.tick()
+        assert gateway.published == [1] and main.state.targets["prod"].state == "ok"
+        staging_config = improve_config(tmp_path / "staging", str(db), name="staging", gateways=targets)
+        staging = ImproveService(staging_config, echo=lambda _: None, work=_BlockedWork())  # type: ignore[arg-type]
+        staging.tick()
+        main.tick()
+        main.watcher.close()
+        staging.watcher.close()
+    assert gateway.published == [1]  # staging's v0 never went out
+    refused = staging.state.targets["prod"]
+    assert refused.state == "refused" and "from the agl improve service 't'" in refused.message
+    assert main.state.targets["prod"].state == "ok" and main.state.targets["prod"].serving == 1
+
+
+def test_live_rewards_count_only_the_sessions_this_services_versions_served(tmp_path):
+    from agl_core import semconv
+    from agl_core.records import Span
+    from agl_trainer.improve.watch import StoreWatcher
+
+    config = improve_config(tmp_path, "http://127.0.0.1:1")
+    watcher = StoreWatcher(config.traces, owner="t")
+
+    def call(i: int, rollout: str, owner: str | None) -> Span:
+        attrs = {
+            semconv.SOURCE: semconv.SOURCE_GATEWAY,
+            semconv.POLICY_VERSION: 1,
+            semconv.ROLLOUT_ID: rollout,
+        }
+        if owner is not None:
+            attrs[semconv.POLICY_OWNER] = owner
+        return Span(f"{i:032x}", f"{i:016x}", None, "chat policy", 10**18 + i, 10**18 + i + 1, attrs)
+
+    watcher.reader.spans = [
+        call(1, "ours", "t"),
+        call(2, "older-gateway", None),  # a gateway from before owners: counted
+        call(3, "theirs", "staging"),  # staging's v1 is not our v1
+        call(4, "mixed", "t"),
+        call(5, "mixed", "staging"),
+    ]
+    assert watcher.versions_of_rollouts() == {"ours": {1}, "older-gateway": {1}}

@@ -43,6 +43,9 @@ POLICY_VERSION = "agl.policy.version"
 #: The policy (a LoRA adapter of the base model, config ``policies``) that served an LLM call, or ``base``
 #: when the call's agent is served by the untrained base model. Absent when one policy serves every agent.
 POLICY_NAME = "agl.policy.name"
+#: The ``agl improve`` service whose version the gateway served (the service that claimed the gateway by
+#: publishing to it); absent when no service published to it. Versions are numbered per service.
+POLICY_OWNER = "agl.policy.owner"
 #: False when the serving backend cannot be trained (an external endpoint used for evaluation).
 TRAINABLE = "agl.llm.trainable"
 #: Which of the ``n`` choices of one request a gateway span records (one span per choice).

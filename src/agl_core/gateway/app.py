@@ -306,6 +306,8 @@ class _Call:
             if result.forced_tokens:
                 attrs[semconv.RESPONSE_FORCED_TOKENS] = result.forced_tokens
             attrs[semconv.POLICY_VERSION] = result.policy_version
+            if self.app.policy_owner is not None:
+                attrs[semconv.POLICY_OWNER] = self.app.policy_owner
             if result.policy_name is not None:
                 attrs[semconv.POLICY_NAME] = result.policy_name
             if drift is not None:
@@ -374,6 +376,9 @@ class _Gateway:
         self.capture = capture
         #: Required of every model request when set (``Authorization: Bearer`` or ``x-api-key``).
         self.client_token: bytes | None = None
+        #: The ``agl improve`` service that publishes this gateway's policy versions: the first publish that
+        #: names an owner claims the gateway, and a publish for another owner (or none) is refused after.
+        self.policy_owner: str | None = None
 
     def _authorised(self, request: Request) -> bool:
         """Whether ``request`` carries the client token (always, when the gateway has none)."""
@@ -424,7 +429,8 @@ class _Gateway:
 
     async def policy(self, request: Request) -> Response:
         if request.method == "GET":
-            return JSONResponse({"policy_version": getattr(self.backend, "policy_version", None)})
+            version = getattr(self.backend, "policy_version", None)
+            return JSONResponse({"policy_version": version, "owner": self.policy_owner})
         if self.admin_token is not None:
             if not _header_is(request, "authorization", b"Bearer " + self.admin_token.encode()):
                 return openai_error(
@@ -452,10 +458,26 @@ class _Gateway:
             )
             if update.kind not in ("lora", "full"):
                 raise ValueError(f"kind must be 'lora' or 'full', got {update.kind!r}")
+            owner = _owner_of(body)
         except (ValueError, KeyError, TypeError) as exc:
             return openai_error(
                 400,
-                f'expected {{"version": int, "path": str, "kind": "lora"|"full"}}: {exc}',
+                f'expected {{"version": int, "path": str, "kind": "lora"|"full", "owner": str}}: {exc}',
+                "invalid_request_error",
+            )
+        if self.policy_owner is not None and owner != self.policy_owner:
+            policy_log.warning(
+                "policy v%d refused: published for %r, and this gateway takes versions from %r",
+                update.version,
+                owner,
+                self.policy_owner,
+            )
+            self.metrics.policy_refused += 1
+            return openai_error(
+                409,
+                f"this gateway takes its policy versions from the agl improve service {self.policy_owner!r}"
+                f" (it published to it first), not from {owner!r}: one service drives a gateway; restart"
+                " the gateway to hand it to another",
                 "invalid_request_error",
             )
         before = getattr(self.backend, "policy_version", None)
@@ -470,6 +492,9 @@ class _Gateway:
             )
         self.metrics.policy_changes += 1
         self.metrics.policy_loaded_at = time.time()
+        if owner is not None and self.policy_owner is None:
+            self.policy_owner = owner
+            policy_log.info("policy versions of this gateway now come from the agl improve service %r", owner)
         policy_log.info(
             "now serving policy v%d (%s weights from %s), replacing v%s",
             update.version,
@@ -757,6 +782,16 @@ _NO_TOKEN = (
     "this gateway needs its token: send it as the API key ('Authorization: Bearer TOKEN' or"
     " 'x-api-key: TOKEN'); agl's runners pass it to the agent as llm.api_key"
 )
+
+
+def _owner_of(body: dict[str, Any]) -> str | None:
+    """A publish's ``owner`` (the ``agl improve`` service's name), checked: a short printable string."""
+    owner = body.get("owner")
+    if owner is None:
+        return None
+    if not isinstance(owner, str) or not 0 < len(owner) <= 128 or not owner.isprintable():
+        raise ValueError(f"owner must be a printable string of 1 to 128 characters, got {str(owner)[:40]!r}")
+    return owner
 
 
 def create_gateway_app(

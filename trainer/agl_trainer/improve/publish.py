@@ -36,6 +36,8 @@ class PublishResult:
     message: str
     #: The version the gateway serves after it, when it answered.
     serving: int | None = None
+    #: The ``agl improve`` service whose versions the gateway serves (``None``: none published to it).
+    owner: str | None = None
 
 
 def _headers(target: GatewayTargetConfig) -> dict[str, str]:
@@ -90,16 +92,23 @@ def served_version(target: GatewayTargetConfig) -> PublishResult:
             f"{target.url} answered GET /agl/v1/policy with {shown!r}, not agl's policy document"
             ' ({"policy_version": N, ...}); is it an agl gateway?',
         )
-    return PublishResult("ok", "", version)
+    owner = body.get("owner") if isinstance(body, dict) else None
+    return PublishResult("ok", "", version, owner if isinstance(owner, str) else None)
 
 
 def publish_version(
-    target: GatewayTargetConfig, version: int, adapter: Path, *, now: PublishResult | None = None
+    target: GatewayTargetConfig,
+    version: int,
+    adapter: Path,
+    *,
+    owner: str | None = None,
+    now: PublishResult | None = None,
 ) -> PublishResult:
-    """Make ``target`` serve the LoRA adapter in ``adapter`` as ``version``, unless it already does;
-    ``now``: its :func:`served_version` answer when the caller has just asked (not asked again)."""
+    """Make ``target`` serve the LoRA adapter in ``adapter`` as ``version`` of the service ``owner`` (the
+    gateway's claim: it takes versions from one service only), unless it already does; ``now``: its
+    :func:`served_version` answer when the caller has just asked (not asked again)."""
     now = now or served_version(target)
-    if now.state != "ok" or now.serving == version:
+    if now.state != "ok" or (now.serving == version and now.owner in (None, owner)):
         return now
     if target.admin_token_env is not None and not _headers(target):
         return PublishResult(
@@ -107,13 +116,15 @@ def publish_version(
             f"the environment variable {target.admin_token_env} (improve.gateways admin_token_env) is empty;"
             " set it to the gateway's admin token",
         )
-    body = {"version": version, "path": str(adapter.resolve()), "kind": "lora"}
+    body: dict[str, object] = {"version": version, "path": str(adapter.resolve()), "kind": "lora"}
+    if owner is not None:
+        body["owner"] = owner
     try:
         response = httpx.post(_policy_url(target), json=body, headers=_headers(target), timeout=_TIMEOUT)
     except httpx.HTTPError as exc:
         return PublishResult("down", f"cannot reach {target.url}: {exc or type(exc).__name__}")
     if response.status_code == 200:
-        return PublishResult("ok", f"serves v{version}", version)
+        return PublishResult("ok", f"serves v{version}", version, owner)
     if response.status_code in (502, 503, 504):
         return PublishResult("down", f"{target.url} answered {_message(response)}")
     return PublishResult("refused", f"{target.url} refused v{version}: {_message(response)}", now.serving)

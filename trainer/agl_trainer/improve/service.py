@@ -145,7 +145,9 @@ class ImproveService:
         self.work: RoundWork = work or TrainerRoundWork(config, echo)
         self.stop = stop or threading.Event()
         self.watcher = StoreWatcher(
-            config.traces, timed_out_too=config.algorithm.rewards.timeout_episode_reward is not None
+            config.traces,
+            timed_out_too=config.algorithm.rewards.timeout_episode_reward is not None,
+            owner=config.improve.name,
         )
         if isinstance(self.work, TrainerRoundWork) and isinstance(self.improve.gate, GateConfig):
             try:
@@ -558,12 +560,22 @@ class ImproveService:
         from .publish import served_version
 
         now = served_version(target)
-        if now.state != "ok" or now.serving == version:
+        name = self.improve.name
+        if now.state != "ok" or (now.serving == version and now.owner in (None, name)):
             return now
+        if now.owner not in (None, name):  # another service drives it: its v{N} is not ours
+            return PublishResult(
+                "refused",
+                f"{target.label} takes its versions from the agl improve service {now.owner!r} (it serves"
+                f" their v{now.serving}); one service drives a gateway: remove it from improve.gateways, or"
+                " restart it to hand it over",
+                now.serving,
+                now.owner,
+            )
         adapter = self._adapter_of(version, create=True)
         assert adapter is not None
         self.echo(f"publishing v{version} to {target.label} (it serves v{now.serving})")
-        return publish_version(target, version, adapter, now=now)
+        return publish_version(target, version, adapter, owner=name, now=now)
 
     def _record_target(self, target: GatewayTargetConfig, version: int, result: PublishResult) -> None:
         from .state import TargetStatus

@@ -29,9 +29,14 @@ class StoreWatcher:
     when it cannot be reached (``StoreUnavailableError``, ``StoreError``, ``OSError``); nothing read is
     lost then, and the next refresh goes on from the same point."""
 
-    def __init__(self, traces: TracesConfig, *, timed_out_too: bool = False) -> None:
+    def __init__(
+        self, traces: TracesConfig, *, timed_out_too: bool = False, owner: str | None = None
+    ) -> None:
         self.traces = traces
         self.timed_out_too = timed_out_too
+        #: The service whose versions count: a gateway call another service's version served (its
+        #: ``agl.policy.owner``) is no session of this one's versions, whatever its number.
+        self.owner = owner
         #: The spans and records read so far (:attr:`spans`, :attr:`records`).
         self.reader = SpanReader()
         self._backend: Any = None
@@ -88,15 +93,21 @@ class StoreWatcher:
         return Selection(kept, spans, chosen.total, narrowing)
 
     def versions_of_rollouts(self) -> dict[str, set[int]]:
-        """Rollout id -> the policy versions that served its gateway calls."""
+        """Rollout id -> the policy versions of this service (``owner``) that served its gateway calls; a
+        session another service's version served in part is left out."""
         versions: dict[str, set[int]] = defaultdict(set)
+        foreign: set[str] = set()
         for span in self.spans:
             if span.rollout_id is None or kind_of(span) != GATEWAY:
+                continue
+            owner = span.attributes.get(semconv.POLICY_OWNER)
+            if self.owner is not None and owner is not None and owner != self.owner:
+                foreign.add(span.rollout_id)  # another service's version served it: not a session of ours
                 continue
             version = span.attributes.get(semconv.POLICY_VERSION)
             if isinstance(version, int) and not isinstance(version, bool):
                 versions[span.rollout_id].add(version)
-        return dict(versions)
+        return {rollout: served for rollout, served in versions.items() if rollout not in foreign}
 
     def live_rewards(
         self, reward_range: tuple[float, float] = (-math.inf, math.inf)
