@@ -38,7 +38,7 @@ def test_gate_promotes_within_the_margin_and_refuses_beyond_it() -> None:
     same = dict(serving)
     better = {t: 1.0 for t in serving}
     worse = {t: 0.0 for t in serving}
-    gate = GateConfig(max_drop_se=1.0)
+    gate = GateConfig(max_drop_se=1.0, max_loss=None)  # the SE margin alone (max_loss: below)
     assert gate_decision(gate, serving, same).decision == "promoted"
     assert gate_decision(gate, serving, better).decision == "promoted"
     refused = gate_decision(gate, serving, worse)
@@ -51,8 +51,27 @@ def test_gate_promotes_within_the_margin_and_refuses_beyond_it() -> None:
     # two tasks of 40 lost: change -0.050, paired SE 0.035 -> beyond 1 SE (refused), within 2 SE (promoted)
     two_lost = dict(serving, t1=0.0, t3=0.0)
     assert gate_decision(gate, serving, two_lost).decision == "refused"
-    within = gate_decision(GateConfig(max_drop_se=2.0), serving, two_lost)
+    within = gate_decision(GateConfig(max_drop_se=2.0, max_loss=None), serving, two_lost)
     assert within.decision == "promoted" and within.se == pytest.approx(0.0349, abs=1e-4)
+
+
+def test_the_default_gate_wants_evidence_of_no_loss_and_says_what_it_can_see() -> None:
+    serving = {f"t{i}": float(i % 2) for i in range(40)}
+    gate = GateConfig()  # max_drop_se 1, max_loss 0.05
+    # one task gained, one lost: change 0, SE 0.036 -> 95% lower bound -0.059, not above -0.05: refused
+    even = dict(serving, t0=1.0, t1=0.0)
+    tie = gate_decision(gate, serving, even)
+    assert tie.decision == "refused" and tie.change == 0 and "no evidence it is not worse" in tie.reason
+    assert "bound -0.059 is not above -0.05" in tie.reason
+    assert tie.detectable == pytest.approx((1.6449 + 0.8416) * tie.se)
+    assert f"40 tasks tell a change of {tie.detectable:.3f} from none (80% power)" in tie.reason
+    # four gained: change +0.100, SE 0.048 -> lower bound +0.021: promoted, with what the gate can see
+    gained = dict(serving, t0=1.0, t2=1.0, t4=1.0, t6=1.0)
+    promoted = gate_decision(gate, serving, gained)
+    assert promoted.decision == "promoted" and "95% lower bound above -0.05" in promoted.reason
+    # identical scores on every task: nothing to fear, nothing gained; promoted (as before)
+    assert gate_decision(gate, serving, dict(serving)).decision == "promoted"
+    assert gate_decision(GateConfig(max_loss=None), serving, even).decision == "promoted"
 
 
 def test_gate_with_a_required_gain_refuses_a_tie_and_counts_only_common_tasks() -> None:

@@ -24,6 +24,10 @@ class GateConfig(_Strict):
     #: Also refuse one that is not better by at least this many paired standard errors (unset: a
     #: candidate that is not worse beyond ``max_drop_se`` is promoted).
     min_gain_se: _FiniteFloat | None = pydantic.Field(None, ge=0.0)
+    #: Evidence of no loss: refuse a candidate unless the one-sided 95% lower bound of its change
+    #: (``change - 1.645 SE``) is above ``-max_loss`` (in the score's units). A tie with any noise, or a
+    #: gate too small to tell, is refused; ``null`` turns it off (only ``max_drop_se`` then guards).
+    max_loss: _FiniteFloat | None = pydantic.Field(0.05, ge=0.0)
 
 
 class GatewayTargetConfig(_Strict):

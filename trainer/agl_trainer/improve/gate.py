@@ -13,6 +13,10 @@ from .state import GateRecord
 __all__ = ["LiveComparison", "compare_live", "gate_decision"]
 
 _ROUNDING = 1e-9
+#: One-sided 95% (the lower bound of ``max_loss``), and 80% power: a change of (Z_95 + Z_80) SE is seen
+#: four times in five.
+Z_95 = 1.6449
+Z_80 = 0.8416
 
 
 def gate_decision(
@@ -43,6 +47,8 @@ def gate_decision(
 def _decide(gate: GateConfig, paired: PairedChange, seconds: float) -> GateRecord:
     change, se, n = paired.change, paired.se, paired.n
     record = GateRecord("promoted", "", paired.after_mean, paired.before_mean, change, se, n, seconds)
+    record.detectable = (Z_95 + Z_80) * se
+    sees = f"; {n} tasks tell a change of {record.detectable:.3f} from none (80% power)"
     floor = -gate.max_drop_se * se
     # a change exactly at the margin is not beyond it (one task of n lost, and no other change, is exactly
     # -1 SE: rounding must not decide it)
@@ -50,23 +56,36 @@ def _decide(gate: GateConfig, paired: PairedChange, seconds: float) -> GateRecor
         record.decision = "refused"
         record.reason = (
             f"worse than the serving version: change {change:+.3f} ± {se:.3f} over {n} tasks,"
-            f" below the margin of -{gate.max_drop_se:g} SE ({floor:+.3f})"
+            f" below the margin of -{gate.max_drop_se:g} SE ({floor:+.3f})" + sees
         )
         return record
+    if gate.max_loss is not None:
+        lower = change - Z_95 * se
+        if lower <= -gate.max_loss + _ROUNDING and not (se == 0 and change >= 0):
+            record.decision = "refused"
+            record.reason = (
+                f"no evidence it is not worse: change {change:+.3f} ± {se:.3f} over {n} tasks, its 95% lower"
+                f" bound {lower:+.3f} is not above -{gate.max_loss:g} (gate.max_loss)"
+                + sees
+                + ": score more held-out tasks (validation.max_tasks), or allow a larger max_loss"
+            )
+            return record
     if gate.min_gain_se is not None:
         needed = gate.min_gain_se * se
         if change < needed - _ROUNDING or (se == 0 and change <= 0):
             record.decision = "refused"
             record.reason = (
                 f"not better enough: change {change:+.3f} ± {se:.3f} over {n} tasks, below the"
-                f" required +{gate.min_gain_se:g} SE ({needed:+.3f})"
+                f" required +{gate.min_gain_se:g} SE ({needed:+.3f})" + sees
             )
             return record
     record.reason = (
         f"change {change:+.3f} ± {se:.3f} over {n} tasks is within the gate"
         f" (at least -{gate.max_drop_se:g} SE"
+        + (f", 95% lower bound above -{gate.max_loss:g}" if gate.max_loss is not None else "")
         + (f", at least +{gate.min_gain_se:g} SE" if gate.min_gain_se is not None else "")
         + ")"
+        + sees
     )
     return record
 

@@ -814,7 +814,9 @@ def status_lines(
         if gate is not None and gate.change is not None:
             numbers = (
                 f" held-out {_fmt(gate.serving)} -> {_fmt(gate.candidate)},"
-                f" change {gate.change:+.3f} ± {_fmt(gate.se)} (n={gate.tasks})"
+                f" change {gate.change:+.3f} ± {_fmt(gate.se)} (n={gate.tasks}"
+                + (f", tells {gate.detectable:.3f} apart" if gate.detectable is not None else "")
+                + ")"
             )
         rewards = (live or {}).get(v.version, [])
         live_text = ""
