@@ -706,6 +706,7 @@ def _put_lineage(run: dict[str, Any]) -> None:
 
     state = ImproveState.new("calc", None)
     state.rounds, state.waiting = 1, "waiting for data: 3 of 24 new rewarded rollouts"
+    state.live = {"0": {"mean": 0.625, "se": 0.0484, "sessions": 24, "left_out": 1}}
     gate = GateRecord("refused", "worse than the serving version", 0.4, 0.6, -0.2, 0.05, 40)
     state.versions.append(
         Version(
@@ -739,3 +740,6 @@ def test_improve_lineage_is_served_and_drawn_as_text(page, app_client, run, tmp_
     assert "refused" in refused and "-0.2 ± 0.05 (n=40)" in refused and "0.6 → 0.4" in refused
     assert "<img src=x" in refused and page.evaluate("() => document.body.dataset.pwned") is None
     assert "waiting for data" in page.locator("[data-test='waiting']").inner_text()
+    assert rows.last.locator("[data-test='live']").inner_text() == "0.625 ± 0.0484 (24, 1 left out)"
+    assert rows.first.locator("[data-test='live']").inner_text() == "–"
+    assert "running" in page.locator(".cards").inner_text()  # written just now, never stopped

@@ -62,6 +62,8 @@ ALIVE_FILE = "improve.alive"
 ROLLBACK_FILE = "improve.rollback.json"
 #: At most this often is a changed "waiting" line mirrored to the store (every other change at once).
 _MIRROR_WAITING_S = 30.0
+#: A running service writes its lineage at least this often, changed or not (a sign of life).
+_MIRROR_ALIVE_S = 60.0
 #: Versions of the lineage resource the store keeps (each change writes one; older ones are deleted).
 LINEAGE_VERSIONS = 200
 
@@ -159,6 +161,7 @@ class ImproveService:
         loaded = ImproveState.load(self.state_path, self.improve.name)
         self.state = loaded or ImproveState.new(self.improve.name, self._initial_adapter())
         self._mirrored_at = 0.0
+        self._written_at = time.time()
         self._mirrored_text = ""
         self._mirror_failed = False
         self._mirror_due = loaded is None
@@ -334,12 +337,15 @@ class ImproveService:
 
     def _mirror(self) -> None:
         """The lineage in the store (a new version of the resource, the latest :data:`LINEAGE_VERSIONS`
-        kept), written only when it changed; retried at the next save if the store cannot take it now."""
+        kept), written when it changed, and at least every :data:`_MIRROR_ALIVE_S` while the service runs
+        (its ``updated_at`` is then the dashboard's sign of life); retried at the next save if the store
+        cannot take it now."""
         document = self.state.to_json(with_consumed=False)
         compared = json.dumps(
             {k: v for k, v in document.items() if k != "updated_at"}, sort_keys=True, default=str
         )
-        if compared == self._mirrored_text:
+        alive = self.state.stopped_at is None and time.time() - self._written_at > _MIRROR_ALIVE_S
+        if compared == self._mirrored_text and not alive:
             self._mirror_due = False
             self._mirrored_at = time.time()
             return
@@ -353,7 +359,7 @@ class ImproveService:
             return
         self._mirror_failed = False
         self._mirror_due = False
-        self._mirrored_at = time.time()
+        self._mirrored_at = self._written_at = time.time()
         self._mirrored_text = compared
 
     # -- rounds ----------------------------------------------------------------------------------------
@@ -608,6 +614,7 @@ class ImproveService:
 
     def _check_live(self) -> None:
         rollback = self.improve.rollback
+        self._note_live()
         current = self.state.version(self.state.serving)
         if not rollback.auto or current.parent is None or current.round is None:
             return
@@ -628,6 +635,24 @@ class ImproveService:
                 else ""
             )
             self.roll_back(current.parent, why)
+
+    def _note_live(self) -> None:
+        """Each version's live reward into the state (and so the lineage, the status and the dashboard)."""
+        from ..stats import mean_se
+
+        live = self.watcher.live_rewards(self.improve.rollback.reward_range)
+        ignored = self.watcher.ignored_rewards
+        summary: dict[str, dict[str, float | None]] = {}
+        for version in sorted(set(live) | set(ignored)):
+            rewards = live.get(version, [])
+            mean, se = mean_se(rewards) if rewards else (math.nan, math.nan)
+            summary[str(version)] = {
+                "mean": round(mean, 6) if rewards else None,
+                "se": round(se, 6) if rewards else None,
+                "sessions": len(rewards),
+                "left_out": ignored.get(version, 0),
+            }
+        self.state.live = summary
 
     def roll_back(self, number: int, why: str, *, replaces: int | None = None) -> None:
         """Serve version ``number`` again (published at once); the version it replaces is marked.

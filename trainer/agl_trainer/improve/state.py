@@ -124,6 +124,9 @@ class ImproveState:
     #: leaves it ``None``, which its next start reports).
     stopped_at: float | None = None
     stop_reason: str = ""
+    #: Version (as a string, as JSON keys are) -> its live reward: ``mean``, ``se``, ``sessions`` (the
+    #: rated sessions it served alone) and ``left_out`` (rewards not finite or outside the range).
+    live: dict[str, dict[str, float | None]] = dataclasses.field(default_factory=dict)
 
     # -- reading and writing ---------------------------------------------------------------------------
 
@@ -182,6 +185,7 @@ class ImproveState:
             float(data.get("updated_at", time.time())),
             None if data.get("stopped_at") is None else float(data["stopped_at"]),
             str(data.get("stop_reason", "")),
+            {str(k): dict(v) for k, v in dict(data.get("live") or {}).items()},
         )
 
     def to_json(self, *, with_consumed: bool = True) -> dict[str, Any]:

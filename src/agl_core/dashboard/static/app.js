@@ -513,9 +513,10 @@ async function viewImprove(params) {
     card("Serving", `v${lineage.serving}`),
     card("Rounds", fmt(lineage.rounds)),
     card("Rollouts trained on", fmt(lineage.consumed_count)),
-    card("Updated", when(lineage.updated_at)));
+    card("Updated", when(lineage.updated_at)),
+    card("Service", serviceState(lineage)));
   const versions = el("table", { "data-test": "versions" }, el("tr", {},
-    ["Version", "Status", "From", "Round", "Trained on", "Held-out (serving → candidate)", "Paired change", "Published to", "Note"].map((h) => el("th", {}, h))));
+    ["Version", "Status", "From", "Round", "Trained on", "Held-out (serving → candidate)", "Paired change", "Live reward (sessions)", "Published to", "Note"].map((h) => el("th", {}, h))));
   for (const v of lineage.versions.slice().reverse()) {
     const gate = v.gate || {};
     const change = gate.change === null || gate.change === undefined ? "–" : `${gate.change > 0 ? "+" : ""}${fmt(gate.change)} ± ${fmt(gate.se)} (n=${gate.tasks})`;
@@ -524,6 +525,7 @@ async function viewImprove(params) {
       el("td", { class: "num" }, fmt(v.round)), el("td", { class: "num" }, fmt(v.trained_on.length)),
       el("td", {}, gate.serving === undefined || gate.serving === null ? "–" : `${fmt(gate.serving)} → ${fmt(gate.candidate)}`),
       el("td", { class: gate.change > 0 ? "num pos" : "num neg" }, change),
+      el("td", { class: "num", "data-test": "live" }, liveReward((lineage.live || {})[String(v.version)])),
       el("td", {}, Object.keys(v.published || {}).join(", ") || "–"),
       el("td", {}, v.note || gate.reason || "")));
   }
@@ -548,6 +550,21 @@ async function storeStats() {
   } catch (e) {
     document.getElementById("store-stats").textContent = "";
   }
+}
+
+// A version's live reward: the mean of the late rewards of the sessions it served alone.
+function liveReward(live) {
+  if (!live || !live.sessions) return "–";
+  const left = live.left_out ? `, ${fmt(live.left_out)} left out` : "";
+  return `${fmt(live.mean)} ± ${fmt(live.se)} (${fmt(live.sessions)}${left})`;
+}
+
+// Whether the service runs: it said it stopped, or its lineage (rewritten at least every minute while it
+// runs) went quiet.
+function serviceState(lineage) {
+  if (lineage.stopped_at) return `stopped ${when(lineage.stopped_at)}`;
+  const quiet = Date.now() / 1000 - lineage.updated_at;
+  return quiet > 180 ? `silent since ${when(lineage.updated_at)} (killed?)` : "running";
 }
 
 async function route() {
