@@ -100,17 +100,25 @@ def _atomic_save(target: Path, save: Callable[[Path], object]) -> None:
         raise
 
 
-def load_tokenizer(source: str = "smollm2", *, cache_dir: str | None = None) -> Any:
+def load_tokenizer(
+    source: str = "smollm2", *, cache_dir: str | None = None, chat_template: str | None = None
+) -> Any:
+    """The tokenizer of ``source``; ``chat_template`` (a Jinja template's text, ``model.chat_template``)
+    replaces its own chat template."""
     from transformers import AutoTokenizer
 
     if source not in ("smollm2", "tiny"):
-        return AutoTokenizer.from_pretrained(source)
-    cached = _cache_path(cache_dir, SMOLLM2_DIR_NAME, "tokenizer")
-    if not (cached / "tokenizer_config.json").is_file():
-        gguf = smollm2_gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _atomic_save(cached, tokenizer.save_pretrained)
-    return AutoTokenizer.from_pretrained(cached)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    else:
+        cached = _cache_path(cache_dir, SMOLLM2_DIR_NAME, "tokenizer")
+        if not (cached / "tokenizer_config.json").is_file():
+            gguf = smollm2_gguf_path()
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _atomic_save(cached, tokenizer.save_pretrained)
+        tokenizer = AutoTokenizer.from_pretrained(cached)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def _load_smollm2(cache_dir: str | None) -> Any:
@@ -153,9 +161,12 @@ def tiny_model(vocab_size: int, *, seed: int = 0, eos_token_id: int | None = Non
     return LlamaForCausalLM(config)
 
 
-def load_policy(source: str = "smollm2", *, seed: int = 0, cache_dir: str | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) in float32 for ``smollm2``, ``tiny`` or a local model directory."""
-    tokenizer = load_tokenizer(source, cache_dir=cache_dir)
+def load_policy(
+    source: str = "smollm2", *, seed: int = 0, cache_dir: str | None = None, chat_template: str | None = None
+) -> tuple[Any, Any]:
+    """(model, tokenizer) in float32 for ``smollm2``, ``tiny`` or a local model directory; ``chat_template``
+    as :func:`load_tokenizer`'s."""
+    tokenizer = load_tokenizer(source, cache_dir=cache_dir, chat_template=chat_template)
     if source == "smollm2":
         model = _load_smollm2(cache_dir)
     elif source == "tiny":

@@ -488,6 +488,58 @@ def config_from_dict(
     )
 
 
+#: The largest chat template file read (a template is a few KB).
+_MAX_TEMPLATE_BYTES = 1_000_000
+
+
+def _chat_template(value: str, base_dir: Path, source: str) -> str:
+    """``model.chat_template``'s file, absolute, once it is a readable Jinja template that renders a short
+    conversation with a tool; :class:`ConfigError` saying what is wrong otherwise."""
+    file = Path(value) if Path(value).is_absolute() else base_dir / value
+    where = f"{source}: 'model.chat_template'"
+    if not file.is_file():
+        raise ConfigError(f"{where}: {file} is not a file (give a Jinja chat template, e.g. template.jinja)")
+    if file.stat().st_size > _MAX_TEMPLATE_BYTES:
+        raise ConfigError(f"{where}: {file} is over {_MAX_TEMPLATE_BYTES:,} bytes; is it a chat template?")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read {file} as UTF-8 text: {exc}") from None
+    if not text.strip():
+        raise ConfigError(f"{where}: {file} is empty")
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    probe = {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3 + 3?"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+        "add_generation_prompt": True,
+        "bos_token": "",
+        "eos_token": "",
+    }
+    try:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _template_error
+        rendered = env.from_string(text).render(**probe)
+    except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ConfigError(
+            f"{where}: {file} does not render a conversation (system, user, assistant turns and a tool):"
+            f" {type(exc).__name__}: {exc}"
+        ) from None
+    if "What is 2 + 2?" not in rendered:
+        raise ConfigError(f"{where}: {file} renders the messages' content nowhere; is it a chat template?")
+    return str(file)
+
+
+def _template_error(message: str) -> None:
+    raise ValueError(message)
+
+
 def _kl_reference(config: TrainerConfig, init_adapter: str | None, base_dir: Path, source: str) -> str | None:
     """``algorithm.kl_reference`` as the path of the adapter weights it names, checked to fit
     ``model.lora`` (and ``model.init_adapter``'s tensors) before any model loads; ``None`` for ``base``."""
@@ -590,6 +642,9 @@ def _validate(
                 " adapter directory or a run's output_dir)"
             )
         update["model"] = config.model.model_copy(update={"init_adapter": str(directory)})
+    if config.model.chat_template is not None:
+        template = _chat_template(config.model.chat_template, base_dir, source)
+        update["model"] = update.get("model", config.model).model_copy(update={"chat_template": template})
     reference = _kl_reference(config, update.get("model", config.model).init_adapter, base_dir, source)
     if reference is not None:
         update["algorithm"] = config.algorithm.model_copy(update={"kl_reference": reference})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pydantic
 
 from agl_core.policies import check_policy_name
@@ -57,4 +59,13 @@ class ModelConfig(_Strict):
     #: a checkpoint directory, its ``adapter`` directory, or a run's ``output_dir`` for its newest
     #: checkpoint; relative to the config file. Its rank and target modules must be ``lora``'s.
     init_adapter: str | None = None
+    #: A Jinja chat template file (relative to the config file) used instead of the tokenizer's own: for a
+    #: model whose template renders no tools, or to render prompts as another trainer does. The gateway
+    #: renders every prompt with it (so the trained token ids are its), and a vLLM agl launches gets it
+    #: as ``--chat-template``.
+    chat_template: str | None = None
     seed: int = 0
+
+    def chat_template_text(self) -> str | None:
+        """The template ``chat_template`` names (read at each call; checked when the config loaded)."""
+        return None if self.chat_template is None else Path(self.chat_template).read_text(encoding="utf-8")

@@ -79,11 +79,13 @@ def load_trainable_policy(
     reference: ReferenceFn | None = None
     if config.update.backend == "verl":
         # verl's workers hold the policy; this process only needs the tokenizer
-        tokenizer = load_tokenizer(config.model.source)
+        tokenizer = load_tokenizer(config.model.source, chat_template=config.model.chat_template_text())
     else:
         import torch
 
-        model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
+        model, tokenizer = load_policy(
+            config.model.source, seed=config.model.seed, chat_template=config.model.chat_template_text()
+        )
         model = model.to(torch_device(config.update.device))
         if config.policies:
             model, optimizers = _add_policy_adapters(model, config)

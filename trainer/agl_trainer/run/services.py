@@ -192,13 +192,15 @@ def load_served_model(config: TrainerConfig, *, echo: Callable[[str], None]) -> 
     from ..model import load_policy, load_tokenizer, torch_device
 
     if config.serving.backend != "hf":
-        return None, load_tokenizer(config.model.source)
+        return None, load_tokenizer(config.model.source, chat_template=config.model.chat_template_text())
     import warnings
 
     size_torch_threads(config.train.threads)
     # peft asks transformers a deprecated question when it wraps a model; not actionable for a user.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    model, tokenizer = load_policy(config.model.source, seed=config.model.seed)
+    model, tokenizer = load_policy(
+        config.model.source, seed=config.model.seed, chat_template=config.model.chat_template_text()
+    )
     model = model.to(torch_device(config.update.device))
     model.eval()
     echo(f"model: {config.model.source} on {next(model.parameters()).device}")

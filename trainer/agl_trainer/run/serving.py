@@ -66,6 +66,8 @@ def vllm_launch_kwargs(config: TrainerConfig) -> dict[str, Any]:
     ]
     if launch.max_model_len is not None:
         args += ["--max-model-len", str(launch.max_model_len)]
+    if config.model.chat_template is not None:  # vLLM renders chat requests itself: with the same template
+        args += ["--chat-template", config.model.chat_template]
     return {
         "model": launch.model or config.model.source,
         "model_name": config.model.served_name,
