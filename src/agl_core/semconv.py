@@ -46,6 +46,11 @@ POLICY_NAME = "agl.policy.name"
 #: The ``agl improve`` service whose version the gateway served (the service that claimed the gateway by
 #: publishing to it); absent when no service published to it. Versions are numbered per service.
 POLICY_OWNER = "agl.policy.owner"
+#: The version of the prompt policy (system instruction and demonstrations, ``/agl/v1/prompt``) the
+#: gateway applied to a call's messages before rendering them; absent when none applied.
+PROMPT_VERSION = "agl.prompt.version"
+#: The agent that prompt policy was published for, or ``*`` for the one every other agent gets.
+PROMPT_SCOPE = "agl.prompt.scope"
 #: False when the serving backend cannot be trained (an external endpoint used for evaluation).
 TRAINABLE = "agl.llm.trainable"
 #: Which of the ``n`` choices of one request a gateway span records (one span per choice).

@@ -54,6 +54,7 @@ from .backend import (
     UpstreamError,
 )
 from .metrics import GatewayMetrics
+from .prompts import PromptPolicies, PromptPolicy, parse_prompt_policy
 from .protocols.anthropic import CountTokensDoor, MessagesDoor
 from .protocols.responses import ResponseLog, ResponsesDoor
 from .render import TemplateRenderer
@@ -175,6 +176,8 @@ class _Call:
         self.agent_name = agent_name
         #: The session production capture attributed the call to (``session.id``), if any.
         self.session_id = session_id
+        #: The prompt policy applied to the call's messages (``chat`` holds them applied), if any.
+        self.prompt: PromptPolicy | None = None
         self.completions: list[Completion] = []
         # The drift check renders the prompt on a worker thread while the backend generates.
         self.expected: asyncio.Task[list[int] | None] | None = None
@@ -306,6 +309,9 @@ class _Call:
             if result.forced_tokens:
                 attrs[semconv.RESPONSE_FORCED_TOKENS] = result.forced_tokens
             attrs[semconv.POLICY_VERSION] = result.policy_version
+            if self.prompt is not None:
+                attrs[semconv.PROMPT_VERSION] = self.prompt.version
+                attrs[semconv.PROMPT_SCOPE] = self.prompt.agent or "*"
             if self.app.policy_owner is not None:
                 attrs[semconv.POLICY_OWNER] = self.app.policy_owner
             if result.policy_name is not None:
@@ -379,6 +385,8 @@ class _Gateway:
         #: The ``agl improve`` service that publishes this gateway's policy versions: the first publish that
         #: names an owner claims the gateway, and a publish for another owner (or none) is refused after.
         self.policy_owner: str | None = None
+        #: The prompt policies applied to chat calls (``/agl/v1/prompt``).
+        self.prompts = PromptPolicies()
 
     def _authorised(self, request: Request) -> bool:
         """Whether ``request`` carries the client token (always, when the gateway has none)."""
@@ -421,23 +429,68 @@ class _Gateway:
     async def metrics_text(self, request: Request) -> Response:
         if not self._authorised(request):
             return openai_error(401, _NO_TOKEN, "authentication_error")
-        text = self.metrics.render(self.capture, self.backend, *self.metric_sources)
+        text = self.metrics.render(self.capture, self.backend, self.prompts, *self.metric_sources)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    def _not_admin(self, request: Request, what: str) -> Response | None:
+        """A 401 when the gateway has an admin token and ``request`` does not carry it."""
+        if self.admin_token is None:
+            return None
+        if _header_is(request, "authorization", b"Bearer " + self.admin_token.encode()):
+            return None
+        return openai_error(
+            401, f"{what} needs 'Authorization: Bearer <admin token>'", "authentication_error"
+        )
+
+    async def prompt(self, request: Request) -> Response:
+        """``GET``: the prompt policies applied; ``POST``: publish one (replacing the agent's); ``DELETE
+        ?agent=NAME`` (no agent: the one for every agent): withdraw one."""
+        if request.method == "GET":
+            return JSONResponse({"prompts": self.prompts.to_json()})
+        refused = self._not_admin(request, "publishing or withdrawing a prompt")
+        if refused is not None:
+            return refused
+        if request.method == "DELETE":
+            agent = request.query_params.get("agent") or None
+            removed = self.prompts.withdraw(agent)
+            if removed is None:
+                return openai_error(
+                    404, f"no prompt policy for {agent or 'every agent'}", "invalid_request_error"
+                )
+            policy_log.info("prompt v%d for %s withdrawn", removed.version, agent or "every agent")
+            return JSONResponse({"withdrawn": removed.to_json()})
+        try:
+            raw = await _read_body(request)
+        except _TooLarge as exc:
+            return openai_error(413, str(exc), "invalid_request_error")
+        try:
+            policy = parse_prompt_policy(json.loads(raw))
+        except (ValueError, RecursionError) as exc:
+            return openai_error(
+                400,
+                'expected {"version": int, "agent": str|null, "system": str|null, "mode":'
+                f' "replace"|"prepend", "demonstrations": [{{role, content}}, ...]}}: {exc}',
+                "invalid_request_error",
+            )
+        previous = self.prompts.publish(policy)
+        policy_log.info(
+            "now applying prompt v%d to %s, replacing %s",
+            policy.version,
+            policy.agent or "every agent",
+            "none" if previous is None else f"v{previous.version}",
+        )
+        return JSONResponse({"prompt": policy.to_json()})
+
     async def policy(self, request: Request) -> Response:
         if request.method == "GET":
             version = getattr(self.backend, "policy_version", None)
             return JSONResponse({"policy_version": version, "owner": self.policy_owner})
-        if self.admin_token is not None:
-            if not _header_is(request, "authorization", b"Bearer " + self.admin_token.encode()):
-                return openai_error(
-                    401,
-                    "publishing a policy needs 'Authorization: Bearer <admin token>'",
-                    "authentication_error",
-                )
+        refused = self._not_admin(request, "publishing a policy")
+        if refused is not None:
+            return refused
         update_policy = getattr(self.backend, "update_policy", None)
         if update_policy is None:
             return openai_error(
@@ -542,7 +595,11 @@ class _Gateway:
             session_id = session.session_id
         if agent is not None:
             chat = dataclasses.replace(chat, agent=agent)
+        prompt = self.prompts.for_agent(chat.agent) if chat.is_chat else None
+        if prompt is not None:  # the model sees (and the span records) the messages with the prompt applied
+            chat = dataclasses.replace(chat, messages=prompt.apply(chat.messages))
         call = _Call(self, request, chat, model, door, rollout, agent, session_id)
+        call.prompt = prompt
         metrics.inflight += 1
         events = self.backend.generate(model, chat)
         try:
@@ -836,6 +893,7 @@ def create_gateway_app(
         Route("/metrics", gateway.metrics_text, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/agl/v1/policy", gateway.policy, methods=["GET", "POST"]),
+        Route("/agl/v1/prompt", gateway.prompt, methods=["GET", "POST", "DELETE"]),
     ]
     # The Responses API's previous_response_id refers to earlier calls: their record is the gateway's.
     responses = ResponseLog()
