@@ -117,7 +117,13 @@ def test_eval_of_the_base_model_on_a_task_file(job):
         (["--checkpoint", "."], "agl eval: . holds no checkpoint: pass a checkpoint directory"),
         (["--tasks", "broken.jsonl"], "agl eval: broken.jsonl:2: not valid JSON"),
         (["--per-field", "kind"], "agl eval: no task has a field 'kind'; the tasks' fields are: id, op, q"),
-        (["--baseline"], "agl eval: a baseline is compared with a checkpoint; pass --checkpoint DIR as well"),
+        (
+            ["--baseline"],
+            "agl eval: a baseline is compared with a checkpoint or a prompt; pass --checkpoint DIR",
+        ),
+        (["--prompt", "no-such.json"], "agl eval: --prompt no-such.json: cannot read it as JSON"),
+        (["--prompt", "broken.jsonl"], "agl eval: --prompt broken.jsonl: cannot read it as JSON"),
+        (["--prompt", "bad_prompt.json"], "agl eval: --prompt bad_prompt.json (item 1): mode must be"),
         (["--set", "train.stepz=1"], "agl eval: invalid trainer config:"),
         (["--limit", "0"], "agl eval: limit must be at least 1, got 0"),
         (["--limit", "-1"], "agl eval: limit must be at least 1, got -1"),
@@ -131,12 +137,37 @@ def test_eval_of_the_base_model_on_a_task_file(job):
 def test_bad_input_is_a_one_line_error(job, args, message):
     job, _ = job
     (job / "broken.jsonl").write_text('{"id": "a"}\n{"id": \n')
+    (job / "bad_prompt.json").write_text(
+        '[{"version": 1, "system": "x"}, {"version": 2, "system": "y", "mode": "z"}]'
+    )
     done = _eval(job, *args)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith(message), done.stderr
     if not args[0] == "--set":  # a config error lists every bad key, one per line, as agl train's does
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
+
+
+def test_a_prompt_is_scored_against_the_same_model_without_it(job):
+    from agl_core import semconv
+    from agl_core.store import SqliteStore
+
+    job, _ = job
+    (job / "prompt.json").write_text(json.dumps({"version": 4, "agent": None, "system": "Say a number."}))
+    done = _eval(job, "--prompt", "prompt.json", "--baseline", "--limit", "3", "--store", "kept.sqlite")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("tiny (base model): ")
+    assert lines[1].startswith("tiny (base model) with prompt v4 (every agent): ")
+    assert "paired SE over 3 tasks" in lines[2]
+    store = SqliteStore(job / "kept.sqlite")
+    try:
+        calls = [s for s in store.query_spans(limit=10_000) if semconv.POLICY_VERSION in s.attributes]
+    finally:
+        store.close()
+    prompted = [s for s in calls if s.attributes.get(semconv.PROMPT_VERSION) == 4]
+    assert len(calls) == 6 and len(prompted) == 3  # the baseline's 3 calls without it, the scored 3 with it
+    assert all(s.attributes[semconv.PROMPT_SCOPE] == "*" for s in prompted)
 
 
 def test_an_unknown_split_is_refused_with_the_choices(job):

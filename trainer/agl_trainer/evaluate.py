@@ -39,6 +39,7 @@ from .saved import Checkpoint, find_checkpoint
 from .stats import mean_se, paired_change
 
 if TYPE_CHECKING:
+    from agl_core.gateway.prompts import PromptPolicy
     from agl_core.plugins import CliCommand
 
     from .run.services import Services
@@ -181,6 +182,7 @@ def evaluate(
     split: str = "val",
     keep_spans: bool = False,
     store: str | Path | None = None,
+    prompts: Sequence[PromptPolicy] = (),
     echo: Callable[[str], None] = _quiet,
 ) -> Evaluation:
     """Score a policy on ``tasks`` (a task file, relative to the working directory or else to the
@@ -192,7 +194,10 @@ def evaluate(
     a second policy first on the same tasks: ``True`` the base model, a path another checkpoint.
     ``split`` is what agents see as ``llm.split`` (``"val"``: ``llm.evaluating``, greedy decoding).
     ``keep_spans`` keeps every rollout's spans in the answer; ``store`` keeps the rollouts and their
-    spans in that SQLite file (for ``agl inspect``) instead of a temporary one. ``echo`` gets progress
+    spans in that SQLite file (for ``agl inspect``) instead of a temporary one. ``prompts``: prompt
+    policies (:mod:`agl_core.gateway.prompts`) the gateway applies while the policy is scored, not while
+    the baseline is (with prompts, ``baseline=True`` without a checkpoint is the same model without
+    them). ``echo`` gets progress
     lines (services started, failed rollouts). Raises :class:`EvalError` (or
     :class:`~agl_trainer.run.data.DatasetError`) for bad input before anything starts.
     """
@@ -214,18 +219,23 @@ def evaluate(
         _check_policies(config.policies, target)
     policies: list[tuple[str, Checkpoint | None]] = []
     if baseline is not False:
-        if target is None:
-            raise EvalError("a baseline is compared with a checkpoint; pass --checkpoint DIR as well")
+        if target is None and not prompts:
+            raise EvalError(
+                "a baseline is compared with a checkpoint or a prompt; pass --checkpoint DIR or --prompt FILE"
+            )
         base = None if baseline is True else find_checkpoint(baseline)
         if base is not None:
             _check_policies(config.policies, base)
-        if base is not None and (base.adapter is None) != (target.adapter is None):
+        if base is not None and target is not None and (base.adapter is None) != (target.adapter is None):
             raise EvalError(
                 f"{base.path} and {target.path} hold different kinds of weights (a LoRA adapter and full"
                 " weights); compare checkpoints of the same kind, or each with the base model"
             )
         policies.append((base.describe() if base else f"{config.model.source} (base model)", base))
-    policies.append((target.describe() if target else f"{config.model.source} (base model)", target))
+    label = target.describe() if target else f"{config.model.source} (base model)"
+    if prompts:
+        label += " with prompt " + ", ".join(f"v{p.version} ({p.agent or 'every agent'})" for p in prompts)
+    policies.append((label, target))
     if config.agent is None:
         raise EvalError("the config names no agent: set 'agent: module:function' in it")
     agent = load_agent(config.agent, search_paths=(config.base_dir,))
@@ -248,9 +258,11 @@ def evaluate(
             flush=services.flush,
         )
         start_runners(config, services, agent, stack, echo=echo)
-        for label, policy in policies:
+        for i, (label, policy) in enumerate(policies):
             if policy is not None:
                 _serve_checkpoint(services, policy)
+            if prompts and i == len(policies) - 1:  # the scored policy's pass, after any baseline's
+                _apply_prompts(services, prompts)
             scored = score_tasks(
                 queue,
                 chosen,
@@ -263,6 +275,42 @@ def evaluate(
             )
             scores.append(PolicyScore(label, scored.result, scored.rollouts, scored.spans))
     return Evaluation(chosen, scores[-1], scores[0] if len(scores) > 1 else None)
+
+
+def _apply_prompts(services: Services, prompts: Sequence[PromptPolicy]) -> None:
+    """Publish ``prompts`` to the job's own gateway (its admin API, as a production gateway takes them)."""
+    import httpx
+
+    for prompt in prompts:
+        answer = httpx.post(services.gateway.url + "/agl/v1/prompt", json=prompt.to_json(), timeout=30)
+        if answer.status_code != 200:
+            raise EvalError(f"the gateway refused prompt v{prompt.version}: {answer.text[:300]}")
+
+
+def read_prompts(path: str | Path) -> list[PromptPolicy]:
+    """The prompt policies in the JSON file ``path`` (one object, as ``POST /agl/v1/prompt`` takes, or a
+    list of them, one per agent); :class:`EvalError` naming the file and what is wrong."""
+    from agl_core.gateway.prompts import parse_prompt_policy
+
+    file = Path(path)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise EvalError(f"--prompt {file}: cannot read it as JSON: {exc}") from None
+    items = data if isinstance(data, list) else [data]
+    if not items:
+        raise EvalError(f"--prompt {file}: the list holds no prompt")
+    prompts: list[PromptPolicy] = []
+    for i, item in enumerate(items):
+        try:
+            prompts.append(parse_prompt_policy(item))
+        except ValueError as exc:
+            where = f" (item {i})" if isinstance(data, list) else ""
+            raise EvalError(f"--prompt {file}{where}: {exc}") from None
+    agents = [p.agent for p in prompts]
+    if len(set(agents)) != len(agents):
+        raise EvalError(f"--prompt {file}: two prompts for the same agent; give one per agent")
+    return prompts
 
 
 def _field_value(task: Task, field: str) -> str:
@@ -404,6 +452,13 @@ class EvalCommand:
         )
         parser.add_argument("--output", metavar="FILE.jsonl", help="write one JSON line per task")
         parser.add_argument(
+            "--prompt",
+            metavar="FILE.json",
+            help="score with these prompt policies applied by the gateway (one JSON object as POST"
+            " /agl/v1/prompt takes, or a list, one per agent); with --baseline, against the same model"
+            " without them",
+        )
+        parser.add_argument(
             "--store",
             metavar="FILE",
             help="keep the rollouts and their spans in this SQLite file, for agl inspect (default: a"
@@ -432,6 +487,7 @@ class EvalCommand:
             for path in (args.checkpoint, args.baseline if isinstance(args.baseline, str) else None):
                 if path is not None:
                     find_checkpoint(path)
+            prompts = read_prompts(args.prompt) if args.prompt else []
         except (EvalError, DatasetError, ModelNotFoundError, ValueError) as exc:
             return _fail(str(exc).replace("\n", " "))
         with stop_on_signals() as received:
@@ -444,6 +500,7 @@ class EvalCommand:
                     samples=args.samples,
                     split=args.split,
                     store=args.store,
+                    prompts=prompts,
                     echo=lambda line: print(line, file=sys.stderr, flush=True),
                 )
             except BaseException as exc:
