@@ -385,7 +385,10 @@ def test_trainer_lock_holds_generation_and_version_follows(gw, oa):
     thread.join(10)
     (span,) = gw.spans(result["r"].id)
     assert span.attributes[semconv.POLICY_VERSION] == backend.policy_version
-    assert httpx.get(gw.url + "/agl/v1/policy").json() == {"policy_version": backend.policy_version}
+    assert httpx.get(gw.url + "/agl/v1/policy").json() == {
+        "policy_version": backend.policy_version,
+        "owner": None,
+    }
     backend.policy_version -= 1
 
 

@@ -157,7 +157,7 @@ def test_lora_versions_are_loaded_into_vllm_and_used(gw, oa, fake, tmp_path):
     assert sorted(fake.loras) == ["policy-v2", "policy-v3"]  # v1 unloaded, v2 kept for calls in flight
     missing = httpx.post(publish, json={"version": 4, "path": str(tmp_path / "nope")})
     assert missing.status_code == 500 and "No adapter found" in missing.json()["error"]["message"]
-    assert httpx.get(publish).json() == {"policy_version": 3}
+    assert httpx.get(publish).json() == {"policy_version": 3, "owner": None}
 
 
 def test_lora_endpoint_missing_is_explained(fake, tokenizer, tmp_path):
