@@ -214,28 +214,7 @@ def evaluate(
             f"the config sends rollouts to store.url {config.store.url}; drop --store, or that key"
         )
     chosen = _choose_tasks(config, tasks, limit)
-    target = find_checkpoint(checkpoint) if checkpoint is not None else None
-    if target is not None:
-        _check_policies(config.policies, target)
-    policies: list[tuple[str, Checkpoint | None]] = []
-    if baseline is not False:
-        if target is None and not prompts:
-            raise EvalError(
-                "a baseline is compared with a checkpoint or a prompt; pass --checkpoint DIR or --prompt FILE"
-            )
-        base = None if baseline is True else find_checkpoint(baseline)
-        if base is not None:
-            _check_policies(config.policies, base)
-        if base is not None and target is not None and (base.adapter is None) != (target.adapter is None):
-            raise EvalError(
-                f"{base.path} and {target.path} hold different kinds of weights (a LoRA adapter and full"
-                " weights); compare checkpoints of the same kind, or each with the base model"
-            )
-        policies.append((base.describe() if base else f"{config.model.source} (base model)", base))
-    label = target.describe() if target else f"{config.model.source} (base model)"
-    if prompts:
-        label += " with prompt " + ", ".join(f"v{p.version} ({p.agent or 'every agent'})" for p in prompts)
-    policies.append((label, target))
+    policies = _policies_to_score(config, checkpoint, baseline, prompts)
     if config.agent is None:
         raise EvalError("the config names no agent: set 'agent: module:function' in it")
     agent = load_agent(config.agent, search_paths=(config.base_dir,))
@@ -275,6 +254,39 @@ def evaluate(
             )
             scores.append(PolicyScore(label, scored.result, scored.rollouts, scored.spans))
     return Evaluation(chosen, scores[-1], scores[0] if len(scores) > 1 else None)
+
+
+def _policies_to_score(
+    config: TrainerConfig,
+    checkpoint: str | Path | None,
+    baseline: bool | str | Path,
+    prompts: Sequence[PromptPolicy],
+) -> list[tuple[str, Checkpoint | None]]:
+    """``(label, checkpoint or None for the base model)`` of each pass, the baseline's first; checked
+    against the config's policies before anything starts."""
+    target = find_checkpoint(checkpoint) if checkpoint is not None else None
+    if target is not None:
+        _check_policies(config.policies, target)
+    policies: list[tuple[str, Checkpoint | None]] = []
+    if baseline is not False:
+        if target is None and not prompts:
+            raise EvalError(
+                "a baseline is compared with a checkpoint or a prompt; pass --checkpoint DIR or --prompt FILE"
+            )
+        base = None if baseline is True else find_checkpoint(baseline)
+        if base is not None:
+            _check_policies(config.policies, base)
+        if base is not None and target is not None and (base.adapter is None) != (target.adapter is None):
+            raise EvalError(
+                f"{base.path} and {target.path} hold different kinds of weights (a LoRA adapter and full"
+                " weights); compare checkpoints of the same kind, or each with the base model"
+            )
+        policies.append((base.describe() if base else f"{config.model.source} (base model)", base))
+    label = target.describe() if target else f"{config.model.source} (base model)"
+    if prompts:
+        label += " with prompt " + ", ".join(f"v{p.version} ({p.agent or 'every agent'})" for p in prompts)
+    policies.append((label, target))
+    return policies
 
 
 def _apply_prompts(services: Services, prompts: Sequence[PromptPolicy]) -> None:

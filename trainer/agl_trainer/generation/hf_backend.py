@@ -96,18 +96,7 @@ class HFBackend:
         direct_decode: bool = True,
         matmul_dtype: str = "float32",
     ) -> None:
-        if kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
-        if prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be 0 (no prefix cache) or more, not {prefix_cache_mb}")
-        if packed_weights_mb < 0:
-            raise ValueError(
-                f"packed_weights_mb must be 0 (no packed copies) or more, not {packed_weights_mb}"
-            )
-        if matmul_dtype not in fast_linear.DTYPES:
-            raise ValueError(
-                f"matmul_dtype must be one of {', '.join(fast_linear.DTYPES)}, not {matmul_dtype!r}"
-            )
+        _check_arguments(kv_cache, prefix_cache_mb, packed_weights_mb, matmul_dtype)
         self.model = model
         #: With ``seed``, requests without a seed of their own sample reproducibly (:class:`Seeds`).
         self._seeds = Seeds(seed) if seed is not None else None
@@ -630,6 +619,20 @@ class HFBackend:
                 policy_name=None if self.route is None else (job.policy or BASE),
             )
         )
+
+
+def _check_arguments(
+    kv_cache: str, prefix_cache_mb: float, packed_weights_mb: float, matmul_dtype: str
+) -> None:
+    """:class:`HFBackend`'s arguments that are refused with a ``ValueError`` saying what is allowed."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
+    if prefix_cache_mb < 0:
+        raise ValueError(f"prefix_cache_mb must be 0 (no prefix cache) or more, not {prefix_cache_mb}")
+    if packed_weights_mb < 0:
+        raise ValueError(f"packed_weights_mb must be 0 (no packed copies) or more, not {packed_weights_mb}")
+    if matmul_dtype not in fast_linear.DTYPES:
+        raise ValueError(f"matmul_dtype must be one of {', '.join(fast_linear.DTYPES)}, not {matmul_dtype!r}")
 
 
 def serve_with_transformers(args: argparse.Namespace) -> ServedBackend:
