@@ -153,6 +153,7 @@ class _Call:
         rollout: RolloutContext | None,
         agent_name: str | None,
         session_id: str | None = None,
+        prompt: PromptPolicy | None = None,
     ) -> None:
         self.app = app
         self.chat = chat
@@ -177,7 +178,7 @@ class _Call:
         #: The session production capture attributed the call to (``session.id``), if any.
         self.session_id = session_id
         #: The prompt policy applied to the call's messages (``chat`` holds them applied), if any.
-        self.prompt: PromptPolicy | None = None
+        self.prompt = prompt
         self.completions: list[Completion] = []
         # The drift check renders the prompt on a worker thread while the backend generates.
         self.expected: asyncio.Task[list[int] | None] | None = None
@@ -598,8 +599,7 @@ class _Gateway:
         prompt = self.prompts.for_agent(chat.agent) if chat.is_chat else None
         if prompt is not None:  # the model sees (and the span records) the messages with the prompt applied
             chat = dataclasses.replace(chat, messages=prompt.apply(chat.messages))
-        call = _Call(self, request, chat, model, door, rollout, agent, session_id)
-        call.prompt = prompt
+        call = _Call(self, request, chat, model, door, rollout, agent, session_id, prompt)
         metrics.inflight += 1
         events = self.backend.generate(model, chat)
         try:

@@ -19,7 +19,7 @@ import httpx
 
 from ..config import GatewayTargetConfig
 
-__all__ = ["PublishResult", "publish_version", "served_version"]
+__all__ = ["PublishResult", "publish_version", "served_version", "settled"]
 
 _TIMEOUT = httpx.Timeout(10.0, read=300.0)  # loading an adapter can take a while on a busy machine
 #: Asking which version a gateway serves is quick for a gateway that works: one that does not answer in
@@ -96,6 +96,26 @@ def served_version(target: GatewayTargetConfig) -> PublishResult:
     return PublishResult("ok", "", version, owner if isinstance(owner, str) else None)
 
 
+def settled(
+    target: GatewayTargetConfig, now: PublishResult, version: int, owner: str | None
+) -> PublishResult | None:
+    """What to record for ``target`` without publishing to it, given its :func:`served_version` answer
+    ``now``: that answer when it is down or already serves ``version`` of ``owner``; ``refused`` when
+    another service drives it (a gateway takes versions from one service); ``None`` when a publish is due."""
+    if now.state != "ok" or (now.serving == version and now.owner in (None, owner)):
+        return now
+    if owner is not None and now.owner not in (None, owner):  # unnamed publishes: the gateway decides
+        return PublishResult(
+            "refused",
+            f"{target.label} takes its versions from the agl improve service {now.owner!r} (it serves"
+            f" their v{now.serving}); one service drives a gateway: remove it from improve.gateways, or"
+            " restart it to hand it over",
+            now.serving,
+            now.owner,
+        )
+    return None
+
+
 def publish_version(
     target: GatewayTargetConfig,
     version: int,
@@ -108,8 +128,9 @@ def publish_version(
     gateway's claim: it takes versions from one service only), unless it already does; ``now``: its
     :func:`served_version` answer when the caller has just asked (not asked again)."""
     now = now or served_version(target)
-    if now.state != "ok" or (now.serving == version and now.owner in (None, owner)):
-        return now
+    done = settled(target, now, version, owner)
+    if done is not None:
+        return done
     if target.admin_token_env is not None and not _headers(target):
         return PublishResult(
             "refused",

@@ -173,6 +173,8 @@ class ImproveService:
         self._resumed = loaded is not None
         #: The round phase running on its own thread, if any.
         self._job: _Job | None = None
+        #: The live rewards of the last look, with the (spans, records) the watcher held then.
+        self._live: tuple[tuple[int, int], dict[int, list[float]]] | None = None
 
     def _initial_adapter(self) -> str | None:
         init = self.config.model.init_adapter
@@ -563,21 +565,13 @@ class ImproveService:
             self._record_target(target, serving, result)
 
     def _publish(self, target: GatewayTargetConfig, version: int) -> PublishResult:
-        from .publish import served_version
+        from .publish import served_version, settled
 
         now = served_version(target)
         name = self.improve.name
-        if now.state != "ok" or (now.serving == version and now.owner in (None, name)):
-            return now
-        if now.owner not in (None, name):  # another service drives it: its v{N} is not ours
-            return PublishResult(
-                "refused",
-                f"{target.label} takes its versions from the agl improve service {now.owner!r} (it serves"
-                f" their v{now.serving}); one service drives a gateway: remove it from improve.gateways, or"
-                " restart it to hand it over",
-                now.serving,
-                now.owner,
-            )
+        done = settled(target, now, version, name)
+        if done is not None:
+            return done  # no adapter is saved for a version that need not be sent
         adapter = self._adapter_of(version, create=True)
         assert adapter is not None
         self.echo(f"publishing v{version} to {target.label} (it serves v{now.serving})")
@@ -614,13 +608,12 @@ class ImproveService:
 
     def _check_live(self) -> None:
         rollback = self.improve.rollback
-        self._note_live()
+        live = self._live_rewards()
         current = self.state.version(self.state.serving)
         if not rollback.auto or current.parent is None or current.round is None:
             return
         if current.status != "serving" or (current.note or "").startswith("serving again"):
             return  # only a version a round promoted, never one a rollback brought back
-        live = self.watcher.live_rewards(rollback.reward_range)
         worse, comparison = compare_live(
             live.get(current.version, []),
             live.get(current.parent, []),
@@ -636,11 +629,17 @@ class ImproveService:
             )
             self.roll_back(current.parent, why)
 
-    def _note_live(self) -> None:
-        """Each version's live reward into the state (and so the lineage, the status and the dashboard)."""
+    def _live_rewards(self) -> dict[int, list[float]]:
+        """Each version's live rewards (:meth:`StoreWatcher.live_rewards`), computed again only when the
+        watcher holds spans or records it did not at the last look; their summary goes into the state
+        (and so the lineage, the status and the dashboard)."""
         from ..stats import mean_se
 
+        held = (len(self.watcher.spans), len(self.watcher.records))
+        if self._live is not None and self._live[0] == held:
+            return self._live[1]
         live = self.watcher.live_rewards(self.improve.rollback.reward_range)
+        self._live = (held, live)
         ignored = self.watcher.ignored_rewards
         summary: dict[str, dict[str, float | None]] = {}
         for version in sorted(set(live) | set(ignored)):
@@ -653,6 +652,7 @@ class ImproveService:
                 "left_out": ignored.get(version, 0),
             }
         self.state.live = summary
+        return live
 
     def roll_back(self, number: int, why: str, *, replaces: int | None = None) -> None:
         """Serve version ``number`` again (published at once); the version it replaces is marked.
